@@ -1,0 +1,25 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("WANDB_SILENT", "true")
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    """A validated TrainConfig for a tiny CPU run writing into tmp_path."""
+    from minigpt.config import compose
+
+    def make(*overrides: str):
+        cfg = compose(["model=tiny", "seq_len=128", "batch_size=4", "max_steps=4", "eval_every=0", "eval_batches=1",
+                       "logger=none", "device=cpu", "warmup_steps=2", f"data.cache_dir={tmp_path / 'cache'}", *overrides])
+        cfg.run_dir = str(tmp_path / "run")
+        cfg.ckpt_dir = str(tmp_path / "run" / "checkpoints")
+        return cfg
+
+    return make

@@ -1,0 +1,127 @@
+"""The training loop on CPU: learning, resume equality, failure paths, summary.json and W&B offline logging."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from minigpt import train as train_mod
+from minigpt.model import GPT
+from minigpt.train import EXIT_OOM, run
+from wandb_records import offline_run
+
+SUMMARY_FIELDS = {"status", "steps", "final_train_loss", "final_val_loss", "passkey_acc", "tokens_per_s",
+                  "peak_allocated_gib", "peak_reserved_gib", "seq_len", "batch_size", "attention", "model",
+                  "n_params", "device", "torch", "triton"}
+
+
+def summary(cfg) -> dict:
+    return json.loads((Path(cfg.run_dir) / "summary.json").read_text())
+
+
+def test_tiny_model_learns(tiny_config):
+    cfg = tiny_config("max_steps=40", "lr=3e-3", "eval_every=40")
+    assert run(cfg) == 0
+    s = summary(cfg)
+    assert SUMMARY_FIELDS <= set(s)
+    assert s["status"] == "ok" and s["steps"] == 40 and s["model"] == "tiny" and s["device"] == "cpu"
+    # Bytes start near ln(256) = 5.55; the filler text is predictable, so 40 steps must take it well below.
+    assert s["final_train_loss"] < 3.0 and s["final_val_loss"] < 3.0
+    assert 0.0 <= s["passkey_acc"] <= 1.0 and s["tokens_per_s"] > 0 and s["n_params"] > 0
+
+
+def _losses(cfg, monkeypatch) -> list[float]:
+    seen = []
+    real = train_mod.NullLogger.log
+    monkeypatch.setattr(train_mod.NullLogger, "log", lambda self, m, step: seen.append(m["train/loss"]) if "train/loss" in m else None)
+    assert run(cfg) == 0
+    monkeypatch.setattr(train_mod.NullLogger, "log", real)
+    return seen
+
+
+def test_resume_gives_the_same_losses(tiny_config, tmp_path, monkeypatch):
+    straight = _losses(tiny_config("max_steps=20", "lr_decay_steps=20"), monkeypatch)
+    first = tiny_config("max_steps=10", "lr_decay_steps=20")
+    first.run_dir, first.ckpt_dir = str(tmp_path / "b"), str(tmp_path / "b" / "ckpt")
+    head = _losses(first, monkeypatch)
+    second = tiny_config("max_steps=20", "lr_decay_steps=20", "resume=auto")
+    second.run_dir, second.ckpt_dir = str(tmp_path / "b2"), first.ckpt_dir
+    tail = _losses(second, monkeypatch)
+    assert len(straight) == 20 and len(head) == 10 and len(tail) == 10
+    assert head + tail == pytest.approx(straight, rel=1e-6, abs=1e-7)
+
+
+def test_oom_gives_exit_3_and_status_oom(tiny_config, monkeypatch, capsys):
+    def boom(self, idx, targets):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
+    monkeypatch.setattr(GPT, "forward", boom)
+    cfg = tiny_config()
+    assert run(cfg) == EXIT_OOM
+    assert summary(cfg)["status"] == "oom"
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "seq_len=128" in err[0] and "attention=sdpa" in err[0] and "try" in err[0]
+
+
+def test_non_finite_loss_stops_and_keeps_last_checkpoint(tiny_config, monkeypatch):
+    cfg = tiny_config("max_steps=6", "ckpt_every=2")
+    real = GPT.forward
+    calls = {"n": 0}
+
+    def nan_on_fifth(self, idx, targets):
+        calls["n"] += 1
+        loss = real(self, idx, targets)
+        return loss * float("nan") if calls["n"] == 5 else loss
+    monkeypatch.setattr(GPT, "forward", nan_on_fifth)
+    assert run(cfg) == 1
+    s = summary(cfg)
+    assert s["status"] == "error" and "non-finite" in s["error"] and s["steps"] == 4
+    assert sorted(p.name for p in Path(cfg.ckpt_dir).iterdir()) == ["ckpt_00000002.pt", "ckpt_00000004.pt"]
+
+
+def test_interrupt_writes_checkpoint(tiny_config, monkeypatch):
+    cfg = tiny_config("max_steps=10")
+    real = GPT.forward
+    calls = {"n": 0}
+
+    def interrupt_on_fourth(self, idx, targets):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return real(self, idx, targets)
+    monkeypatch.setattr(GPT, "forward", interrupt_on_fourth)
+    assert run(cfg) == 130
+    assert summary(cfg)["status"] == "interrupted"
+    assert [p.name for p in Path(cfg.ckpt_dir).iterdir()] == ["ckpt_00000003.pt"]
+
+
+def test_wandb_offline_run_holds_the_metrics(tiny_config, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = tiny_config("logger=wandb", "max_steps=3", "eval_every=3", "logger.group=g1")
+    assert run(cfg) == 0
+    logged = offline_run(cfg.run_dir)
+    assert {"train/loss", "train/lr", "perf/tokens_per_s", "perf/step_time_s", "memory/peak_allocated_gib",
+            "memory/peak_reserved_gib", "eval/val_loss", "eval/passkey_acc"} <= logged["history"]
+    assert {"status", "tokens_per_s", "final_val_loss", "n_params"} <= set(logged["summary"])
+    assert json.loads(logged["summary"]["status"]) == "ok"
+    assert logged["name"] == "sdpa-tiny-n128" and logged["group"] == "g1" and logged["exit_code"] == 0
+
+
+def test_chunked_loss_and_checkpointing_match_plain(tiny_config):
+    torch.manual_seed(0)
+    base = tiny_config().model
+    x = torch.randint(0, 256, (2, 50))
+    y = torch.randint(0, 256, (2, 50))
+    from minigpt.attention import get_attention
+    grads = []
+    for chunk, every in ((0, 0), (16, 0), (7, 1), (0, 2)):
+        base.loss_chunk, base.checkpoint_every = chunk, every
+        torch.manual_seed(0)
+        model = GPT(base, 256, get_attention("sdpa"))
+        loss = model(x, y)
+        loss.backward()
+        grads.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
+    for loss, g in grads[1:]:
+        assert math.isclose(loss, grads[0][0], rel_tol=1e-5)
+        for a, b in zip(g, grads[0][1]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
