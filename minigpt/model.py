@@ -30,14 +30,12 @@ class Rotary(nn.Module):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self._cache: tuple[int, torch.device, Tensor, Tensor] | None = None
 
-    def cos_sin(self, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        """cos and sin tables of shape (seq_len, 1, head_dim/2), cached for the last length seen."""
-        if self._cache is None or self._cache[0] != seq_len or self._cache[1] != device:
-            angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), self.inv_freq.to(device))
-            self._cache = (seq_len, device, angles.cos()[:, None, :], angles.sin()[:, None, :])
-        return self._cache[2], self._cache[3]
+    def forward(self, seq_len: int) -> tuple[Tensor, Tensor]:
+        """cos and sin tables of shape (seq_len, 1, head_dim/2), made once per model forward."""
+        pos = torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32)
+        angles = torch.outer(pos, self.inv_freq)
+        return angles.cos()[:, None, :], angles.sin()[:, None, :]
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -54,12 +52,11 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.attend = attend
 
-    def forward(self, x: Tensor, rotary: Rotary) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         B, N, C = x.shape
         # One matmul for q, k, v; views as (B, N, H, D). RoPE is applied in this layout so the
         # transposes below are free strided views (the attention kernels accept any strides).
         q, k, v = self.c_attn(x).view(B, N, 3, self.n_head, self.head_dim).unbind(dim=2)
-        cos, sin = rotary.cos_sin(N, x.device)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)  # (B, H, N, D)
         return self.c_proj(y.transpose(1, 2).reshape(B, N, C))
@@ -85,8 +82,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, rotary: Rotary) -> Tensor:
-        x = x + self.attn(self.ln_1(x), rotary)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x), cos, sin)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -118,12 +115,13 @@ class GPT(nn.Module):
     def hidden(self, idx: Tensor) -> Tensor:
         """Final normalized hidden states (B, N, C) for token ids (B, N)."""
         x = self.wte(idx)
+        cos, sin = self.rotary(idx.shape[1])
         k = self.cfg.checkpoint_every
         for i, block in enumerate(self.blocks):
             if k and self.training and i % k == 0:
-                x = checkpoint(block, x, self.rotary, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
             else:
-                x = block(x, self.rotary)
+                x = block(x, cos, sin)
         return self.ln_f(x)
 
     def forward(self, idx: Tensor, targets: Tensor) -> Tensor:

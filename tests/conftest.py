@@ -8,6 +8,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("WANDB_SILENT", "true")
+# Without a GPU, Triton kernels run in Triton's CPU interpreter. It must be set before triton.jit runs.
+try:
+    import torch
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
 
 
 @pytest.fixture

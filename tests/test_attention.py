@@ -2,16 +2,8 @@
 import pytest
 import torch
 
+from attention_reference import reference_attention as reference
 from minigpt.attention import ATTENTION_BACKENDS, get_attention
-
-
-def reference(q, k, v, causal):
-    """float64 softmax attention."""
-    q, k, v = (t.double() for t in (q, k, v))
-    s = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
-    return s.softmax(-1) @ v
 
 
 @pytest.mark.parametrize("name", ["naive", "sdpa"])

@@ -1,0 +1,448 @@
+"""FlashAttention in Triton: tiled forward with online softmax, FlashAttention-2 backward.
+
+    o = softmax(scale · q kᵀ + causal mask) v          q, k, v, o: (batch, heads, seq, head_dim)
+
+The N×N score matrix never exists in memory. The forward walks over key tiles keeping, per query row,
+a running max m and running sum l of exp(scores − m), and rescales its accumulator whenever m grows;
+it saves the row log-sum-exp (LSE) so the backward can rebuild any tile of probabilities
+P = exp(S − LSE) without a second softmax pass. All exponentials are base 2 with log2(e) folded into
+the scale (exp(x) = exp2(x · log2 e)), which is one multiply cheaper per score.
+
+Backward (FlashAttention-2): delta = rowsum(dO ∘ O); one kernel owns a key tile and walks the query
+tiles to accumulate dK and dV; another owns a query tile and walks the key tiles to accumulate dQ.
+No atomics: every output tile has one writer, so results are deterministic.
+
+Causal masking: tiles entirely above the diagonal are never visited; only tiles on the diagonal pay for
+the mask. Sequence tails (seq not a multiple of the tile) are handled with masked loads and stores.
+Pointer offsets that can exceed 2³¹ (batch/head/sequence bases of a million-token input) are int64;
+offsets inside a tile stay int32.
+
+Precision: fp16/bf16 inputs use tensor-core dots with fp32 accumulation and an fp32 softmax; fp32 inputs
+are accepted and run the same kernels with TF32 dots (about 1e-3 relative error; exact fp32 under
+Triton's CPU interpreter).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+LOG2E = 1.4426950408889634
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ------------------------------------------------------------------------------------------------
+# Forward
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, lo, hi, N, qk_scale,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Fold key tiles [lo, hi) into the running (acc, l, m) of one query tile.
+
+    MASKED tiles (the causal diagonal, or the ragged last tile) apply the causal/bounds mask; the rest
+    are known to be fully visible and skip it.
+    """
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    k_ptrs += lo * stride_kn
+    v_ptrs += lo * stride_vn
+    for start_n in range(lo, hi, BLOCK_N):
+        if MASKED:
+            in_bounds = (start_n + offs_n) < N
+            k = tl.load(k_ptrs, mask=in_bounds[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=in_bounds[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        # s = q kᵀ · scale · log2(e): scores in base-2 units
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        if MASKED:
+            visible = in_bounds[None, :]
+            if CAUSAL:
+                visible = visible & (offs_m[:, None] >= (start_n + offs_n)[None, :])
+            s = tl.where(visible, s, float("-inf"))
+        # m_new = max(m_old, rowmax(s));  p = exp2(s − m_new)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        # α = exp2(m_old − m_new) rescales what was accumulated under the old max
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE,
+                stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
+                H, N, qk_scale,
+                CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    if CAUSAL:  # longest rows first: the last query tiles see the most keys
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    q_ptrs = Q + b * stride_qb + h * stride_qh + start_m.to(tl.int64) * stride_qn \
+        + offs_m[:, None] * stride_qn + offs_d[None, :]
+    row_ok = (start_m + offs_m) < N
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    k_ptrs = K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
+    v_ptrs = V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max (base-2 units)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s − m)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # running unnormalized output
+
+    if CAUSAL:  # keys before the tile are fully visible; the diagonal tiles get the mask
+        full_hi = start_m
+        diag_hi = tl.minimum(start_m + BLOCK_M, N)
+    else:  # all keys visible; only the ragged last tile is masked
+        full_hi = (N // BLOCK_N) * BLOCK_N
+        diag_hi = N
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, 0, full_hi, N,
+                               qk_scale, False, CAUSAL, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, full_hi, diag_hi, N,
+                               qk_scale, True, CAUSAL, BLOCK_M, BLOCK_N)
+
+    # o = acc / l;  LSE = m + log2(l) (base 2), what the backward needs to rebuild P = exp2(s − LSE)
+    o = acc / l_i[:, None]
+    lse_ptrs = LSE + bh.to(tl.int64) * N + start_m + offs_m
+    tl.store(lse_ptrs, m_i + tl.math.log2(l_i), mask=row_ok)
+    o_ptrs = O + b * stride_ob + h * stride_oh + start_m.to(tl.int64) * stride_on \
+        + offs_m[:, None] * stride_on + offs_d[None, :]
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None])
+
+
+# ------------------------------------------------------------------------------------------------
+# Backward
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
+                      H, N, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta_i = Σ_d dO_id · O_id  (= Σ_j P_ij dP_ij, the softmax backward's row term)."""
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = (start_m + offs_m) < N
+    rows = start_m.to(tl.int64) + offs_m
+    o = tl.load(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_don + offs_d[None, :],
+                 mask=row_ok[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + bh.to(tl.int64) * N + rows, delta, mask=row_ok)
+
+
+@triton.jit
+def _bwd_dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qn, stride_don,
+                    start_n, lo, hi, N, qk_scale,
+                    MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Accumulate dK, dV of one key tile over query tiles [lo, hi). Works on transposed tiles (keys × queries)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    q_ptrs += lo * stride_qn
+    do_ptrs += lo * stride_don
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + offs_m
+        row_ok = rows < N
+        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+        # rows past the end get LSE = +inf, so their probabilities are exactly 0
+        lse = tl.load(lse_ptrs + rows, mask=row_ok, other=float("inf"))
+        # Pᵀ = exp2(K Qᵀ · scale·log2e − LSE)
+        pT = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
+        if MASKED:
+            pT = tl.where(rows[None, :] >= offs_n[:, None], pT, 0.0)
+        do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
+        # dV += Pᵀ dO
+        dv += tl.dot(pT.to(do.dtype), do)
+        # dPᵀ = V dOᵀ;  dSᵀ = Pᵀ ∘ (dPᵀ − delta)
+        delta = tl.load(delta_ptrs + rows, mask=row_ok, other=0.0)
+        dsT = pT * (tl.dot(v, tl.trans(do)).to(tl.float32) - delta[None, :])
+        # dK += dSᵀ Q  (the softmax scale is applied once at the end)
+        dk += tl.dot(dsT.to(q.dtype), q)
+        q_ptrs += BLOCK_M * stride_qn
+        do_ptrs += BLOCK_M * stride_don
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+                     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
+                     stride_dkb, stride_dkh, stride_dkn,
+                     H, N, qk_scale, sm_scale,
+                     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    start_n = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1)
+    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    col_ok = (start_n + offs_n) < N
+    rows_n = start_n.to(tl.int64) + offs_n
+    k = tl.load(K + b * stride_kb + h * stride_kh + rows_n[:, None] * stride_kn + offs_d[None, :],
+                mask=col_ok[:, None], other=0.0)
+    v = tl.load(V + b * stride_vb + h * stride_vh + rows_n[:, None] * stride_vn + offs_d[None, :],
+                mask=col_ok[:, None], other=0.0)
+    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :]
+    do_ptrs = DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :]
+    lse_ptrs = LSE + bh.to(tl.int64) * N
+    delta_ptrs = DELTA + bh.to(tl.int64) * N
+
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    if CAUSAL:  # queries before this key tile cannot see it; the diagonal tiles get the mask
+        diag_hi = tl.minimum(start_n + BLOCK_N, N)
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qn, stride_don,
+                                 start_n, start_n, diag_hi, N, qk_scale, True, BLOCK_M, BLOCK_N)
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qn, stride_don,
+                                 start_n, diag_hi, N, N, qk_scale, False, BLOCK_M, BLOCK_N)
+    else:
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qn, stride_don,
+                                 start_n, 0, N, N, qk_scale, False, BLOCK_M, BLOCK_N)
+
+    dk *= sm_scale  # dS was taken w.r.t. the scaled scores
+    out = b * stride_dkb + h * stride_dkh + rows_n[:, None] * stride_dkn + offs_d[None, :]
+    tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+
+
+@triton.jit
+def _bwd_dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, lo, hi, N, qk_scale,
+                  MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Accumulate dQ of one query tile over key tiles [lo, hi)."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    k_ptrs += lo * stride_kn
+    v_ptrs += lo * stride_vn
+    for start_n in range(lo, hi, BLOCK_N):
+        # keys past the end load as zeros: they add exactly 0 to dQ (dQ += dS K), so no score mask is needed
+        col_ok = (start_n + offs_n) < N
+        k = tl.load(k_ptrs, mask=col_ok[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=col_ok[:, None], other=0.0)
+        # P = exp2(Q Kᵀ · scale·log2e − LSE)
+        p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+        if MASKED:
+            p = tl.where(offs_m[:, None] >= (start_n + offs_n)[None, :], p, 0.0)
+        # dP = dO Vᵀ;  dS = P ∘ (dP − delta);  dQ += dS K
+        ds = p * (tl.dot(do, tl.trans(v)).to(tl.float32) - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+                   stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                   stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
+                   stride_dqb, stride_dqh, stride_dqn,
+                   H, N, qk_scale, sm_scale,
+                   CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    if CAUSAL:  # longest rows first
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = (start_m + offs_m) < N
+    rows = start_m.to(tl.int64) + offs_m
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_don + offs_d[None, :],
+                 mask=row_ok[:, None], other=0.0)
+    lse = tl.load(LSE + bh.to(tl.int64) * N + rows, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0)
+    k_ptrs = K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
+    v_ptrs = V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if CAUSAL:
+        dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, 0, start_m, N,
+                           qk_scale, False, BLOCK_M, BLOCK_N)
+        dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, start_m,
+                           tl.minimum(start_m + BLOCK_M, N), N, qk_scale, True, BLOCK_M, BLOCK_N)
+    else:
+        dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, 0, N, N,
+                           qk_scale, False, BLOCK_M, BLOCK_N)
+    dq *= sm_scale
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+# ------------------------------------------------------------------------------------------------
+# Launch configuration: tile sizes, warps and pipeline depth per kernel, head_dim and causality
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Measured on an H100/H200 (scripts/bench_attention.py --explore); see results/ and NOTES.md.
+# Key: (kernel, head_dim). Forward/dQ need block_m % block_n == 0; dK/dV needs block_n % block_m == 0.
+_GPU_CONFIGS: dict[tuple[str, int], TileConfig] = {
+    ("fwd", 16): TileConfig(128, 64, 4, 3),
+    ("fwd", 32): TileConfig(128, 64, 4, 3),
+    ("fwd", 64): TileConfig(128, 64, 4, 3),
+    ("fwd", 128): TileConfig(128, 64, 8, 3),
+    ("fwd", 256): TileConfig(64, 32, 4, 2),
+    ("dkdv", 16): TileConfig(32, 128, 4, 3),
+    ("dkdv", 32): TileConfig(32, 128, 4, 3),
+    ("dkdv", 64): TileConfig(32, 128, 4, 3),
+    ("dkdv", 128): TileConfig(32, 128, 8, 3),
+    ("dkdv", 256): TileConfig(16, 64, 4, 2),
+    ("dq", 16): TileConfig(128, 32, 4, 3),
+    ("dq", 32): TileConfig(128, 32, 4, 3),
+    ("dq", 64): TileConfig(128, 32, 4, 3),
+    ("dq", 128): TileConfig(128, 32, 8, 3),
+    ("dq", 256): TileConfig(64, 16, 4, 2),
+}
+# Small tiles under the CPU interpreter: fast there, and several tiles per test sequence so the
+# diagonal / full / ragged-tail paths all run.
+_INTERPRET_CONFIGS = {"fwd": TileConfig(32, 16, 4, 1), "dkdv": TileConfig(16, 32, 4, 1), "dq": TileConfig(32, 16, 4, 1)}
+
+
+def tile_config(kernel: str, head_dim: int) -> TileConfig:
+    return _INTERPRET_CONFIGS[kernel] if INTERPRET else _GPU_CONFIGS[(kernel, head_dim)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Launchers
+# ------------------------------------------------------------------------------------------------
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"flash_attention: {name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+    if not (q.shape == k.shape == v.shape):
+        raise ValueError(f"flash_attention: q, k, v must have the same shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"flash_attention: q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"flash_attention: dtype {q.dtype} not supported; use float16, bfloat16 or float32")
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"flash_attention: head_dim {q.shape[-1]} not supported; use one of {SUPPORTED_HEAD_DIMS}")
+    if q.shape[2] < 1:
+        raise ValueError("flash_attention: seq must be >= 1")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"flash_attention: q, k, v on different devices ({q.device}, {k.device}, {v.device})")
+    if q.device.type != "cuda" and not INTERPRET:
+        raise ValueError(f"flash_attention: needs CUDA tensors (got {q.device}); set TRITON_INTERPRET=1 to run on CPU")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"flash_attention: {name}'s last dimension must be contiguous (stride 1), got strides {t.stride()}")
+
+
+def _strides3(t: Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float,
+             cfg: TileConfig | None = None) -> tuple[Tensor, Tensor]:
+    B, H, N, D = q.shape
+    cfg = cfg or tile_config("fwd", D)
+    o = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(N, cfg.block_m), B * H)
+    _fwd_kernel[grid](q, k, v, o, lse, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(o),
+                      H, N, sm_scale * LOG2E, CAUSAL=causal, HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return o, lse
+
+
+def _backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, sm_scale: float,
+              dkdv_cfg: TileConfig | None = None, dq_cfg: TileConfig | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    B, H, N, D = q.shape
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    delta = torch.empty_like(lse)
+    _bwd_delta_kernel[(triton.cdiv(N, 128), B * H)](o, do, delta, *_strides3(o), *_strides3(do), H, N,
+                                                    HEAD_DIM=D, BLOCK_M=128, num_warps=4)
+    dq = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty((B, H, N, D), dtype=k.dtype, device=q.device)
+    dv = torch.empty((B, H, N, D), dtype=v.dtype, device=q.device)
+    common = (*_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do))
+    c = dkdv_cfg or tile_config("dkdv", D)
+    _bwd_dkdv_kernel[(triton.cdiv(N, c.block_n), B * H)](
+        q, k, v, do, lse, delta, dk, dv, *common, *_strides3(dk), H, N, sm_scale * LOG2E, sm_scale,
+        CAUSAL=causal, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages)
+    c = dq_cfg or tile_config("dq", D)
+    _bwd_dq_kernel[(triton.cdiv(N, c.block_m), B * H)](
+        q, k, v, do, lse, delta, dq, *common, *_strides3(dq), H, N, sm_scale * LOG2E, sm_scale,
+        CAUSAL=causal, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages)
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------------------------------------------
+# PyTorch integration: custom ops (opaque to torch.compile, no graph break) + autograd.Function
+# ------------------------------------------------------------------------------------------------
+@torch.library.custom_op("minigpt::flash_attn_fwd", mutates_args=())
+def _flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float) -> tuple[Tensor, Tensor]:
+    return _forward(q, k, v, causal, sm_scale)
+
+
+@_flash_attn_fwd.register_fake
+def _(q, k, v, causal, sm_scale):
+    B, H, N, D = q.shape
+    return q.new_empty((B, H, N, D)), q.new_empty((B, H, N), dtype=torch.float32)
+
+
+@torch.library.custom_op("minigpt::flash_attn_bwd", mutates_args=())
+def _flash_attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool,
+                    sm_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    return _backward(do, q, k, v, o, lse, causal, sm_scale)
+
+
+@_flash_attn_bwd.register_fake
+def _(do, q, k, v, o, lse, causal, sm_scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+class FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float) -> Tensor:
+        o, lse = torch.ops.minigpt.flash_attn_fwd(q, k, v, causal, sm_scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.sm_scale = causal, sm_scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do: Tensor):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = torch.ops.minigpt.flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.sm_scale)
+        return dq, dk, dv, None, None
+
+
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, softmax_scale: float | None = None) -> Tensor:
+    """softmax(softmax_scale · q kᵀ [+ causal mask]) v without materializing the scores; differentiable.
+
+    q, k, v: (batch, heads, seq, head_dim) CUDA tensors of one dtype (fp16, bf16; fp32 runs with TF32 dots),
+    any strides whose last dimension is contiguous; head_dim in {16, 32, 64, 128, 256}; any seq >= 1.
+    softmax_scale defaults to 1/sqrt(head_dim). Returns a contiguous tensor of q's shape and dtype.
+    Unsupported inputs raise ValueError naming the problem.
+    """
+    _check_inputs(q, k, v)
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    return FlashAttention.apply(q, k, v, causal, sm_scale)
