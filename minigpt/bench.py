@@ -1,0 +1,202 @@
+"""Attention benchmark: our Triton kernel next to SDPA's backends and naive attention, in one process.
+
+Shapes follow the peers' measurement (../shared/GPU.md): causal, batch·seq = 16K tokens, hidden 2048
+(heads = 2048 / head_dim). Times are medians of `triton.testing.do_bench`; TFLOP/s use
+fwd = 4·B·H·N²·D (/2 causal), bwd = 2.5·fwd. `explore_tiles` times candidate tile configs of each of
+our kernels so the table in kernels/flash_attention.py can be chosen from measurements.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import importlib
+import json
+import platform
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from minigpt.attention import get_attention
+from minigpt.metrics import attention_flops
+
+PROVIDERS = ("minigpt", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "naive")
+MODES = ("fwd", "bwd", "fwd+bwd")
+
+
+def attention_fn(provider: str) -> Callable:
+    if provider == "minigpt":
+        return get_attention("flash")
+    if provider.startswith("sdpa-"):
+        return get_attention("sdpa", backend=provider.removeprefix("sdpa-"))
+    return get_attention(provider)
+
+
+@dataclass
+class Row:
+    provider: str
+    head_dim: int
+    seq_len: int
+    batch: int
+    heads: int
+    mode: str
+    ms: float | None
+    tflops: float | None
+    note: str = ""
+
+
+def _inputs(B: int, H: int, N: int, D: int, dtype: torch.dtype):
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    return q, k, v, torch.randn(B, H, N, D, device="cuda", dtype=dtype)
+
+
+def time_attention(fn: Callable, q, k, v, do, causal: bool, mode: str) -> float:
+    """Median milliseconds of one forward, backward (from a stored forward) or forward+backward."""
+    from triton.testing import do_bench
+
+    if mode == "fwd":
+        return do_bench(lambda: fn(q, k, v, causal=causal), warmup=25, rep=100, return_mode="median")
+    if mode == "bwd":
+        o = fn(q, k, v, causal=causal)
+        return do_bench(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), warmup=25, rep=100,
+                        return_mode="median")
+    return do_bench(lambda: torch.autograd.grad(fn(q, k, v, causal=causal), (q, k, v), do), warmup=25, rep=100,
+                    return_mode="median")
+
+
+def bench_attention(head_dims=(64, 128), seq_lens=(1024, 2048, 4096, 8192, 16384), providers=PROVIDERS,
+                    tokens: int = 16384, hidden: int = 2048, causal: bool = True,
+                    dtype: torch.dtype = torch.bfloat16, progress: Callable[[Row], None] = print) -> list[Row]:
+    rows = []
+    for D in head_dims:
+        H = hidden // D
+        for N in seq_lens:
+            B = max(1, tokens // N)
+            for provider in providers:
+                fn = attention_fn(provider)
+                for mode in MODES:
+                    ms, note = None, ""
+                    try:
+                        q, k, v, do = _inputs(B, H, N, D, dtype)
+                        ms = time_attention(fn, q, k, v, do, causal, mode)
+                    except torch.OutOfMemoryError:
+                        note = "OOM"
+                    except RuntimeError as e:  # a pinned SDPA backend that cannot run this shape
+                        note = str(e).splitlines()[0][:80]
+                    finally:
+                        q = k = v = do = None
+                        torch.cuda.empty_cache()
+                    tf = attention_flops(B, H, N, D, causal, mode) / (ms * 1e-3) / 1e12 if ms else None
+                    row = Row(provider, D, N, B, H, mode, ms, tf, note)
+                    rows.append(row)
+                    progress(row)
+    return rows
+
+
+def explore_tiles(head_dims=(64, 128), seq_lens=(2048, 8192), tokens: int = 16384, hidden: int = 2048,
+                  causal: bool = True, dtype: torch.dtype = torch.bfloat16, progress: Callable = print) -> list[dict]:
+    """Time each candidate TileConfig of our forward, dK/dV and dQ kernels; returns one dict per (kernel, config, shape)."""
+    from triton.testing import do_bench
+
+    fa = importlib.import_module("kernels.flash_attention")
+    TC = fa.TileConfig
+    candidates = {
+        "fwd": [TC(64, 32, 4, 3), TC(64, 64, 4, 3), TC(64, 64, 4, 4), TC(128, 32, 4, 3), TC(128, 64, 4, 3),
+                TC(128, 64, 4, 4), TC(128, 64, 8, 3), TC(128, 64, 8, 4), TC(128, 128, 8, 2), TC(128, 128, 8, 3),
+                TC(128, 128, 4, 3)],
+        "dkdv": [TC(32, 64, 4, 3), TC(32, 128, 4, 3), TC(32, 128, 4, 4), TC(32, 128, 4, 5), TC(32, 128, 8, 3),
+                 TC(64, 64, 4, 3), TC(64, 128, 4, 3), TC(64, 128, 8, 3), TC(64, 128, 8, 2), TC(16, 128, 4, 3),
+                 TC(64, 64, 8, 3)],
+        "dq": [TC(64, 32, 4, 3), TC(64, 64, 4, 3), TC(128, 32, 4, 3), TC(128, 32, 4, 4), TC(128, 32, 8, 3),
+               TC(128, 64, 4, 3), TC(128, 64, 8, 3), TC(128, 64, 8, 2), TC(128, 128, 8, 2)],
+    }
+    out = []
+    for D in head_dims:
+        H = hidden // D
+        for N in seq_lens:
+            B = max(1, tokens // N)
+            q, k, v, do = _inputs(B, H, N, D, dtype)
+            scale = D ** -0.5
+            o, lse = fa._forward(q, k, v, causal, scale)
+            for kernel, configs in candidates.items():
+                for c in configs:
+                    if kernel == "fwd":
+                        fn = lambda c=c: fa._forward(q, k, v, causal, scale, cfg=c)  # noqa: E731
+                    elif kernel == "dkdv":
+                        fn = lambda c=c: fa._backward(do, q, k, v, o, lse, causal, scale, dkdv_cfg=c)  # noqa: E731
+                    else:
+                        fn = lambda c=c: fa._backward(do, q, k, v, o, lse, causal, scale, dq_cfg=c)  # noqa: E731
+                    try:
+                        ms = do_bench(fn, warmup=10, rep=40, return_mode="median")
+                    except Exception as e:  # noqa: BLE001 - out of shared memory etc.: record and go on
+                        ms, err = None, f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
+                    else:
+                        err = ""
+                    rec = {"kernel": kernel, "head_dim": D, "seq_len": N, **asdict(c), "ms": ms, "error": err}
+                    out.append(rec)
+                    progress(rec)
+            del q, k, v, do, o, lse
+            torch.cuda.empty_cache()
+    return out
+
+
+def best_tiles_table(explore: list[dict], top: int = 3) -> str:
+    """The fastest `top` configs of each kernel per (head_dim, seq_len), as text."""
+    lines = []
+    for key in sorted({(r["kernel"], r["head_dim"], r["seq_len"]) for r in explore}):
+        ok = sorted((r for r in explore if (r["kernel"], r["head_dim"], r["seq_len"]) == key and r["ms"]), key=lambda r: r["ms"])
+        best = ", ".join(f"{r['block_m']}x{r['block_n']}/w{r['num_warps']}/s{r['num_stages']}={r['ms']:.3f}ms" for r in ok[:top])
+        lines.append(f"{key[0]:5s} D={key[1]:3d} N={key[2]:5d}: {best}")
+    return "\n".join(lines)
+
+
+def environment() -> dict:
+    import triton
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(), "date": dt.date.today().isoformat(), "commit": commit or None}
+
+
+def markdown_table(rows: list[Row], env: dict) -> str:
+    """One line per (head_dim, seq): fwd+bwd TFLOP/s per provider, then ours/FA2 and ours/cuDNN for fwd, bwd, fwd+bwd."""
+    def tf(provider, D, N, mode):
+        for r in rows:
+            if (r.provider, r.head_dim, r.seq_len, r.mode) == (provider, D, N, mode):
+                return r.tflops
+        return None
+
+    def fmt(x, pct=False):
+        return "–" if x is None else (f"{x:.2f}" if pct else f"{x:.0f}")
+
+    providers = [p for p in PROVIDERS if any(r.provider == p for r in rows)]
+    head = ["head_dim", "seq", *[f"{p} fwd+bwd" for p in providers], "ours/FA2 fwd", "ours/FA2 bwd", "ours/FA2 fwd+bwd",
+            "ours/cuDNN fwd+bwd"]
+    lines = [f"Causal bf16, batch·seq = 16K tokens, hidden 2048; TFLOP/s (fwd = 4·B·H·N²·D/2, bwd = 2.5·fwd). "
+             f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}, commit {env['commit']}.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for D in sorted({r.head_dim for r in rows}):
+        for N in sorted({r.seq_len for r in rows}):
+            cells = [str(D), str(N)] + [fmt(tf(p, D, N, "fwd+bwd")) for p in providers]
+            for mode in MODES:
+                ours, fa2 = tf("minigpt", D, N, mode), tf("sdpa-flash", D, N, mode)
+                cells.append(fmt(ours / fa2 if ours and fa2 else None, pct=True))
+            ours, cudnn = tf("minigpt", D, N, "fwd+bwd"), tf("sdpa-cudnn", D, N, "fwd+bwd")
+            cells.append(fmt(ours / cudnn if ours and cudnn else None, pct=True))
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_results(rows: list[Row], out_dir: Path, explore: list[dict] | None = None) -> Path:
+    env = environment()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = "attention_" + env["gpu"].replace(" ", "_")
+    (out_dir / f"{stem}.json").write_text(json.dumps({"env": env, "rows": [asdict(r) for r in rows],
+                                                      "explore": explore or []}, indent=1) + "\n")
+    md = out_dir / f"{stem}.md"
+    md.write_text(markdown_table(rows, env))
+    return md

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# What we run on the GPU machine (see ../shared/GPU.md): GPU tests, kernel benchmark, training runs.
+#   bash scripts/gpu_checks.sh tests|explore|bench|train ...   (logs and results under $OUT, default ./gpu_out)
+set -uo pipefail
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+for step in "$@"; do
+  case $step in
+    tests)   python3 -m pytest -m gpu -q -rA tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    explore) python3 scripts/bench_attention.py --explore-only --out "$OUT" > "$OUT/explore.log" 2>&1; tail -12 "$OUT/explore.log" ;;
+    bench)   python3 scripts/bench_attention.py --out results 2>&1 | tee "$OUT/bench.log" | tail -16; cp results/attention_* "$OUT/" ;;
+    train)
+      for spec in "sdpa 8192" "flash 8192" "naive 4096"; do
+        set -- $spec
+        python3 scripts/train.py attention=$1 seq_len=$2 max_steps=20 eval_every=20 hydra.run.dir=runs/gpu_$1_$2 \
+          > "$OUT/train_$1_$2.log" 2>&1; echo "train $1 $2 exit $?"
+      done
+      python3 - <<'PY'
+import json, glob
+for f in sorted(glob.glob("runs/gpu_*/summary.json")):
+    s = json.load(open(f))
+    print(f"{s['attention']:6s} seq={s['seq_len']:6d} batch={s['batch_size']} status={s['status']:5s} "
+          f"tok/s={s['tokens_per_s'] or 0:10.0f} step={s['step_time_s'] or 0:.3f}s peak_alloc={s['peak_allocated_gib']:.1f}GiB "
+          f"reserved={s['peak_reserved_gib']:.1f}GiB mfu={s['mfu'] or 0:.3f} loss={s['final_train_loss']} {s['device']}")
+PY
+      tar czf "$OUT/train_runs.tgz" runs/gpu_*/summary.json runs/gpu_*/wandb 2>/dev/null ;;
+  esac
+done

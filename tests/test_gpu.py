@@ -1,0 +1,99 @@
+"""GPU-only checks of our FlashAttention (run on the GPU machine: python -m pytest -m gpu).
+
+Accuracy in bf16/fp16 against float64 up to 16K tokens, memory linear in N at 128K tokens, the same
+gpt2-small loss curve as SDPA, and torch.compile of the whole model with attention=flash.
+"""
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from attention_reference import reference_attention, rel_err
+from kernels import flash_attention
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+# Forward/gradient relative error against float64; bf16 keeps 8 mantissa bits, fp16 11.
+TOL = {torch.bfloat16: 1e-2, torch.float16: 1.5e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("seq,batch,heads", [(1, 2, 3), (257, 2, 3), (1000, 3, 2), (4097, 1, 3), (16384, 1, 2)])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_accuracy_vs_float64(seq, batch, heads, head_dim, dtype, causal):
+    g = torch.Generator(device="cuda").manual_seed(seq + head_dim)
+    qkv = torch.randn(batch, seq, 3, heads, head_dim, device="cuda", generator=g).to(dtype).requires_grad_()
+    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
+    o = flash_attention(q, k, v, causal=causal)
+    do = torch.randn(o.shape, device="cuda", generator=g).to(dtype)
+    (grad,) = torch.autograd.grad(o, qkv, do)
+
+    qkv64 = qkv.detach().double().requires_grad_()
+    ref = reference_attention(*(t.transpose(1, 2) for t in qkv64.unbind(2)), causal)
+    (grad_ref,) = torch.autograd.grad(ref, qkv64, do.double())
+    errs = {"o": rel_err(o, ref), **{f"d{n}": rel_err(grad[:, :, i], grad_ref[:, :, i]) for i, n in enumerate("qkv")}}
+    assert all(e < TOL[dtype] for e in errs.values()), errs
+
+
+def test_memory_linear_in_seq_at_128k():
+    """fwd+bwd peak memory over the inputs' size must stay flat from 32K to 128K tokens (N² would grow 16×)."""
+    def peak_over_inputs(n):
+        q, k, v = (torch.randn(1, 4, n, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        o = flash_attention(q, k, v)
+        torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / (3 * q.numel() * q.element_size())
+    small, large = peak_over_inputs(32768), peak_over_inputs(131072)
+    assert large < 4.0 and large < small * 1.1, (small, large)
+
+
+def _train_losses(tmp_path, attention, *extra):
+    from minigpt.config import compose
+    from minigpt.train import run
+
+    cfg = compose([f"attention={attention}", "model=gpt2-small", "seq_len=1024", "batch_size=4", "max_steps=20",
+                   "eval_batches=0", "logger=none", "warmup_steps=5", *extra])
+    cfg.run_dir = str(tmp_path / attention)
+    cfg.ckpt_dir = str(tmp_path / attention / "ckpt")
+    seen = []
+    import minigpt.train as train_mod
+    real = train_mod.NullLogger.log
+    train_mod.NullLogger.log = lambda self, m, step: seen.append(m["train/loss"]) if "train/loss" in m else None
+    try:
+        assert run(cfg) == 0
+    finally:
+        train_mod.NullLogger.log = real
+    return seen, json.loads((Path(cfg.run_dir) / "summary.json").read_text())
+
+
+def test_gpt2_small_loss_curve_matches_sdpa(tmp_path):
+    flash, s_flash = _train_losses(tmp_path, "flash")
+    sdpa, s_sdpa = _train_losses(tmp_path, "sdpa")
+    assert len(flash) == len(sdpa) == 20
+    diffs = [abs(a - b) / b for a, b in zip(flash, sdpa)]
+    print("flash", [round(x, 3) for x in flash], "\nsdpa ", [round(x, 3) for x in sdpa])
+    assert max(diffs) < 0.02, diffs
+    assert flash[-1] < flash[0] - 1.0  # and it learns
+
+
+def test_torch_compile_with_flash_has_no_graph_break():
+    from minigpt.attention import get_attention
+    from minigpt.config import ModelConfig
+    from minigpt.model import GPT
+
+    torch._dynamo.reset()
+    cfg = ModelConfig(name="t", n_layer=2, n_head=4, n_embd=256)
+    model = GPT(cfg, 512, get_attention("flash")).cuda()
+    x = torch.randint(0, 512, (2, 300), device="cuda")
+    y = torch.randint(0, 512, (2, 300), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        eager = model(x, y)
+        compiled = torch.compile(model, fullgraph=True)(x, y)  # fullgraph: any graph break is an error
+    compiled.backward()
+    assert math.isclose(eager.item(), compiled.item(), rel_tol=1e-2)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
