@@ -301,23 +301,18 @@ class TileConfig:
     num_stages: int
 
 
-# Measured on an H100/H200 (scripts/bench_attention.py --explore); see results/ and NOTES.md.
-# Key: (kernel, head_dim). Forward/dQ need block_m % block_n == 0; dK/dV needs block_n % block_m == 0.
+# Chosen from `scripts/bench_attention.py --explore-only` on an H200 (bf16 causal, D=64/128, N=2K/8K;
+# results/attention_NVIDIA_H200.json holds every candidate's time). D=16/32 reuse D=64's choice, D=256
+# uses smaller tiles to fit shared memory. Key: (kernel, head_dim).
+# Forward/dQ need block_m % block_n == 0; dK/dV needs block_n % block_m == 0.
 _GPU_CONFIGS: dict[tuple[str, int], TileConfig] = {
-    ("fwd", 16): TileConfig(128, 64, 4, 3),
-    ("fwd", 32): TileConfig(128, 64, 4, 3),
-    ("fwd", 64): TileConfig(128, 64, 4, 3),
-    ("fwd", 128): TileConfig(128, 64, 8, 3),
+    **{("fwd", d): TileConfig(128, 64, 8, 3) for d in (16, 32, 64, 128)},
     ("fwd", 256): TileConfig(64, 32, 4, 2),
-    ("dkdv", 16): TileConfig(32, 128, 4, 3),
-    ("dkdv", 32): TileConfig(32, 128, 4, 3),
-    ("dkdv", 64): TileConfig(32, 128, 4, 3),
-    ("dkdv", 128): TileConfig(32, 128, 8, 3),
+    **{("dkdv", d): TileConfig(32, 128, 4, 3) for d in (16, 32, 64)},
+    ("dkdv", 128): TileConfig(64, 128, 8, 2),
     ("dkdv", 256): TileConfig(16, 64, 4, 2),
-    ("dq", 16): TileConfig(128, 32, 4, 3),
-    ("dq", 32): TileConfig(128, 32, 4, 3),
-    ("dq", 64): TileConfig(128, 32, 4, 3),
-    ("dq", 128): TileConfig(128, 32, 8, 3),
+    **{("dq", d): TileConfig(128, 32, 8, 3) for d in (16, 32, 64)},
+    ("dq", 128): TileConfig(128, 64, 8, 3),
     ("dq", 256): TileConfig(64, 16, 4, 2),
 }
 # Small tiles under the CPU interpreter: fast there, and several tiles per test sequence so the

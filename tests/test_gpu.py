@@ -3,9 +3,7 @@
 Accuracy in bf16/fp16 against float64 up to 16K tokens, memory linear in N at 128K tokens, the same
 gpt2-small loss curve as SDPA, and torch.compile of the whole model with attention=flash.
 """
-import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -37,6 +35,21 @@ def test_accuracy_vs_float64(seq, batch, heads, head_dim, dtype, causal):
     assert all(e < TOL[dtype] for e in errs.values()), errs
 
 
+@pytest.mark.parametrize("head_dim", [16, 32, 256])
+def test_other_head_dims(head_dim):
+    g = torch.Generator(device="cuda").manual_seed(head_dim)
+    q, k, v = (torch.randn(2, 3, 777, head_dim, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    o = flash_attention(q, k, v)
+    do = torch.randn(o.shape, device="cuda", generator=g, dtype=torch.bfloat16)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(q64, k64, v64, True)
+    refs = torch.autograd.grad(ref, (q64, k64, v64), do.double())
+    errs = [rel_err(o, ref)] + [rel_err(a, b) for a, b in zip(grads, refs)]
+    assert max(errs) < TOL[torch.bfloat16], errs
+
+
 def test_memory_linear_in_seq_at_128k():
     """fwd+bwd peak memory over the inputs' size must stay flat from 32K to 128K tokens (N² would grow 16×)."""
     def peak_over_inputs(n):
@@ -55,29 +68,34 @@ def test_memory_linear_in_seq_at_128k():
 def _train_losses(tmp_path, attention, *extra):
     from minigpt.config import compose
     from minigpt.train import run
+    import minigpt.train as train_mod
 
     cfg = compose([f"attention={attention}", "model=gpt2-small", "seq_len=1024", "batch_size=4", "max_steps=20",
-                   "eval_batches=0", "logger=none", "warmup_steps=5", *extra])
-    cfg.run_dir = str(tmp_path / attention)
-    cfg.ckpt_dir = str(tmp_path / attention / "ckpt")
+                   "eval_batches=0", "logger=none", "lr=3e-4", "warmup_steps=10", *extra])
+    cfg.run_dir = str(tmp_path / "_".join((attention, *extra)))
+    cfg.ckpt_dir = cfg.run_dir + "/ckpt"
     seen = []
-    import minigpt.train as train_mod
     real = train_mod.NullLogger.log
     train_mod.NullLogger.log = lambda self, m, step: seen.append(m["train/loss"]) if "train/loss" in m else None
     try:
         assert run(cfg) == 0
     finally:
         train_mod.NullLogger.log = real
-    return seen, json.loads((Path(cfg.run_dir) / "summary.json").read_text())
+    return seen
 
 
 def test_gpt2_small_loss_curve_matches_sdpa(tmp_path):
-    flash, s_flash = _train_losses(tmp_path, "flash")
-    sdpa, s_sdpa = _train_losses(tmp_path, "sdpa")
+    """flash vs sdpa over 20 steps must differ no more than two of SDPA's own kernels do (the bf16 noise floor)."""
+    flash = _train_losses(tmp_path, "flash")
+    sdpa = _train_losses(tmp_path, "sdpa")
+    sdpa_fa2 = _train_losses(tmp_path, "sdpa", "attention.sdpa_backend=flash")
+    def gap(a, b):
+        return max(abs(x - y) / y for x, y in zip(a, b))
+    print("flash   ", [round(x, 3) for x in flash], "\nsdpa    ", [round(x, 3) for x in sdpa],
+          "\nsdpa-FA2", [round(x, 3) for x in sdpa_fa2], f"\ngap flash-sdpa {gap(flash, sdpa):.4f}, "
+          f"noise sdpa-FA2 {gap(sdpa_fa2, sdpa):.4f}")
     assert len(flash) == len(sdpa) == 20
-    diffs = [abs(a - b) / b for a, b in zip(flash, sdpa)]
-    print("flash", [round(x, 3) for x in flash], "\nsdpa ", [round(x, 3) for x in sdpa])
-    assert max(diffs) < 0.02, diffs
+    assert gap(flash, sdpa) < max(0.01, 2 * gap(sdpa_fa2, sdpa))
     assert flash[-1] < flash[0] - 1.0  # and it learns
 
 
