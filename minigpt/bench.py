@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import importlib
 import json
+import os
 import platform
 import subprocess
 from dataclasses import asdict, dataclass
@@ -154,10 +155,12 @@ def best_tiles_table(explore: list[dict], top: int = 3) -> str:
 def environment() -> dict:
     import triton
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
+    commit = os.environ.get("MINIGPT_COMMIT", "")  # the GPU machine's copy of the tree has no .git
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        except OSError:
+            pass
     return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "python": platform.python_version(), "date": dt.date.today().isoformat(), "commit": commit or None}
 
