@@ -44,9 +44,12 @@ class ModelConfig:
     n_embd: int = 768
     vocab_size: Optional[int] = None  # None: the tokenizer's size; GPT-2 presets pad to 50304
     rope_base: float = 10000.0
-    # Memory levers (see README "Memory levers"): what each saves and costs is documented there.
-    checkpoint_every: int = 0  # recompute every k-th block in the backward instead of storing it; 0 = off
-    loss_chunk: int = 0  # compute LM head + loss over chunks of this many tokens; 0 = all at once
+    # Memory levers (README "Memory levers" says what each saves and costs).
+    checkpoint_every: int = 0  # keep only every k-th block's input, recompute the block in the backward; 0 = off
+    checkpoint_dtype: str = "float32"  # float32 | bfloat16: dtype of those stored block inputs
+    offload: bool = False  # keep the stored block inputs in pinned CPU memory instead of on the GPU
+    mlp_chunk: int = 0  # run LayerNorm + MLP over this many tokens at a time, recomputed in the backward; 0 = off
+    loss_chunk: int = 0  # final norm + LM head + loss over this many tokens at a time (no N×vocab logits); 0 = off
 
 
 @dataclass
@@ -158,8 +161,12 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"model.n_embd/n_head={m.n_embd // m.n_head}: head_dim must be even for rotary embeddings")
     if m.vocab_size is not None:
         _positive("model.vocab_size", m.vocab_size)
-    _positive("model.checkpoint_every", m.checkpoint_every, zero_ok=True)
-    _positive("model.loss_chunk", m.loss_chunk, zero_ok=True)
+    for key in ("checkpoint_every", "mlp_chunk", "loss_chunk"):
+        _positive(f"model.{key}", getattr(m, key), zero_ok=True)
+    _choice("model.checkpoint_dtype", m.checkpoint_dtype, ("float32", "bfloat16"))
+    if (m.offload or m.checkpoint_dtype != "float32") and not m.checkpoint_every:
+        raise ConfigError("model.checkpoint_every=0: model.offload and model.checkpoint_dtype act on block "
+                          "checkpoints; set model.checkpoint_every=1 (or k)")
 
     d = cfg.data
     _choice("data.name", d.name, DATA_NAMES)

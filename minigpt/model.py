@@ -1,18 +1,22 @@
 """A GPT-2-style decoder with rotary position embeddings, in plain PyTorch.
 
-Reads top to bottom: rotary embeddings, attention, MLP, block, the model, and its loss. The
-attention kernel is pluggable (minigpt/attention.py). Rotary embeddings make seq_len a run-time
-choice rather than a model size; the memory levers for very long contexts live here too:
+Reads top to bottom: rotary embeddings, attention, MLP, block, the block checkpoint, the model and its
+loss. The attention kernel is pluggable (minigpt/attention.py). Rotary embeddings make seq_len a run-time
+choice rather than a model size.
 
-- checkpoint_every=k: every k-th block is recomputed in the backward instead of keeping its
-  activations (saves ~all of that block's stored tensors, costs one more forward of it).
-- loss_chunk=c: the LM head and cross-entropy run over c tokens at a time and are recomputed in the
-  backward, so the N×vocab logits never exist (saves N·vocab·6 bytes, costs one more LM-head matmul).
+Memory levers for very long contexts (ModelConfig; README "Memory levers" has the measured effect):
+- checkpoint_every=k: only every k-th block's input is kept; the block is recomputed in the backward.
+- checkpoint_dtype=bfloat16: that stored input is kept in bf16 (half the bytes; the residual stream is
+  rounded to bf16 at those block boundaries, in the forward too, so gradients stay exact).
+- offload=true: the stored inputs live in pinned CPU memory and come back for the backward.
+- mlp_chunk=c: LayerNorm + MLP run over c tokens at a time and are recomputed in the backward, so the
+  4·C-wide hidden activations exist for one chunk only.
+- loss_chunk=c: final norm, LM head and cross-entropy run over c tokens at a time and are recomputed in
+  the backward, so the N×vocab logits never exist.
 """
 from __future__ import annotations
 
 import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -72,6 +76,13 @@ class MLP(nn.Module):
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
 
 
+def recomputed(fn, *args: Tensor) -> Tensor:
+    """fn(*args), keeping none of its activations for the backward (recomputed there); plain fn under no_grad."""
+    if torch.is_grad_enabled():
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
@@ -81,10 +92,58 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg, attend)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = MLP(cfg)
+        self.mlp_chunk = cfg.mlp_chunk
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = x + self.attn(self.ln_1(x), cos, sin)
-        return x + self.mlp(self.ln_2(x))
+        return x + self.feed_forward(x)
+
+    def feed_forward(self, x: Tensor) -> Tensor:
+        chunk = self.mlp_chunk
+        if not chunk or chunk >= x.shape[1]:
+            return self._norm_mlp(x)
+        # Token-local work in sequence chunks, each recomputed in the backward: only one chunk's
+        # 4·C-wide activations are ever alive.
+        return torch.cat([recomputed(self._norm_mlp, x[:, s : s + chunk]) for s in range(0, x.shape[1], chunk)], dim=1)
+
+    def _norm_mlp(self, x: Tensor) -> Tensor:
+        return self.mlp(self.ln_2(x))
+
+
+class BlockCheckpoint(torch.autograd.Function):
+    """Run a block keeping only its input (in `store_dtype`, on the GPU or in pinned CPU memory); recompute it in the backward.
+
+    The forward runs on the stored (possibly rounded) input too, so the recomputed block is exactly the
+    one that ran and the gradients are exact for it. Works like torch.utils.checkpoint's reentrant mode:
+    the backward re-runs the block with autograd on and backpropagates through it, which also
+    accumulates the block's parameter gradients (so, as there, use loss.backward(), not torch.autograd.grad).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, block: Block, store_dtype: torch.dtype, offload: bool) -> Tensor:
+        stored = x.detach().to(store_dtype)
+        x_used = stored.to(x.dtype)
+        if offload:
+            host = torch.empty(stored.shape, dtype=stored.dtype, device="cpu", pin_memory=stored.is_cuda)
+            ctx.stored = host.copy_(stored, non_blocking=True)
+        else:
+            ctx.stored = stored
+        ctx.block, ctx.dtype, ctx.device = block, x.dtype, x.device
+        ctx.save_for_backward(cos, sin)
+        ctx.autocast = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
+        with torch.no_grad():
+            return block(x_used, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        cos, sin = ctx.saved_tensors
+        x = ctx.stored.to(ctx.device, non_blocking=True).to(ctx.dtype).requires_grad_()
+        ctx.stored = None
+        enabled, dtype = ctx.autocast
+        with torch.enable_grad(), torch.autocast(ctx.device.type, dtype=dtype, enabled=enabled):
+            out = ctx.block(x, cos, sin)
+        torch.autograd.backward(out, grad_out)
+        return x.grad, None, None, None, None, None
 
 
 class GPT(nn.Module):
@@ -113,44 +172,39 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def hidden(self, idx: Tensor) -> Tensor:
-        """Final normalized hidden states (B, N, C) for token ids (B, N)."""
+        """Residual stream after the last block, (B, N, C), for token ids (B, N)."""
         x = self.wte(idx)
         cos, sin = self.rotary(idx.shape[1])
         k = self.cfg.checkpoint_every
+        store_dtype = getattr(torch, self.cfg.checkpoint_dtype)
         for i, block in enumerate(self.blocks):
-            if k and self.training and i % k == 0:
-                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            if k and i % k == 0 and torch.is_grad_enabled():
+                x = BlockCheckpoint.apply(x, cos, sin, block, store_dtype, self.cfg.offload)
             else:
                 x = block(x, cos, sin)
-        return self.ln_f(x)
+        return x
+
+    def head(self, h: Tensor) -> Tensor:
+        """LM logits for residual states h (final norm + tied LM head)."""
+        return self.lm_head(self.ln_f(h))
 
     def forward(self, idx: Tensor, targets: Tensor) -> Tensor:
         """Mean next-token cross-entropy of `targets` given `idx` (both (B, N))."""
         return self.loss(self.hidden(idx), targets)
 
     def loss(self, h: Tensor, targets: Tensor) -> Tensor:
-        """Mean cross-entropy of the LM head on hidden states h (B, N, C) against targets (B, N)."""
+        """Mean cross-entropy of the LM head on residual states h (B, N, C) against targets (B, N)."""
         chunk = self.cfg.loss_chunk
         if not chunk or chunk >= h.shape[1]:
-            return _lm_loss_sum(h, targets, self.lm_head.weight) / targets.numel()
-        # Chunked loss: each chunk's logits are made, reduced and dropped; checkpoint recomputes them
-        # in the backward, so at most one chunk of logits is alive at any time.
+            return self._loss_sum(h, targets) / targets.numel()
+        # Each chunk's logits are made, reduced and dropped (and recomputed in the backward), so at
+        # most one chunk of logits is alive at any time.
         total = h.new_zeros((), dtype=torch.float32)
         for s in range(0, h.shape[1], chunk):
-            total = total + checkpoint(
-                _lm_loss_sum, h[:, s : s + chunk], targets[:, s : s + chunk], self.lm_head.weight, use_reentrant=False
-            )
+            total = total + recomputed(self._loss_sum, h[:, s : s + chunk], targets[:, s : s + chunk])
         return total / targets.numel()
 
-    def logits(self, idx: Tensor, positions: slice | None = None) -> Tensor:
-        """LM logits (B, n, vocab), optionally only at `positions`, in fp32."""
-        h = self.hidden(idx)
-        if positions is not None:
-            h = h[:, positions]
-        return self.lm_head(h).float()
-
-
-def _lm_loss_sum(h: Tensor, targets: Tensor, weight: Tensor) -> Tensor:
-    """Summed cross-entropy of the LM head on hidden states h; logits in fp32."""
-    logits = F.linear(h, weight).float()
-    return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+    def _loss_sum(self, h: Tensor, targets: Tensor) -> Tensor:
+        """Summed cross-entropy, logits in fp32."""
+        logits = self.head(h).float()
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")

@@ -96,7 +96,7 @@ def evaluate(model: GPT, data, cfg: TrainConfig, device: torch.device, dtype: to
             h = model.hidden(x)
             losses.append(model.loss(h, y).item())
             if data.answer is not None:  # all key digits must be the argmax predictions
-                pred = model.lm_head(h[:, data.answer]).argmax(dim=-1)
+                pred = model.head(h[:, data.answer]).argmax(dim=-1)
                 hits += (pred == y[:, data.answer]).all(dim=-1).sum().item()
                 total += y.shape[0]
     model.train()
@@ -239,8 +239,9 @@ def run(cfg: TrainConfig, config_dict: dict[str, Any] | None = None) -> int:
         "tokens_per_s": None, "step_time_s": None, "mfu": None, "peak_allocated_gib": 0.0, "peak_reserved_gib": 0.0,
         "seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum,
         "attention": cfg.attention.name, "sdpa_backend": cfg.attention.sdpa_backend if cfg.attention.name == "sdpa" else None,
-        "model": cfg.model.name, "n_params": None, "checkpoint_every": cfg.model.checkpoint_every,
-        "loss_chunk": cfg.model.loss_chunk, "device": None, **_versions(), "error": None,
+        "model": cfg.model.name, "n_layer": cfg.model.n_layer, "n_params": None,
+        "checkpoint_every": cfg.model.checkpoint_every, "checkpoint_dtype": cfg.model.checkpoint_dtype,
+        "offload": cfg.model.offload, "mlp_chunk": cfg.model.mlp_chunk, "loss_chunk": cfg.model.loss_chunk, "device": None, **_versions(), "error": None,
     }
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     logger: Logger = NullLogger()
