@@ -34,7 +34,7 @@ from minigpt.metrics import device_name, peak_memory_gib, peak_tflops, reset_pea
 from minigpt.model import GPT
 
 EXIT_OK, EXIT_ERROR, EXIT_OOM, EXIT_INTERRUPTED = 0, 1, 3, 130
-WARMUP_STEPS_EXCLUDED = 2  # first steps (compilation, autotuning, allocator growth) left out of the medians
+WARMUP_STEPS_EXCLUDED = 2  # first steps (compilation, allocator growth) left out of the medians, if more ran
 
 
 class TrainingError(RuntimeError):
@@ -211,7 +211,7 @@ def train(cfg: TrainConfig, logger: Logger, summary: dict[str, Any], config_dict
         raise
     finally:
         bar.close()
-        steady = times[WARMUP_STEPS_EXCLUDED:] if len(times) > WARMUP_STEPS_EXCLUDED else times
+        steady = times[min(WARMUP_STEPS_EXCLUDED, len(times) - 1):]  # keep at least the last step
         if steady:
             step_time = statistics.median(steady)
             summary.update(step_time_s=step_time, tokens_per_s=tokens_per_step / step_time,
