@@ -51,8 +51,8 @@ def _fwd_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, 
     """
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    k_ptrs += lo * stride_kn
-    v_ptrs += lo * stride_vn
+    k_ptrs += tl.cast(lo, tl.int64) * stride_kn  # lo·stride can pass 2³¹ at a million tokens
+    v_ptrs += tl.cast(lo, tl.int64) * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
         if MASKED:
             in_bounds = (start_n + offs_n) < N
@@ -157,8 +157,8 @@ def _bwd_dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_
     """Accumulate dK, dV of one key tile over query tiles [lo, hi). Works on transposed tiles (keys × queries)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    q_ptrs += lo * stride_qn
-    do_ptrs += lo * stride_don
+    q_ptrs += tl.cast(lo, tl.int64) * stride_qn  # lo·stride can pass 2³¹ at a million tokens
+    do_ptrs += tl.cast(lo, tl.int64) * stride_don
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         row_ok = rows < N
@@ -230,8 +230,8 @@ def _bwd_dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, s
     """Accumulate dQ of one query tile over key tiles [lo, hi)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    k_ptrs += lo * stride_kn
-    v_ptrs += lo * stride_vn
+    k_ptrs += tl.cast(lo, tl.int64) * stride_kn  # lo·stride can pass 2³¹ at a million tokens
+    v_ptrs += tl.cast(lo, tl.int64) * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
         # keys past the end load as zeros: they add exactly 0 to dQ (dQ += dS K), so no score mask is needed
         col_ok = (start_n + offs_n) < N

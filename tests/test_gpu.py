@@ -50,6 +50,34 @@ def test_other_head_dims(head_dim):
     assert max(errs) < TOL[torch.bfloat16], errs
 
 
+def test_int64_offsets_at_a_million_tokens():
+    """1M tokens with the model's qkv-split strides (row stride 2304 elements): offsets pass 2³¹.
+
+    For causal attention, the last 16 query rows see every key and the last 16 keys are seen only by
+    those rows, so a float64 reference on those rows is exact for their outputs, their dQ, and dK/dV of
+    the last 16 keys.
+    """
+    n, tail = 1_000_003, 16
+    g = torch.Generator(device="cuda").manual_seed(1)
+    buf = torch.randn(1, n, 3, 12, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v = (buf[:, :, i, :1].transpose(1, 2).detach().requires_grad_() for i in range(3))  # (1, 1, n, 64)
+    assert q.stride(2) * n > 2**31
+    o = flash_attention(q, k, v, causal=True)
+    do = torch.zeros_like(o)
+    do[:, :, -tail:] = torch.randn(1, 1, tail, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
+
+    q64 = q.detach()[:, :, -tail:].double().requires_grad_()
+    k64, v64 = (t.detach().double().requires_grad_() for t in (k, v))
+    s = (q64 @ k64.transpose(-2, -1)) / 8.0
+    s = s.masked_fill(torch.arange(n, device="cuda")[None, :] > torch.arange(n - tail, n, device="cuda")[:, None], float("-inf"))
+    ref = s.softmax(-1) @ v64
+    rq, rk, rv = torch.autograd.grad(ref, (q64, k64, v64), do[:, :, -tail:].double())
+    assert rel_err(o[:, :, -tail:], ref) < 1e-2 and rel_err(dq[:, :, -tail:], rq) < 1e-2
+    assert rel_err(dk[:, :, -tail:], rk[:, :, -tail:]) < 1e-2 and rel_err(dv[:, :, -tail:], rv[:, :, -tail:]) < 1e-2
+    assert not (o.isnan().any() or dk.isnan().any())
+
+
 def test_memory_linear_in_seq_at_128k():
     """fwd+bwd peak memory over the inputs' size must stay flat from 32K to 128K tokens (N² would grow 16×)."""
     def peak_over_inputs(n):
