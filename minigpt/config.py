@@ -96,6 +96,7 @@ class TrainConfig:
     eval_every: int = 100  # 0 = only at the end
     eval_batches: int = 4  # 0 = no evaluation
     ckpt_every: int = 0  # 0 = only at the end
+    save_checkpoints: bool = True  # false: never write checkpoints (sweep trials, benchmarks)
     seed: int = 1337
     device: str = "auto"  # auto | cuda | cpu
     dtype: str = "auto"  # autocast dtype; auto = bfloat16 on CUDA, float32 on CPU

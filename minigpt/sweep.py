@@ -160,7 +160,7 @@ class SubprocessRunner:
             return t
         run_dir = self.out_dir / "trials" / f"{variant}-n{seq_len}"
         overrides = [*self.base_overrides, *variant_overrides(variant), f"seq_len={seq_len}", "batch_size=1",
-                     f"max_steps={self.steps}", "warmup_steps=1", "eval_batches=0", f"logger={self.logger}",
+                     f"max_steps={self.steps}", "warmup_steps=1", "eval_batches=0", "save_checkpoints=false", f"logger={self.logger}",
                      f"hydra.run.dir={run_dir}"]
         if self.logger == "wandb":
             overrides += [f"logger.group={self.sweep_id}", f"logger.run_name={variant}-n{seq_len}",

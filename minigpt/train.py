@@ -201,11 +201,11 @@ def train(cfg: TrainConfig, logger: Logger, summary: dict[str, Any], config_dict
                 summary["passkey_acc"] = evals.get("eval/passkey_acc")
                 tqdm.write(f"step {done}: " + ", ".join(f"{k.split('/')[1]} {v:.4f}" for k, v in evals.items()), file=sys.stdout)
             logger.log(metrics, step=done)
-            if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.max_steps:
+            if cfg.save_checkpoints and ((cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.max_steps):
                 save_checkpoint(cfg.ckpt_dir, done, model, optimizer, config_dict)
     except KeyboardInterrupt:
         done = summary["steps"]
-        if done > start:
+        if done > start and cfg.save_checkpoints:
             path = save_checkpoint(cfg.ckpt_dir, done, model, optimizer, config_dict)
             print(f"\ninterrupted: checkpoint at step {done} written to {path}")
         raise

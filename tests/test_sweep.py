@@ -102,6 +102,7 @@ def test_real_cpu_sweep_through_the_trainer_resumes(tmp_path, monkeypatch):
     trials = [json.loads(x) for x in (out / "trials.jsonl").read_text().splitlines()]
     assert [(t["seq_len"], t["status"]) for t in trials] == [(128, "ok"), (256, "ok")]
     assert all(t["tokens_per_s"] > 0 for t in trials)
+    assert not list(out.glob("trials/*/checkpoints"))  # sweep trials write no checkpoints
     assert json.loads((out / "results.json").read_text())["max"]["sdpa"]["seq_len"] == 256
     # every trial is a W&B run in the sweep's group, plus the summary run
     from wandb_records import offline_run
