@@ -417,8 +417,12 @@ def _(do, q, k, v, o, lse, causal, sm_scale):
 
 class FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float) -> Tensor:
-        o, lse = torch.ops.minigpt.flash_attn_fwd(q, k, v, causal, sm_scale)
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float,
+                precomputed: tuple[Tensor, Tensor] | None) -> Tensor:
+        if precomputed is None:
+            o, lse = torch.ops.minigpt.flash_attn_fwd(q, k, v, causal, sm_scale)
+        else:  # the caller ran this forward already (e.g. before a checkpoint recompute): reuse it
+            o, lse = precomputed
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal, ctx.sm_scale = causal, sm_scale
         return o
@@ -427,17 +431,28 @@ class FlashAttention(torch.autograd.Function):
     def backward(ctx, do: Tensor):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = torch.ops.minigpt.flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.sm_scale)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
-def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, softmax_scale: float | None = None) -> Tensor:
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, softmax_scale: float | None = None,
+                    precomputed: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """softmax(softmax_scale · q kᵀ [+ causal mask]) v without materializing the scores; differentiable.
 
     q, k, v: (batch, heads, seq, head_dim) CUDA tensors of one dtype (fp16, bf16; fp32 runs with TF32 dots),
     any strides whose last dimension is contiguous; head_dim in {16, 32, 64, 128, 256}; any seq >= 1.
     softmax_scale defaults to 1/sqrt(head_dim). Returns a contiguous tensor of q's shape and dtype.
+    `precomputed=(o, lse)` from `flash_attention_with_lse` on the same inputs skips the forward kernel and
+    only sets up the backward (activation checkpointing uses it to avoid recomputing the N² attention).
     Unsupported inputs raise ValueError naming the problem.
     """
     _check_inputs(q, k, v)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    return FlashAttention.apply(q, k, v, causal, sm_scale)
+    return FlashAttention.apply(q, k, v, causal, sm_scale, precomputed)
+
+
+def flash_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
+                             softmax_scale: float | None = None) -> tuple[Tensor, Tensor]:
+    """Forward only (no autograd): the output and the row log-sum-exp (base 2, fp32, (batch, heads, seq))."""
+    _check_inputs(q, k, v)
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    return torch.ops.minigpt.flash_attn_fwd(q, k, v, causal, sm_scale)

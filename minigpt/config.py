@@ -48,6 +48,7 @@ class ModelConfig:
     checkpoint_every: int = 0  # keep only every k-th block's input, recompute the block in the backward; 0 = off
     checkpoint_dtype: str = "float32"  # float32 | bfloat16: dtype of those stored block inputs
     offload: bool = False  # keep the stored block inputs in pinned CPU memory instead of on the GPU
+    keep_attention: bool = False  # checkpointed blocks keep attention output + LSE: no N² recompute (flash only)
     mlp_chunk: int = 0  # run LayerNorm + MLP over this many tokens at a time, recomputed in the backward; 0 = off
     loss_chunk: int = 0  # final norm + LM head + loss over this many tokens at a time (no N×vocab logits); 0 = off
 
@@ -165,6 +166,8 @@ def validate(cfg: TrainConfig) -> None:
     for key in ("checkpoint_every", "mlp_chunk", "loss_chunk"):
         _positive(f"model.{key}", getattr(m, key), zero_ok=True)
     _choice("model.checkpoint_dtype", m.checkpoint_dtype, ("float32", "bfloat16"))
+    if m.keep_attention and (cfg.attention.name != "flash" or not m.checkpoint_every):
+        raise ConfigError("model.keep_attention=true: needs attention=flash and model.checkpoint_every >= 1")
     if (m.offload or m.checkpoint_dtype != "float32") and not m.checkpoint_every:
         raise ConfigError("model.checkpoint_every=0: model.offload and model.checkpoint_dtype act on block "
                           "checkpoints; set model.checkpoint_every=1 (or k)")

@@ -13,6 +13,8 @@ Memory levers for very long contexts (ModelConfig; README "Memory levers" has th
   4·C-wide hidden activations exist for one chunk only.
 - loss_chunk=c: final norm, LM head and cross-entropy run over c tokens at a time and are recomputed in
   the backward, so the N×vocab logits never exist.
+- keep_attention=true (flash): checkpointed blocks keep the attention output and LSE of their forward
+  (offloaded with the block input if offload=true), so the recompute skips the N² attention forward.
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.attend = attend
+        self.kept_attention: KeptAttention | None = None  # set by BlockCheckpoint while it runs this block
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         B, N, C = x.shape
@@ -62,7 +65,8 @@ class CausalSelfAttention(nn.Module):
         # transposes below are free strided views (the attention kernels accept any strides).
         q, k, v = self.c_attn(x).view(B, N, 3, self.n_head, self.head_dim).unbind(dim=2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)  # (B, H, N, D)
+        attend = self.kept_attention or self.attend
+        y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)  # (B, H, N, D)
         return self.c_proj(y.transpose(1, 2).reshape(B, N, C))
 
 
@@ -110,6 +114,35 @@ class Block(nn.Module):
         return self.mlp(self.ln_2(x))
 
 
+def to_host(t: Tensor) -> Tensor:
+    """An asynchronous copy of t into CPU memory (pinned when t is on a GPU, so the copy overlaps compute)."""
+    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+    return host.copy_(t, non_blocking=True)
+
+
+class KeptAttention:
+    """Flash attention that keeps its output and LSE on a block's first run and reuses them on the recompute.
+
+    The first call (the checkpointed block's no-grad forward) runs the kernel and keeps (o, lse), in CPU
+    memory when offloading; the second call (the recompute in the backward) hands them to the kernel's
+    backward instead of recomputing the N² attention forward.
+    """
+
+    def __init__(self, offload: bool):
+        self.offload, self.kept = offload, None
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tensor:
+        from kernels.flash_attention import flash_attention, flash_attention_with_lse
+
+        if self.kept is None:
+            o, lse = flash_attention_with_lse(q, k, v, causal=causal)
+            self.kept = (to_host(o), to_host(lse)) if self.offload else (o, lse)
+            return o
+        o, lse = (t.to(q.device, non_blocking=True) for t in self.kept)
+        self.kept = None
+        return flash_attention(q, k, v, causal=causal, precomputed=(o, lse))
+
+
 class BlockCheckpoint(torch.autograd.Function):
     """Run a block keeping only its input (in `store_dtype`, on the GPU or in pinned CPU memory); recompute it in the backward.
 
@@ -117,22 +150,24 @@ class BlockCheckpoint(torch.autograd.Function):
     one that ran and the gradients are exact for it. Works like torch.utils.checkpoint's reentrant mode:
     the backward re-runs the block with autograd on and backpropagates through it, which also
     accumulates the block's parameter gradients (so, as there, use loss.backward(), not torch.autograd.grad).
+    With keep_attention, the block's attention output and LSE are kept too and the recompute reuses them.
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, block: Block, store_dtype: torch.dtype, offload: bool) -> Tensor:
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, block: Block, store_dtype: torch.dtype, offload: bool,
+                keep_attention: bool) -> Tensor:
         stored = x.detach().to(store_dtype)
-        x_used = stored.to(x.dtype)
-        if offload:
-            host = torch.empty(stored.shape, dtype=stored.dtype, device="cpu", pin_memory=stored.is_cuda)
-            ctx.stored = host.copy_(stored, non_blocking=True)
-        else:
-            ctx.stored = stored
+        ctx.stored = to_host(stored) if offload else stored
         ctx.block, ctx.dtype, ctx.device = block, x.dtype, x.device
+        ctx.kept = KeptAttention(offload) if keep_attention else None
         ctx.save_for_backward(cos, sin)
         ctx.autocast = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
-        with torch.no_grad():
-            return block(x_used, cos, sin)
+        block.attn.kept_attention = ctx.kept
+        try:
+            with torch.no_grad():
+                return block(stored.to(x.dtype), cos, sin)
+        finally:
+            block.attn.kept_attention = None
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
@@ -140,10 +175,14 @@ class BlockCheckpoint(torch.autograd.Function):
         x = ctx.stored.to(ctx.device, non_blocking=True).to(ctx.dtype).requires_grad_()
         ctx.stored = None
         enabled, dtype = ctx.autocast
-        with torch.enable_grad(), torch.autocast(ctx.device.type, dtype=dtype, enabled=enabled):
-            out = ctx.block(x, cos, sin)
+        ctx.block.attn.kept_attention = ctx.kept
+        try:
+            with torch.enable_grad(), torch.autocast(ctx.device.type, dtype=dtype, enabled=enabled):
+                out = ctx.block(x, cos, sin)
+        finally:
+            ctx.block.attn.kept_attention = None
         torch.autograd.backward(out, grad_out)
-        return x.grad, None, None, None, None, None
+        return x.grad, None, None, None, None, None, None
 
 
 class GPT(nn.Module):
@@ -179,7 +218,7 @@ class GPT(nn.Module):
         store_dtype = getattr(torch, self.cfg.checkpoint_dtype)
         for i, block in enumerate(self.blocks):
             if k and i % k == 0 and torch.is_grad_enabled():
-                x = BlockCheckpoint.apply(x, cos, sin, block, store_dtype, self.cfg.offload)
+                x = BlockCheckpoint.apply(x, cos, sin, block, store_dtype, self.cfg.offload, self.cfg.keep_attention)
             else:
                 x = block(x, cos, sin)
         return x

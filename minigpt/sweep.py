@@ -33,6 +33,7 @@ LEVERS: dict[str, list[str]] = {
     "losschunk": ["model.loss_chunk=16384"],
     "mlpchunk": ["model.mlp_chunk=65536"],
     "offload": ["model.checkpoint_every=1", "model.offload=true"],
+    "keepattn": ["model.checkpoint_every=1", "model.keep_attention=true"],
 }
 LEVERS["levers"] = LEVERS["bf16ckpt"] + LEVERS["losschunk"] + LEVERS["mlpchunk"]
 

@@ -5,8 +5,8 @@
     python scripts/context_sweep.py --variants flash+levers --probe-seq-lens 2097152    # derive 2M from 1-/2-layer probes
     python scripts/context_sweep.py --cpu                                   # tiny model on CPU (smoke test)
 
-Variants are <backend>[+lever...]: levers ckpt, bf16ckpt, losschunk, mlpchunk, offload, and levers (= bf16ckpt
-+ losschunk + mlpchunk). Results go to --out (trials.jsonl, results.{json,csv,md}, *.png); re-running with
+Variants are <backend>[+lever...]: levers ckpt, bf16ckpt, losschunk, mlpchunk, offload, keepattn (flash only),
+and levers (= bf16ckpt + losschunk + mlpchunk). Results go to --out (trials.jsonl, results.{json,csv,md}, *.png); re-running with
 the same --out resumes.
 """
 import argparse

@@ -37,6 +37,9 @@ def test_every_group_option_composes(group, option):
     ("data=text", "data.path"),
     ("model.n_head=5", "model.n_embd"),
     ("resume=/does/not/exist", "resume"),
+    ("model.keep_attention=true", "model.keep_attention"),
+    ("model.offload=true", "model.checkpoint_every"),
+    ("model.checkpoint_dtype=float8", "model.checkpoint_dtype"),
 ])
 def test_bad_override_names_the_key(override, expected):
     with pytest.raises(ConfigError) as info:

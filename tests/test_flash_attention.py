@@ -91,6 +91,37 @@ def test_unsupported_inputs_raise_value_error(make, match):
         flash_attention(*make())
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_kept_attention_gives_the_same_gradients(tiny_config, offload):
+    """keep_attention reuses the forward's attention output in the checkpoint recompute: same loss and grads."""
+    from minigpt.attention import get_attention
+    from minigpt.model import GPT
+    cfg = tiny_config("attention=flash").model
+    x, y = torch.randint(0, 256, (2, 70)), torch.randint(0, 256, (2, 70))
+    results = []
+    for keep in (False, True):
+        cfg.checkpoint_every, cfg.keep_attention, cfg.offload = 1, keep, offload
+        torch.manual_seed(0)
+        model = GPT(cfg, 256, get_attention("flash"))
+        calls = {"fwd": 0}
+        real = fa._forward
+
+        def counting(*args, **kwargs):
+            calls["fwd"] += 1
+            return real(*args, **kwargs)
+        fa._forward = counting
+        try:
+            loss = model(x, y)
+            loss.backward()
+        finally:
+            fa._forward = real
+        results.append((loss.item(), [p.grad.clone() for p in model.parameters()], calls["fwd"]))
+    (l0, g0, f0), (l1, g1, f1) = results
+    assert math.isclose(l0, l1, rel_tol=1e-6) and f0 == 2 * cfg.n_layer and f1 == cfg.n_layer
+    for a, b in zip(g0, g1):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_flash_backend_trains_the_model(tiny_config):
     """attention=flash through the trainer (interpreter on CPU): same loss as sdpa on the first step."""
     from minigpt.train import run
