@@ -257,8 +257,8 @@ def markdown_table(trials_by_variant: dict[str, list[Trial]], derived: list[dict
     return "\n".join(lines) + "\n"
 
 
-def plot(trials_by_variant: dict[str, list[Trial]], out_dir: Path) -> list[Path]:
-    """memory_vs_seq_len.png and tokens_per_s_vs_seq_len.png: one line per variant, failures marked ×."""
+def plot(trials_by_variant: dict[str, list[Trial]], out_dir: Path, derived: list[dict] = (), prefix: str = "") -> list[Path]:
+    """memory_vs_seq_len.png and tokens_per_s_vs_seq_len.png: one line per variant, failures ×, derived points hollow."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -276,13 +276,18 @@ def plot(trials_by_variant: dict[str, list[Trial]], out_dir: Path) -> list[Path]
                 y = [getattr(t, key) or (ok[-1].peak_allocated_gib if key == "peak_allocated_gib" and ok else 0)
                      for t in bad] if key == "peak_allocated_gib" else [0 for _ in bad]
                 ax.scatter([t.seq_len for t in bad], y, marker="x", s=60, color=line.get_color())
+            for d in derived:
+                if d["variant"] == variant:
+                    ax.scatter([d["seq_len"]], [d[key]], marker="o", s=70, facecolors="none", edgecolors=line.get_color(),
+                               label=f"{variant} ({d['n_layer']} layers, derived)")
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("seq_len (batch 1); × = failed (OOM)")
+        ax.set_xlabel("seq_len (batch 1); × = failed (OOM); hollow = derived from probes")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
         fig.tight_layout()
-        path = out_dir / name
+        path = out_dir / f"{prefix}{name}"
         fig.savefig(path, dpi=120)
         plt.close(fig)
         paths.append(path)
@@ -344,6 +349,28 @@ def write_reports(trials_by_variant: dict[str, list[Trial]], derived: list[dict]
     return md
 
 
+def combine(sweep_dirs: list[Path], out_dir: Path, name: str, header: str) -> Path:
+    """Merge several sweep directories (their results.json: trials and derived probe figures) into one table and plot pair.
+
+    Probe trials (variants with @L) only enter through their derived full-model figures.
+    """
+    trials_by_variant: dict[str, list[Trial]] = {}
+    derived: list[dict] = []
+    fields = set(Trial.__dataclass_fields__)
+    for d in sweep_dirs:
+        results = json.loads((Path(d) / "results.json").read_text())
+        for record in results["trials"]:
+            t = Trial(**{k: v for k, v in record.items() if k in fields})
+            if "@L" not in t.variant:
+                trials_by_variant.setdefault(t.variant, []).append(t)
+        derived += results.get("derived", [])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot(trials_by_variant, out_dir, derived, prefix=f"{name}_")
+    md = out_dir / f"{name}.md"
+    md.write_text(markdown_table(trials_by_variant, derived, header))
+    return md
+
+
 @dataclass
 class SweepConfig:
     variants: list[str]
@@ -361,7 +388,7 @@ class SweepConfig:
     probe_seq_lens: list[int] = field(default_factory=list)  # probe mode: these lengths with fewer layers
     probe_layers: tuple[int, int] = (1, 2)
     full_n_layer: int = 12
-
+    search: bool = True  # False: only the probes
 
 def run_sweep(cfg: SweepConfig, runner: TrialRunner | None = None, log: Callable[[str], None] = print) -> Path:
     """Search every variant (and run the probes), then write results.{json,csv,md} and plots; returns results.md."""
@@ -375,7 +402,7 @@ def run_sweep(cfg: SweepConfig, runner: TrialRunner | None = None, log: Callable
     t0 = time.perf_counter()
     out_of_time = lambda: time.perf_counter() - t0 > cfg.budget_s  # noqa: E731
     trials_by_variant: dict[str, list[Trial]] = {}
-    for variant in cfg.variants:
+    for variant in cfg.variants if cfg.search else []:
         log(f"{variant}: searching from {cfg.start.get(variant, cfg.default_start):,}")
         trials_by_variant[variant] = search_max_seq_len(runner, variant, cfg.start.get(variant, cfg.default_start),
                                                         cfg.granularity, cfg.max_seq_len, out_of_time)
@@ -395,7 +422,7 @@ def run_sweep(cfg: SweepConfig, runner: TrialRunner | None = None, log: Callable
                     f"{d['step_time_s']:.1f} s/step for {cfg.full_n_layer} layers")
     header = (f"Context-length sweep `{sweep_id}`: batch 1, {cfg.steps} training steps per trial, "
               f"overrides {' '.join(cfg.base_overrides)}. Peak = torch.cuda.max_memory_allocated.")
-    plots = plot(trials_by_variant, cfg.out_dir)
+    plots = plot(trials_by_variant, cfg.out_dir, derived)
     md = write_reports(trials_by_variant, derived, cfg.out_dir, header)
     if cfg.logger == "wandb":
         log_summary_to_wandb(trials_by_variant, derived, plots, sweep_id, cfg.project, cfg.out_dir)

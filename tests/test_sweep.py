@@ -15,8 +15,10 @@ class FakeRunner:
 
     def __call__(self, variant, n):
         self.calls.append(n)
+        layers = int(variant.partition("@L")[2] or 12)
         if self.ok(n):
-            return Trial(variant, n, "ok", peak_allocated_gib=n / 1e4, tokens_per_s=1e5 / n, step_time_s=n / 1e5, n_layer=12)
+            return Trial(variant, n, "ok", peak_allocated_gib=layers * n / 1e6, tokens_per_s=1e5 / n,
+                         step_time_s=layers * n / 1e5, n_layer=layers)
         return Trial(variant, n, self.status, peak_allocated_gib=80.0)
 
 
@@ -89,6 +91,22 @@ def test_sweep_reports_and_resumes_with_a_fake_runner(tmp_path):
     assert (tmp_path / "s" / "memory_vs_seq_len.png").stat().st_size > 1000
     assert (tmp_path / "s" / "tokens_per_s_vs_seq_len.png").stat().st_size > 1000
     assert (tmp_path / "s" / "results.csv").read_text().count("\n") == len(data["trials"]) + 1
+
+
+def test_combine_merges_sweeps_and_derived_probes(tmp_path):
+    from minigpt.sweep import combine
+    a = SweepConfig(variants=["sdpa"], out_dir=tmp_path / "a", default_start=4096, logger="none")
+    run_sweep(a, runner=FakeRunner(limit=50_000), log=lambda s: None)
+    b = SweepConfig(variants=["flash+levers"], out_dir=tmp_path / "b", search=False, logger="none",
+                    probe_seq_lens=[2_000_000])
+    fake = FakeRunner(limit=10**9)
+    run_sweep(b, runner=fake, log=lambda s: None)
+    assert fake.calls == [2_000_000, 2_000_000]  # only the two probes, no search
+    md = combine([tmp_path / "a", tmp_path / "b"], tmp_path / "out", "all", "header line")
+    text = md.read_text()
+    assert text.startswith("header line") and "| sdpa |" in text and "**derived**" in text and "@L" not in text
+    assert "| 2,000,000 | 24.0 GiB |" in text  # 2 + (12 − 1)·2 GiB from the 1- and 2-layer probes
+    assert (tmp_path / "out" / "all_memory_vs_seq_len.png").exists()
 
 
 def test_real_cpu_sweep_through_the_trainer_resumes(tmp_path, monkeypatch):
