@@ -42,6 +42,12 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Forward
 # ------------------------------------------------------------------------------------------------
 @triton.jit
+def _rows(X, b, h, stride_b, stride_h, stride_n, rows, offs_d):
+    """Pointers to the (len(rows) × HEAD_DIM) tile of head (b, h) of X; rows may be int64 absolute positions."""
+    return X + b * stride_b + h * stride_h + rows[:, None] * stride_n + offs_d[None, :]
+
+
+@triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, lo, hi, N, qk_scale,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Fold key tiles [lo, hi) into the running (acc, l, m) of one query tile.
@@ -97,12 +103,11 @@ def _fwd_kernel(Q, K, V, O, LSE,
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
 
-    q_ptrs = Q + b * stride_qb + h * stride_qh + start_m.to(tl.int64) * stride_qn \
-        + offs_m[:, None] * stride_qn + offs_d[None, :]
-    row_ok = (start_m + offs_m) < N
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-    k_ptrs = K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
-    v_ptrs = V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+    rows = start_m.to(tl.int64) + offs_m
+    row_ok = rows < N
+    q = tl.load(_rows(Q, b, h, stride_qb, stride_qh, stride_qn, rows, offs_d), mask=row_ok[:, None], other=0.0)
+    k_ptrs = _rows(K, b, h, stride_kb, stride_kh, stride_kn, offs_n, offs_d)
+    v_ptrs = _rows(V, b, h, stride_vb, stride_vh, stride_vn, offs_n, offs_d)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max (base-2 units)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s − m)
@@ -121,11 +126,8 @@ def _fwd_kernel(Q, K, V, O, LSE,
 
     # o = acc / l;  LSE = m + log2(l) (base 2), what the backward needs to rebuild P = exp2(s − LSE)
     o = acc / l_i[:, None]
-    lse_ptrs = LSE + bh.to(tl.int64) * N + start_m + offs_m
-    tl.store(lse_ptrs, m_i + tl.math.log2(l_i), mask=row_ok)
-    o_ptrs = O + b * stride_ob + h * stride_oh + start_m.to(tl.int64) * stride_on \
-        + offs_m[:, None] * stride_on + offs_d[None, :]
-    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(LSE + bh.to(tl.int64) * N + rows, m_i + tl.math.log2(l_i), mask=row_ok)
+    tl.store(_rows(O, b, h, stride_ob, stride_oh, stride_on, rows, offs_d), o.to(O.dtype.element_ty), mask=row_ok[:, None])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -142,10 +144,8 @@ def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_dob,
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = (start_m + offs_m) < N
     rows = start_m.to(tl.int64) + offs_m
-    o = tl.load(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_don + offs_d[None, :],
-                 mask=row_ok[:, None], other=0.0)
+    o = tl.load(_rows(O, b, h, stride_ob, stride_oh, stride_on, rows, offs_d), mask=row_ok[:, None], other=0.0)
+    do = tl.load(_rows(DO, b, h, stride_dob, stride_doh, stride_don, rows, offs_d), mask=row_ok[:, None], other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + bh.to(tl.int64) * N + rows, delta, mask=row_ok)
 
@@ -197,12 +197,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
     offs_d = tl.arange(0, HEAD_DIM)
     col_ok = (start_n + offs_n) < N
     rows_n = start_n.to(tl.int64) + offs_n
-    k = tl.load(K + b * stride_kb + h * stride_kh + rows_n[:, None] * stride_kn + offs_d[None, :],
-                mask=col_ok[:, None], other=0.0)
-    v = tl.load(V + b * stride_vb + h * stride_vh + rows_n[:, None] * stride_vn + offs_d[None, :],
-                mask=col_ok[:, None], other=0.0)
-    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :]
-    do_ptrs = DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :]
+    k = tl.load(_rows(K, b, h, stride_kb, stride_kh, stride_kn, rows_n, offs_d), mask=col_ok[:, None], other=0.0)
+    v = tl.load(_rows(V, b, h, stride_vb, stride_vh, stride_vn, rows_n, offs_d), mask=col_ok[:, None], other=0.0)
+    q_ptrs = _rows(Q, b, h, stride_qb, stride_qh, stride_qn, offs_m, offs_d)
+    do_ptrs = _rows(DO, b, h, stride_dob, stride_doh, stride_don, offs_m, offs_d)
     lse_ptrs = LSE + bh.to(tl.int64) * N
     delta_ptrs = DELTA + bh.to(tl.int64) * N
 
@@ -219,9 +217,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                                  start_n, 0, N, N, qk_scale, False, BLOCK_M, BLOCK_N)
 
     dk *= sm_scale  # dS was taken w.r.t. the scaled scores
-    out = b * stride_dkb + h * stride_dkh + rows_n[:, None] * stride_dkn + offs_d[None, :]
-    tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
-    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(_rows(DK, b, h, stride_dkb, stride_dkh, stride_dkn, rows_n, offs_d), dk.to(DK.dtype.element_ty),
+             mask=col_ok[:, None])
+    tl.store(_rows(DV, b, h, stride_dkb, stride_dkh, stride_dkn, rows_n, offs_d), dv.to(DV.dtype.element_ty),
+             mask=col_ok[:, None])
 
 
 @triton.jit
@@ -267,14 +266,12 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = (start_m + offs_m) < N
     rows = start_m.to(tl.int64) + offs_m
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_don + offs_d[None, :],
-                 mask=row_ok[:, None], other=0.0)
+    q = tl.load(_rows(Q, b, h, stride_qb, stride_qh, stride_qn, rows, offs_d), mask=row_ok[:, None], other=0.0)
+    do = tl.load(_rows(DO, b, h, stride_dob, stride_doh, stride_don, rows, offs_d), mask=row_ok[:, None], other=0.0)
     lse = tl.load(LSE + bh.to(tl.int64) * N + rows, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0)
-    k_ptrs = K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
-    v_ptrs = V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+    k_ptrs = _rows(K, b, h, stride_kb, stride_kh, stride_kn, offs_n, offs_d)
+    v_ptrs = _rows(V, b, h, stride_vb, stride_vh, stride_vn, offs_n, offs_d)
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     if CAUSAL:
@@ -286,8 +283,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
         dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, 0, N, N,
                            qk_scale, False, BLOCK_M, BLOCK_N)
     dq *= sm_scale
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(_rows(DQ, b, h, stride_dqb, stride_dqh, stride_dqn, rows, offs_d), dq.to(DQ.dtype.element_ty),
+             mask=row_ok[:, None])
 
 
 # ------------------------------------------------------------------------------------------------
