@@ -52,13 +52,13 @@ def _fwd_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, 
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Fold key tiles [lo, hi) into the running (acc, l, m) of one query tile.
 
+    k_ptrs/v_ptrs point at key row `lo` and are returned pointing past the last tile, so the next stage
+    continues from there (64-bit pointer steps: no lo·stride product to overflow at a million tokens).
     MASKED tiles (the causal diagonal, or the ragged last tile) apply the causal/bounds mask; the rest
     are known to be fully visible and skip it.
     """
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    k_ptrs += tl.cast(lo, tl.int64) * stride_kn  # lo·stride can pass 2³¹ at a million tokens
-    v_ptrs += tl.cast(lo, tl.int64) * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
         if MASKED:
             in_bounds = (start_n + offs_n) < N
@@ -84,7 +84,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, 
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
-    return acc, l_i, m_i
+    return acc, l_i, m_i, k_ptrs, v_ptrs
 
 
 @triton.jit
@@ -119,10 +119,10 @@ def _fwd_kernel(Q, K, V, O, LSE,
     else:  # all keys visible; only the ragged last tile is masked
         full_hi = (N // BLOCK_N) * BLOCK_N
         diag_hi = N
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, 0, full_hi, N,
-                               qk_scale, False, CAUSAL, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, full_hi, diag_hi, N,
-                               qk_scale, True, CAUSAL, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i, k_ptrs, v_ptrs = _fwd_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m,
+                                               0, full_hi, N, qk_scale, False, CAUSAL, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i, k_ptrs, v_ptrs = _fwd_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m,
+                                               full_hi, diag_hi, N, qk_scale, True, CAUSAL, BLOCK_M, BLOCK_N)
 
     # o = acc / l;  LSE = m + log2(l) (base 2), what the backward needs to rebuild P = exp2(s − LSE)
     o = acc / l_i[:, None]
@@ -154,11 +154,12 @@ def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_dob,
 def _bwd_dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qn, stride_don,
                     start_n, lo, hi, N, qk_scale,
                     MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Accumulate dK, dV of one key tile over query tiles [lo, hi). Works on transposed tiles (keys × queries)."""
+    """Accumulate dK, dV of one key tile over query tiles [lo, hi). Works on transposed tiles (keys × queries).
+
+    q_ptrs/do_ptrs point at query row `lo` and are returned pointing past the last tile (see _fwd_tiles).
+    """
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    q_ptrs += tl.cast(lo, tl.int64) * stride_qn  # lo·stride can pass 2³¹ at a million tokens
-    do_ptrs += tl.cast(lo, tl.int64) * stride_don
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         row_ok = rows < N
@@ -179,7 +180,7 @@ def _bwd_dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_
         dk += tl.dot(dsT.to(q.dtype), q)
         q_ptrs += BLOCK_M * stride_qn
         do_ptrs += BLOCK_M * stride_don
-    return dk, dv
+    return dk, dv, q_ptrs, do_ptrs
 
 
 @triton.jit
@@ -199,22 +200,23 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
     rows_n = start_n.to(tl.int64) + offs_n
     k = tl.load(_rows(K, b, h, stride_kb, stride_kh, stride_kn, rows_n, offs_d), mask=col_ok[:, None], other=0.0)
     v = tl.load(_rows(V, b, h, stride_vb, stride_vh, stride_vn, rows_n, offs_d), mask=col_ok[:, None], other=0.0)
-    q_ptrs = _rows(Q, b, h, stride_qb, stride_qh, stride_qn, offs_m, offs_d)
-    do_ptrs = _rows(DO, b, h, stride_dob, stride_doh, stride_don, offs_m, offs_d)
+    lo = start_n if CAUSAL else 0  # queries before this key tile cannot see it
+    q_ptrs = _rows(Q, b, h, stride_qb, stride_qh, stride_qn, lo + offs_m.to(tl.int64), offs_d)
+    do_ptrs = _rows(DO, b, h, stride_dob, stride_doh, stride_don, lo + offs_m.to(tl.int64), offs_d)
     lse_ptrs = LSE + bh.to(tl.int64) * N
     delta_ptrs = DELTA + bh.to(tl.int64) * N
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    if CAUSAL:  # queries before this key tile cannot see it; the diagonal tiles get the mask
+    if CAUSAL:  # the diagonal tiles get the mask, the query tiles below them do not
         diag_hi = tl.minimum(start_n + BLOCK_N, N)
-        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qn, stride_don,
-                                 start_n, start_n, diag_hi, N, qk_scale, True, BLOCK_M, BLOCK_N)
-        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qn, stride_don,
-                                 start_n, diag_hi, N, N, qk_scale, False, BLOCK_M, BLOCK_N)
+        dk, dv, q_ptrs, do_ptrs = _bwd_dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qn,
+                                                  stride_don, start_n, start_n, diag_hi, N, qk_scale, True, BLOCK_M, BLOCK_N)
+        dk, dv, q_ptrs, do_ptrs = _bwd_dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qn,
+                                                  stride_don, start_n, diag_hi, N, N, qk_scale, False, BLOCK_M, BLOCK_N)
     else:
-        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qn, stride_don,
-                                 start_n, 0, N, N, qk_scale, False, BLOCK_M, BLOCK_N)
+        dk, dv, q_ptrs, do_ptrs = _bwd_dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qn,
+                                                  stride_don, start_n, 0, N, N, qk_scale, False, BLOCK_M, BLOCK_N)
 
     dk *= sm_scale  # dS was taken w.r.t. the scaled scores
     tl.store(_rows(DK, b, h, stride_dkb, stride_dkh, stride_dkn, rows_n, offs_d), dk.to(DK.dtype.element_ty),
@@ -226,11 +228,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
 @triton.jit
 def _bwd_dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, lo, hi, N, qk_scale,
                   MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Accumulate dQ of one query tile over key tiles [lo, hi)."""
+    """Accumulate dQ of one query tile over key tiles [lo, hi); k_ptrs/v_ptrs at key row `lo`, returned past the end."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    k_ptrs += tl.cast(lo, tl.int64) * stride_kn  # lo·stride can pass 2³¹ at a million tokens
-    v_ptrs += tl.cast(lo, tl.int64) * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
         # keys past the end load as zeros: they add exactly 0 to dQ (dQ += dS K), so no score mask is needed
         col_ok = (start_n + offs_n) < N
@@ -245,7 +245,7 @@ def _bwd_dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, s
         dq += tl.dot(ds.to(k.dtype), k)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
-    return dq
+    return dq, k_ptrs, v_ptrs
 
 
 @triton.jit
@@ -274,14 +274,14 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     v_ptrs = _rows(V, b, h, stride_vb, stride_vh, stride_vn, offs_n, offs_d)
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if CAUSAL:
-        dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, 0, start_m, N,
-                           qk_scale, False, BLOCK_M, BLOCK_N)
-        dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, start_m,
-                           tl.minimum(start_m + BLOCK_M, N), N, qk_scale, True, BLOCK_M, BLOCK_N)
+    if CAUSAL:  # keys before the tile unmasked, then the diagonal tiles masked
+        dq, k_ptrs, v_ptrs = _bwd_dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m,
+                                           0, start_m, N, qk_scale, False, BLOCK_M, BLOCK_N)
+        dq, k_ptrs, v_ptrs = _bwd_dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m,
+                                           start_m, tl.minimum(start_m + BLOCK_M, N), N, qk_scale, True, BLOCK_M, BLOCK_N)
     else:
-        dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, 0, N, N,
-                           qk_scale, False, BLOCK_M, BLOCK_N)
+        dq, k_ptrs, v_ptrs = _bwd_dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m,
+                                           0, N, N, qk_scale, False, BLOCK_M, BLOCK_N)
     dq *= sm_scale
     tl.store(_rows(DQ, b, h, stride_dqb, stride_dqh, stride_dqn, rows, offs_d), dq.to(DQ.dtype.element_ty),
              mask=row_ok[:, None])
