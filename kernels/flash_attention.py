@@ -14,8 +14,8 @@ No atomics: every output tile has one writer, so results are deterministic.
 
 Causal masking: tiles entirely above the diagonal are never visited; only tiles on the diagonal pay for
 the mask. Sequence tails (seq not a multiple of the tile) are handled with masked loads and stores.
-Pointer offsets that can exceed 2³¹ (batch/head/sequence bases of a million-token input) are int64;
-offsets inside a tile stay int32.
+Offsets that can exceed 2³¹ (batch/head bases; tile starts on inputs where seq × row stride passes 2³¹,
+e.g. a million tokens in the model's qkv layout) are int64; offsets inside a tile stay int32.
 
 Precision: fp16/bf16 inputs use tensor-core dots with fp32 accumulation and an fp32 softmax; fp32 inputs
 are accepted and run the same kernels with TF32 dots (about 1e-3 relative error; exact fp32 under
@@ -42,23 +42,22 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Forward
 # ------------------------------------------------------------------------------------------------
 @triton.jit
-def _rows(X, b, h, stride_b, stride_h, stride_n, rows, offs_d):
-    """Pointers to the (len(rows) × HEAD_DIM) tile of head (b, h) of X; rows may be int64 absolute positions."""
-    return X + b * stride_b + h * stride_h + rows[:, None] * stride_n + offs_d[None, :]
-
-
-@triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, lo, hi, N, qk_scale,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               INT64_OFFSETS: tl.constexpr):
     """Fold key tiles [lo, hi) into the running (acc, l, m) of one query tile.
 
-    k_ptrs/v_ptrs point at key row `lo` and are returned pointing past the last tile, so the next stage
-    continues from there (64-bit pointer steps: no lo·stride product to overflow at a million tokens).
     MASKED tiles (the causal diagonal, or the ragged last tile) apply the causal/bounds mask; the rest
     are known to be fully visible and skip it.
     """
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
+    if INT64_OFFSETS:  # lo·stride passes 2³¹ on very long inputs
+        k_ptrs += tl.cast(lo, tl.int64) * stride_kn
+        v_ptrs += tl.cast(lo, tl.int64) * stride_vn
+    else:
+        k_ptrs += lo * stride_kn
+        v_ptrs += lo * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
         if MASKED:
             in_bounds = (start_n + offs_n) < N
@@ -84,7 +83,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, 
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
-    return acc, l_i, m_i, k_ptrs, v_ptrs
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -92,7 +91,8 @@ def _fwd_kernel(Q, K, V, O, LSE,
                 stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                 stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
                 H, N, qk_scale,
-                CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                INT64_OFFSETS: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:  # longest rows first: the last query tiles see the most keys
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -103,11 +103,12 @@ def _fwd_kernel(Q, K, V, O, LSE,
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
 
-    rows = start_m.to(tl.int64) + offs_m
-    row_ok = rows < N
-    q = tl.load(_rows(Q, b, h, stride_qb, stride_qh, stride_qn, rows, offs_d), mask=row_ok[:, None], other=0.0)
-    k_ptrs = _rows(K, b, h, stride_kb, stride_kh, stride_kn, offs_n, offs_d)
-    v_ptrs = _rows(V, b, h, stride_vb, stride_vh, stride_vn, offs_n, offs_d)
+    q_ptrs = Q + b * stride_qb + h * stride_qh + start_m.to(tl.int64) * stride_qn \
+        + offs_m[:, None] * stride_qn + offs_d[None, :]
+    row_ok = (start_m + offs_m) < N
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    k_ptrs = K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
+    v_ptrs = V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max (base-2 units)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s − m)
@@ -119,15 +120,18 @@ def _fwd_kernel(Q, K, V, O, LSE,
     else:  # all keys visible; only the ragged last tile is masked
         full_hi = (N // BLOCK_N) * BLOCK_N
         diag_hi = N
-    acc, l_i, m_i, k_ptrs, v_ptrs = _fwd_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m,
-                                               0, full_hi, N, qk_scale, False, CAUSAL, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i, k_ptrs, v_ptrs = _fwd_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m,
-                                               full_hi, diag_hi, N, qk_scale, True, CAUSAL, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, 0, full_hi, N,
+                               qk_scale, False, CAUSAL, BLOCK_M, BLOCK_N, INT64_OFFSETS)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, full_hi, diag_hi, N,
+                               qk_scale, True, CAUSAL, BLOCK_M, BLOCK_N, INT64_OFFSETS)
 
     # o = acc / l;  LSE = m + log2(l) (base 2), what the backward needs to rebuild P = exp2(s − LSE)
     o = acc / l_i[:, None]
-    tl.store(LSE + bh.to(tl.int64) * N + rows, m_i + tl.math.log2(l_i), mask=row_ok)
-    tl.store(_rows(O, b, h, stride_ob, stride_oh, stride_on, rows, offs_d), o.to(O.dtype.element_ty), mask=row_ok[:, None])
+    lse_ptrs = LSE + bh.to(tl.int64) * N + start_m + offs_m
+    tl.store(lse_ptrs, m_i + tl.math.log2(l_i), mask=row_ok)
+    o_ptrs = O + b * stride_ob + h * stride_oh + start_m.to(tl.int64) * stride_on \
+        + offs_m[:, None] * stride_on + offs_d[None, :]
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -144,8 +148,10 @@ def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_dob,
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = (start_m + offs_m) < N
     rows = start_m.to(tl.int64) + offs_m
-    o = tl.load(_rows(O, b, h, stride_ob, stride_oh, stride_on, rows, offs_d), mask=row_ok[:, None], other=0.0)
-    do = tl.load(_rows(DO, b, h, stride_dob, stride_doh, stride_don, rows, offs_d), mask=row_ok[:, None], other=0.0)
+    o = tl.load(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_don + offs_d[None, :],
+                 mask=row_ok[:, None], other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + bh.to(tl.int64) * N + rows, delta, mask=row_ok)
 
@@ -153,13 +159,16 @@ def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_dob,
 @triton.jit
 def _bwd_dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qn, stride_don,
                     start_n, lo, hi, N, qk_scale,
-                    MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Accumulate dK, dV of one key tile over query tiles [lo, hi). Works on transposed tiles (keys × queries).
-
-    q_ptrs/do_ptrs point at query row `lo` and are returned pointing past the last tile (see _fwd_tiles).
-    """
+                    MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr):
+    """Accumulate dK, dV of one key tile over query tiles [lo, hi). Works on transposed tiles (keys × queries)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = start_n + tl.arange(0, BLOCK_N)
+    if INT64_OFFSETS:  # lo·stride passes 2³¹ on very long inputs
+        q_ptrs += tl.cast(lo, tl.int64) * stride_qn
+        do_ptrs += tl.cast(lo, tl.int64) * stride_don
+    else:
+        q_ptrs += lo * stride_qn
+        do_ptrs += lo * stride_don
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         row_ok = rows < N
@@ -180,7 +189,7 @@ def _bwd_dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_
         dk += tl.dot(dsT.to(q.dtype), q)
         q_ptrs += BLOCK_M * stride_qn
         do_ptrs += BLOCK_M * stride_don
-    return dk, dv, q_ptrs, do_ptrs
+    return dk, dv
 
 
 @triton.jit
@@ -189,7 +198,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                      stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
                      stride_dkb, stride_dkh, stride_dkn,
                      H, N, qk_scale, sm_scale,
-                     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     INT64_OFFSETS: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
     b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
@@ -198,39 +208,45 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
     offs_d = tl.arange(0, HEAD_DIM)
     col_ok = (start_n + offs_n) < N
     rows_n = start_n.to(tl.int64) + offs_n
-    k = tl.load(_rows(K, b, h, stride_kb, stride_kh, stride_kn, rows_n, offs_d), mask=col_ok[:, None], other=0.0)
-    v = tl.load(_rows(V, b, h, stride_vb, stride_vh, stride_vn, rows_n, offs_d), mask=col_ok[:, None], other=0.0)
-    lo = start_n if CAUSAL else 0  # queries before this key tile cannot see it
-    q_ptrs = _rows(Q, b, h, stride_qb, stride_qh, stride_qn, lo + offs_m.to(tl.int64), offs_d)
-    do_ptrs = _rows(DO, b, h, stride_dob, stride_doh, stride_don, lo + offs_m.to(tl.int64), offs_d)
+    k = tl.load(K + b * stride_kb + h * stride_kh + rows_n[:, None] * stride_kn + offs_d[None, :],
+                mask=col_ok[:, None], other=0.0)
+    v = tl.load(V + b * stride_vb + h * stride_vh + rows_n[:, None] * stride_vn + offs_d[None, :],
+                mask=col_ok[:, None], other=0.0)
+    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :]
+    do_ptrs = DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :]
     lse_ptrs = LSE + bh.to(tl.int64) * N
     delta_ptrs = DELTA + bh.to(tl.int64) * N
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    if CAUSAL:  # the diagonal tiles get the mask, the query tiles below them do not
+    if CAUSAL:  # queries before this key tile cannot see it; the diagonal tiles get the mask
         diag_hi = tl.minimum(start_n + BLOCK_N, N)
-        dk, dv, q_ptrs, do_ptrs = _bwd_dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qn,
-                                                  stride_don, start_n, start_n, diag_hi, N, qk_scale, True, BLOCK_M, BLOCK_N)
-        dk, dv, q_ptrs, do_ptrs = _bwd_dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qn,
-                                                  stride_don, start_n, diag_hi, N, N, qk_scale, False, BLOCK_M, BLOCK_N)
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qn, stride_don,
+                                 start_n, start_n, diag_hi, N, qk_scale, True, BLOCK_M, BLOCK_N, INT64_OFFSETS)
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qn, stride_don,
+                                 start_n, diag_hi, N, N, qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS)
     else:
-        dk, dv, q_ptrs, do_ptrs = _bwd_dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qn,
-                                                  stride_don, start_n, 0, N, N, qk_scale, False, BLOCK_M, BLOCK_N)
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qn, stride_don,
+                                 start_n, 0, N, N, qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS)
 
     dk *= sm_scale  # dS was taken w.r.t. the scaled scores
-    tl.store(_rows(DK, b, h, stride_dkb, stride_dkh, stride_dkn, rows_n, offs_d), dk.to(DK.dtype.element_ty),
-             mask=col_ok[:, None])
-    tl.store(_rows(DV, b, h, stride_dkb, stride_dkh, stride_dkn, rows_n, offs_d), dv.to(DV.dtype.element_ty),
-             mask=col_ok[:, None])
+    out = b * stride_dkb + h * stride_dkh + rows_n[:, None] * stride_dkn + offs_d[None, :]
+    tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
 
 
 @triton.jit
 def _bwd_dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, lo, hi, N, qk_scale,
-                  MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Accumulate dQ of one query tile over key tiles [lo, hi); k_ptrs/v_ptrs at key row `lo`, returned past the end."""
+                  MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr):
+    """Accumulate dQ of one query tile over key tiles [lo, hi)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
+    if INT64_OFFSETS:  # lo·stride passes 2³¹ on very long inputs
+        k_ptrs += tl.cast(lo, tl.int64) * stride_kn
+        v_ptrs += tl.cast(lo, tl.int64) * stride_vn
+    else:
+        k_ptrs += lo * stride_kn
+        v_ptrs += lo * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
         # keys past the end load as zeros: they add exactly 0 to dQ (dQ += dS K), so no score mask is needed
         col_ok = (start_n + offs_n) < N
@@ -245,7 +261,7 @@ def _bwd_dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, s
         dq += tl.dot(ds.to(k.dtype), k)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
-    return dq, k_ptrs, v_ptrs
+    return dq
 
 
 @triton.jit
@@ -254,7 +270,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
                    stride_dqb, stride_dqh, stride_dqn,
                    H, N, qk_scale, sm_scale,
-                   CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   INT64_OFFSETS: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:  # longest rows first
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -266,25 +283,27 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = (start_m + offs_m) < N
     rows = start_m.to(tl.int64) + offs_m
-    q = tl.load(_rows(Q, b, h, stride_qb, stride_qh, stride_qn, rows, offs_d), mask=row_ok[:, None], other=0.0)
-    do = tl.load(_rows(DO, b, h, stride_dob, stride_doh, stride_don, rows, offs_d), mask=row_ok[:, None], other=0.0)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_don + offs_d[None, :],
+                 mask=row_ok[:, None], other=0.0)
     lse = tl.load(LSE + bh.to(tl.int64) * N + rows, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0)
-    k_ptrs = _rows(K, b, h, stride_kb, stride_kh, stride_kn, offs_n, offs_d)
-    v_ptrs = _rows(V, b, h, stride_vb, stride_vh, stride_vn, offs_n, offs_d)
+    k_ptrs = K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
+    v_ptrs = V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if CAUSAL:  # keys before the tile unmasked, then the diagonal tiles masked
-        dq, k_ptrs, v_ptrs = _bwd_dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m,
-                                           0, start_m, N, qk_scale, False, BLOCK_M, BLOCK_N)
-        dq, k_ptrs, v_ptrs = _bwd_dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m,
-                                           start_m, tl.minimum(start_m + BLOCK_M, N), N, qk_scale, True, BLOCK_M, BLOCK_N)
+    if CAUSAL:
+        dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, 0, start_m, N,
+                           qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS)
+        dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, start_m,
+                           tl.minimum(start_m + BLOCK_M, N), N, qk_scale, True, BLOCK_M, BLOCK_N, INT64_OFFSETS)
     else:
-        dq, k_ptrs, v_ptrs = _bwd_dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m,
-                                           0, N, N, qk_scale, False, BLOCK_M, BLOCK_N)
+        dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, 0, N, N,
+                           qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS)
     dq *= sm_scale
-    tl.store(_rows(DQ, b, h, stride_dqb, stride_dqh, stride_dqn, rows, offs_d), dq.to(DQ.dtype.element_ty),
-             mask=row_ok[:, None])
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -351,6 +370,14 @@ def _strides3(t: Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+def _needs_int64(n: int, *tensors: Tensor) -> bool:
+    """Whether a row offset (seq position × row stride) can pass 2³¹: then the kernels use int64 tile offsets.
+
+    Only then: int64 offsets cost 10-15% on an H200 at benchmark sizes (they hide alignment from the compiler).
+    """
+    return any(n * t.stride(2) >= 2**31 for t in tensors)
+
+
 def _forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float,
              cfg: TileConfig | None = None) -> tuple[Tensor, Tensor]:
     B, H, N, D = q.shape
@@ -360,7 +387,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float,
     grid = (triton.cdiv(N, cfg.block_m), B * H)
     _fwd_kernel[grid](q, k, v, o, lse, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(o),
                       H, N, sm_scale * LOG2E, CAUSAL=causal, HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                      INT64_OFFSETS=_needs_int64(N, q, k, v), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return o, lse
 
 
@@ -376,14 +403,17 @@ def _backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
     dk = torch.empty((B, H, N, D), dtype=k.dtype, device=q.device)
     dv = torch.empty((B, H, N, D), dtype=v.dtype, device=q.device)
     common = (*_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do))
+    int64 = _needs_int64(N, q, k, v, do)
     c = dkdv_cfg or tile_config("dkdv", D)
     _bwd_dkdv_kernel[(triton.cdiv(N, c.block_n), B * H)](
         q, k, v, do, lse, delta, dk, dv, *common, *_strides3(dk), H, N, sm_scale * LOG2E, sm_scale,
-        CAUSAL=causal, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages)
+        CAUSAL=causal, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, INT64_OFFSETS=int64,
+        num_warps=c.num_warps, num_stages=c.num_stages)
     c = dq_cfg or tile_config("dq", D)
     _bwd_dq_kernel[(triton.cdiv(N, c.block_m), B * H)](
         q, k, v, do, lse, delta, dq, *common, *_strides3(dq), H, N, sm_scale * LOG2E, sm_scale,
-        CAUSAL=causal, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages)
+        CAUSAL=causal, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, INT64_OFFSETS=int64,
+        num_warps=c.num_warps, num_stages=c.num_stages)
     return dq, dk, dv
 
 
