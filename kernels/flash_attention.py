@@ -12,6 +12,9 @@ Backward (FlashAttention-2): delta = rowsum(dO ∘ O); one kernel owns a key til
 tiles to accumulate dK and dV; another owns a query tile and walks the key tiles to accumulate dQ.
 No atomics: every output tile has one writer, so results are deterministic.
 
+Tiles stream through TMA descriptors on Hopper (hardware bulk copies; rows past the end read as 0) when
+the inputs are 16-byte aligned, through masked pointer loads otherwise.
+
 Causal masking: tiles entirely above the diagonal are never visited; only tiles on the diagonal pay for
 the mask. Sequence tails (seq not a multiple of the tile) are handled with masked loads and stores.
 Offsets that can exceed 2³¹ (batch/head bases; tile starts on inputs where seq × row stride passes 2³¹,
@@ -39,50 +42,70 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # ------------------------------------------------------------------------------------------------
+# Tile sources: what the inner loops stream over (keys/values in the forward, queries/grads in the backward)
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _tile_source(base, N, stride_n, offs_n, offs_d, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr):
+    """One head's (N, HEAD_DIM) rows as a TMA descriptor (bulk asynchronous tile copies on Hopper, rows past
+    N read as 0, addressing done in hardware) or as a tile of pointers to rows 0..BLOCK that the loop advances."""
+    if TMA:
+        return tl.make_tensor_descriptor(base, shape=[N, HEAD_DIM], strides=[stride_n, 1],
+                                         block_shape=[BLOCK, HEAD_DIM])
+    else:
+        return base + offs_n[:, None] * stride_n + offs_d[None, :]
+
+
+# ------------------------------------------------------------------------------------------------
 # Forward
 # ------------------------------------------------------------------------------------------------
 @triton.jit
-def _fwd_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, lo, hi, N, qk_scale,
+def _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, lo, hi, N, qk_scale,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               INT64_OFFSETS: tl.constexpr):
+               INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr):
     """Fold key tiles [lo, hi) into the running (acc, l, m) of one query tile.
 
     MASKED tiles (the causal diagonal, or the ragged last tile) apply the causal/bounds mask; the rest
-    are known to be fully visible and skip it.
+    are known to be fully visible and skip it. k_src/v_src are TMA descriptors (TMA) or pointer tiles.
     """
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    if INT64_OFFSETS:  # lo·stride passes 2³¹ on very long inputs
-        k_ptrs += tl.cast(lo, tl.int64) * stride_kn
-        v_ptrs += tl.cast(lo, tl.int64) * stride_vn
-    else:
-        k_ptrs += lo * stride_kn
-        v_ptrs += lo * stride_vn
-    for start_n in range(lo, hi, BLOCK_N):
-        if MASKED:
-            in_bounds = (start_n + offs_n) < N
-            k = tl.load(k_ptrs, mask=in_bounds[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=in_bounds[:, None], other=0.0)
+    if not TMA:
+        if INT64_OFFSETS:  # lo·stride passes 2³¹ on very long inputs
+            k_src += tl.cast(lo, tl.int64) * stride_kn
+            v_src += tl.cast(lo, tl.int64) * stride_vn
         else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        # s = q kᵀ · scale · log2(e): scores in base-2 units
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+            k_src += lo * stride_kn
+            v_src += lo * stride_vn
+    for start_n in range(lo, hi, BLOCK_N):
+        in_bounds = (start_n + offs_n) < N
+        if TMA:  # rows past the end read as 0
+            k = k_src.load([start_n, 0])
+            v = v_src.load([start_n, 0])
+        elif MASKED:
+            k = tl.load(k_src, mask=in_bounds[:, None], other=0.0)
+            v = tl.load(v_src, mask=in_bounds[:, None], other=0.0)
+        else:
+            k = tl.load(k_src)
+            v = tl.load(v_src)
+        qk = tl.dot(q, tl.trans(k))
         if MASKED:
             visible = in_bounds[None, :]
             if CAUSAL:
                 visible = visible & (offs_m[:, None] >= (start_n + offs_n)[None, :])
-            s = tl.where(visible, s, float("-inf"))
-        # m_new = max(m_old, rowmax(s));  p = exp2(s − m_new)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
+            qk = tl.where(visible, qk, float("-inf"))
+        # scores in base-2 units are s = qk · scale·log2(e);  m_new = max(m_old, rowmax(s))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        # p = exp2(s − m_new), one fused multiply-add per score
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         # α = exp2(m_old − m_new) rescales what was accumulated under the old max
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        # acc = α·acc + p v, the add done by the tensor core's accumulator
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+        if not TMA:
+            k_src += BLOCK_N * stride_kn
+            v_src += BLOCK_N * stride_vn
     return acc, l_i, m_i
 
 
@@ -92,7 +115,7 @@ def _fwd_kernel(Q, K, V, O, LSE,
                 stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
                 H, N, qk_scale,
                 CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                INT64_OFFSETS: tl.constexpr):
+                INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:  # longest rows first: the last query tiles see the most keys
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -107,8 +130,8 @@ def _fwd_kernel(Q, K, V, O, LSE,
         + offs_m[:, None] * stride_qn + offs_d[None, :]
     row_ok = (start_m + offs_m) < N
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-    k_ptrs = K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
-    v_ptrs = V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+    k_src = _tile_source(K + b * stride_kb + h * stride_kh, N, stride_kn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
+    v_src = _tile_source(V + b * stride_vb + h * stride_vh, N, stride_vn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max (base-2 units)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s − m)
@@ -120,10 +143,10 @@ def _fwd_kernel(Q, K, V, O, LSE,
     else:  # all keys visible; only the ragged last tile is masked
         full_hi = (N // BLOCK_N) * BLOCK_N
         diag_hi = N
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, 0, full_hi, N,
-                               qk_scale, False, CAUSAL, BLOCK_M, BLOCK_N, INT64_OFFSETS)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, full_hi, diag_hi, N,
-                               qk_scale, True, CAUSAL, BLOCK_M, BLOCK_N, INT64_OFFSETS)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, 0, full_hi, N,
+                               qk_scale, False, CAUSAL, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, full_hi, diag_hi, N,
+                               qk_scale, True, CAUSAL, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
 
     # o = acc / l;  LSE = m + log2(l) (base 2), what the backward needs to rebuild P = exp2(s − LSE)
     o = acc / l_i[:, None]
@@ -157,38 +180,45 @@ def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_dob,
 
 
 @triton.jit
-def _bwd_dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qn, stride_don,
+def _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, stride_qn, stride_don,
                     start_n, lo, hi, N, qk_scale,
-                    MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr):
+                    MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr,
+                    TMA: tl.constexpr):
     """Accumulate dK, dV of one key tile over query tiles [lo, hi). Works on transposed tiles (keys × queries)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    if INT64_OFFSETS:  # lo·stride passes 2³¹ on very long inputs
-        q_ptrs += tl.cast(lo, tl.int64) * stride_qn
-        do_ptrs += tl.cast(lo, tl.int64) * stride_don
-    else:
-        q_ptrs += lo * stride_qn
-        do_ptrs += lo * stride_don
+    if not TMA:
+        if INT64_OFFSETS:  # lo·stride passes 2³¹ on very long inputs
+            q_src += tl.cast(lo, tl.int64) * stride_qn
+            do_src += tl.cast(lo, tl.int64) * stride_don
+        else:
+            q_src += lo * stride_qn
+            do_src += lo * stride_don
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         row_ok = rows < N
-        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+        if TMA:  # rows past the end read as 0
+            q = q_src.load([start_m, 0])
+            do = do_src.load([start_m, 0])
+        else:
+            q = tl.load(q_src, mask=row_ok[:, None], other=0.0)
+            do = tl.load(do_src, mask=row_ok[:, None], other=0.0)
         # rows past the end get LSE = +inf, so their probabilities are exactly 0
         lse = tl.load(lse_ptrs + rows, mask=row_ok, other=float("inf"))
         # Pᵀ = exp2(K Qᵀ · scale·log2e − LSE)
         pT = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
         if MASKED:
             pT = tl.where(rows[None, :] >= offs_n[:, None], pT, 0.0)
-        do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
         # dV += Pᵀ dO
-        dv += tl.dot(pT.to(do.dtype), do)
+        dv = tl.dot(pT.to(do.dtype), do, dv)
         # dPᵀ = V dOᵀ;  dSᵀ = Pᵀ ∘ (dPᵀ − delta)
         delta = tl.load(delta_ptrs + rows, mask=row_ok, other=0.0)
-        dsT = pT * (tl.dot(v, tl.trans(do)).to(tl.float32) - delta[None, :])
+        dsT = pT * (tl.dot(v, tl.trans(do)) - delta[None, :])
         # dK += dSᵀ Q  (the softmax scale is applied once at the end)
-        dk += tl.dot(dsT.to(q.dtype), q)
-        q_ptrs += BLOCK_M * stride_qn
-        do_ptrs += BLOCK_M * stride_don
+        dk = tl.dot(dsT.to(q.dtype), q, dk)
+        if not TMA:
+            q_src += BLOCK_M * stride_qn
+            do_src += BLOCK_M * stride_don
     return dk, dv
 
 
@@ -199,7 +229,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                      stride_dkb, stride_dkh, stride_dkn,
                      H, N, qk_scale, sm_scale,
                      CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     INT64_OFFSETS: tl.constexpr):
+                     INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
     b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
@@ -212,8 +242,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                 mask=col_ok[:, None], other=0.0)
     v = tl.load(V + b * stride_vb + h * stride_vh + rows_n[:, None] * stride_vn + offs_d[None, :],
                 mask=col_ok[:, None], other=0.0)
-    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :]
-    do_ptrs = DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :]
+    q_src = _tile_source(Q + b * stride_qb + h * stride_qh, N, stride_qn, offs_m, offs_d, BLOCK_M, HEAD_DIM, TMA)
+    do_src = _tile_source(DO + b * stride_dob + h * stride_doh, N, stride_don, offs_m, offs_d, BLOCK_M, HEAD_DIM, TMA)
     lse_ptrs = LSE + bh.to(tl.int64) * N
     delta_ptrs = DELTA + bh.to(tl.int64) * N
 
@@ -221,13 +251,13 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     if CAUSAL:  # queries before this key tile cannot see it; the diagonal tiles get the mask
         diag_hi = tl.minimum(start_n + BLOCK_N, N)
-        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qn, stride_don,
-                                 start_n, start_n, diag_hi, N, qk_scale, True, BLOCK_M, BLOCK_N, INT64_OFFSETS)
-        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qn, stride_don,
-                                 start_n, diag_hi, N, N, qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS)
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, stride_qn, stride_don,
+                                 start_n, start_n, diag_hi, N, qk_scale, True, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, stride_qn, stride_don,
+                                 start_n, diag_hi, N, N, qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
     else:
-        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qn, stride_don,
-                                 start_n, 0, N, N, qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS)
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, stride_qn, stride_don,
+                                 start_n, 0, N, N, qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
 
     dk *= sm_scale  # dS was taken w.r.t. the scaled scores
     out = b * stride_dkb + h * stride_dkh + rows_n[:, None] * stride_dkn + offs_d[None, :]
@@ -236,31 +266,38 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
 
 
 @triton.jit
-def _bwd_dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, lo, hi, N, qk_scale,
-                  MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr):
+def _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, lo, hi, N, qk_scale,
+                  MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr,
+                  TMA: tl.constexpr):
     """Accumulate dQ of one query tile over key tiles [lo, hi)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    if INT64_OFFSETS:  # lo·stride passes 2³¹ on very long inputs
-        k_ptrs += tl.cast(lo, tl.int64) * stride_kn
-        v_ptrs += tl.cast(lo, tl.int64) * stride_vn
-    else:
-        k_ptrs += lo * stride_kn
-        v_ptrs += lo * stride_vn
+    if not TMA:
+        if INT64_OFFSETS:  # lo·stride passes 2³¹ on very long inputs
+            k_src += tl.cast(lo, tl.int64) * stride_kn
+            v_src += tl.cast(lo, tl.int64) * stride_vn
+        else:
+            k_src += lo * stride_kn
+            v_src += lo * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
         # keys past the end load as zeros: they add exactly 0 to dQ (dQ += dS K), so no score mask is needed
-        col_ok = (start_n + offs_n) < N
-        k = tl.load(k_ptrs, mask=col_ok[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=col_ok[:, None], other=0.0)
+        if TMA:
+            k = k_src.load([start_n, 0])
+            v = v_src.load([start_n, 0])
+        else:
+            col_ok = (start_n + offs_n) < N
+            k = tl.load(k_src, mask=col_ok[:, None], other=0.0)
+            v = tl.load(v_src, mask=col_ok[:, None], other=0.0)
         # P = exp2(Q Kᵀ · scale·log2e − LSE)
         p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
         if MASKED:
             p = tl.where(offs_m[:, None] >= (start_n + offs_n)[None, :], p, 0.0)
         # dP = dO Vᵀ;  dS = P ∘ (dP − delta);  dQ += dS K
-        ds = p * (tl.dot(do, tl.trans(v)).to(tl.float32) - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+        if not TMA:
+            k_src += BLOCK_N * stride_kn
+            v_src += BLOCK_N * stride_vn
     return dq
 
 
@@ -271,7 +308,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                    stride_dqb, stride_dqh, stride_dqn,
                    H, N, qk_scale, sm_scale,
                    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   INT64_OFFSETS: tl.constexpr):
+                   INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:  # longest rows first
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -289,18 +326,18 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                  mask=row_ok[:, None], other=0.0)
     lse = tl.load(LSE + bh.to(tl.int64) * N + rows, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0)
-    k_ptrs = K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
-    v_ptrs = V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+    k_src = _tile_source(K + b * stride_kb + h * stride_kh, N, stride_kn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
+    v_src = _tile_source(V + b * stride_vb + h * stride_vh, N, stride_vn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     if CAUSAL:
-        dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, 0, start_m, N,
-                           qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS)
-        dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, start_m,
-                           tl.minimum(start_m + BLOCK_M, N), N, qk_scale, True, BLOCK_M, BLOCK_N, INT64_OFFSETS)
+        dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, 0, start_m, N,
+                           qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
+        dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, start_m,
+                           tl.minimum(start_m + BLOCK_M, N), N, qk_scale, True, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
     else:
-        dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, start_m, 0, N, N,
-                           qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS)
+        dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, 0, N, N,
+                           qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
     dq *= sm_scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
@@ -315,25 +352,27 @@ class TileConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    tma: bool = False  # stream tiles through TMA descriptors (Hopper+, aligned inputs; else pointer loads)
 
 
-# Chosen from `scripts/bench_attention.py --explore-only` on an H200 (bf16 causal, D=64/128, N=2K/8K;
-# results/attention_NVIDIA_H200.json holds every candidate's time). D=16/32 reuse D=64's choice, D=256
-# uses smaller tiles to fit shared memory. Key: (kernel, head_dim).
+# Chosen from `scripts/bench_attention.py --explore-only` on an H200 (bf16 causal, D=64/128, N=8K, each
+# shape with and without TMA; results/explore_NVIDIA_H200.json holds every candidate's time). D=16/32 reuse
+# D=64's choice; D=256 uses smaller tiles to fit shared memory (pointer loads, not tuned). Key: (kernel, head_dim).
 # Forward/dQ need block_m % block_n == 0; dK/dV needs block_n % block_m == 0.
 _GPU_CONFIGS: dict[tuple[str, int], TileConfig] = {
-    **{("fwd", d): TileConfig(128, 64, 8, 3) for d in (16, 32, 64, 128)},
+    **{("fwd", d): TileConfig(64, 64, 4, 3, tma=True) for d in (16, 32, 64, 128)},
     ("fwd", 256): TileConfig(64, 32, 4, 2),
-    **{("dkdv", d): TileConfig(32, 128, 4, 3) for d in (16, 32, 64)},
-    ("dkdv", 128): TileConfig(64, 128, 8, 2),
+    **{("dkdv", d): TileConfig(32, 128, 4, 3, tma=True) for d in (16, 32, 64)},
+    ("dkdv", 128): TileConfig(64, 128, 8, 2, tma=True),
     ("dkdv", 256): TileConfig(16, 64, 4, 2),
-    **{("dq", d): TileConfig(128, 32, 8, 3) for d in (16, 32, 64)},
-    ("dq", 128): TileConfig(128, 64, 8, 3),
+    **{("dq", d): TileConfig(128, 64, 8, 3, tma=True) for d in (16, 32, 64, 128)},
     ("dq", 256): TileConfig(64, 16, 4, 2),
 }
 # Small tiles under the CPU interpreter: fast there, and several tiles per test sequence so the
-# diagonal / full / ragged-tail paths all run.
-_INTERPRET_CONFIGS = {"fwd": TileConfig(32, 16, 4, 1), "dkdv": TileConfig(16, 32, 4, 1), "dq": TileConfig(32, 16, 4, 1)}
+# diagonal / full / ragged-tail paths all run. TMA on, as on the GPU (the interpreter emulates descriptors);
+# tests run the pointer path with explicit configs.
+_INTERPRET_CONFIGS = {"fwd": TileConfig(32, 16, 4, 1, tma=True), "dkdv": TileConfig(16, 32, 4, 1, tma=True),
+                      "dq": TileConfig(32, 16, 4, 1, tma=True)}
 
 
 def tile_config(kernel: str, head_dim: int) -> TileConfig:
@@ -370,6 +409,33 @@ def _strides3(t: Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+def _hopper_or_newer(t: Tensor) -> bool:
+    return INTERPRET or (t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9)
+
+
+def _tma_ready(*tensors: Tensor) -> bool:
+    """TMA needs 16-byte aligned head bases and row strides; views that break this take the pointer path."""
+    for t in tensors:
+        size = t.element_size()
+        if t.data_ptr() % 16 or any((t.stride(i) * size) % 16 for i in range(3)):
+            return False
+    return True
+
+
+_tma_allocator_set = False
+
+
+def _use_tma(cfg: TileConfig, *tensors: Tensor) -> bool:
+    """Whether this launch streams through TMA; device-side descriptors need a scratch allocator, set once."""
+    global _tma_allocator_set
+    if not (cfg.tma and _hopper_or_newer(tensors[0]) and _tma_ready(*tensors)):
+        return False
+    if not _tma_allocator_set and not INTERPRET:
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+        _tma_allocator_set = True
+    return True
+
+
 def _needs_int64(n: int, *tensors: Tensor) -> bool:
     """Whether a row offset (seq position × row stride) can pass 2³¹: then the kernels use int64 tile offsets.
 
@@ -387,7 +453,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float,
     grid = (triton.cdiv(N, cfg.block_m), B * H)
     _fwd_kernel[grid](q, k, v, o, lse, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(o),
                       H, N, sm_scale * LOG2E, CAUSAL=causal, HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                      INT64_OFFSETS=_needs_int64(N, q, k, v), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                      INT64_OFFSETS=_needs_int64(N, q, k, v), TMA=_use_tma(cfg, k, v),
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return o, lse
 
 
@@ -408,11 +475,13 @@ def _backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
     _bwd_dkdv_kernel[(triton.cdiv(N, c.block_n), B * H)](
         q, k, v, do, lse, delta, dk, dv, *common, *_strides3(dk), H, N, sm_scale * LOG2E, sm_scale,
         CAUSAL=causal, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, INT64_OFFSETS=int64,
+        TMA=_use_tma(c, q, do),
         num_warps=c.num_warps, num_stages=c.num_stages)
     c = dq_cfg or tile_config("dq", D)
     _bwd_dq_kernel[(triton.cdiv(N, c.block_m), B * H)](
         q, k, v, do, lse, delta, dq, *common, *_strides3(dq), H, N, sm_scale * LOG2E, sm_scale,
         CAUSAL=causal, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, INT64_OFFSETS=int64,
+        TMA=_use_tma(c, k, v),
         num_warps=c.num_warps, num_stages=c.num_stages)
     return dq, dk, dv
 

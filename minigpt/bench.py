@@ -102,16 +102,14 @@ def explore_tiles(head_dims=(64, 128), seq_lens=(2048, 8192), tokens: int = 1638
 
     fa = importlib.import_module("kernels.flash_attention")
     TC = fa.TileConfig
-    candidates = {
-        "fwd": [TC(64, 32, 4, 3), TC(64, 64, 4, 3), TC(64, 64, 4, 4), TC(128, 32, 4, 3), TC(128, 64, 4, 3),
-                TC(128, 64, 4, 4), TC(128, 64, 8, 3), TC(128, 64, 8, 4), TC(128, 128, 8, 2), TC(128, 128, 8, 3),
-                TC(128, 128, 4, 3)],
-        "dkdv": [TC(32, 64, 4, 3), TC(32, 128, 4, 3), TC(32, 128, 4, 4), TC(32, 128, 4, 5), TC(32, 128, 8, 3),
-                 TC(64, 64, 4, 3), TC(64, 128, 4, 3), TC(64, 128, 8, 3), TC(64, 128, 8, 2), TC(16, 128, 4, 3),
-                 TC(64, 64, 8, 3)],
-        "dq": [TC(64, 32, 4, 3), TC(64, 64, 4, 3), TC(128, 32, 4, 3), TC(128, 32, 4, 4), TC(128, 32, 8, 3),
-               TC(128, 64, 4, 3), TC(128, 64, 8, 3), TC(128, 64, 8, 2), TC(128, 128, 8, 2)],
+    # tile shape × warps × pipeline stages, each with TMA descriptor loads and with pointer loads
+    shapes = {
+        "fwd": [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
+        "dkdv": [(32, 128, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3)],
+        "dq": [(128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3)],
     }
+    candidates = {kernel: [TC(*shape, tma=tma) for shape in shape_list for tma in (False, True)]
+                  for kernel, shape_list in shapes.items()}
     out = []
     for D in head_dims:
         H = hidden // D
@@ -147,7 +145,9 @@ def best_tiles_table(explore: list[dict], top: int = 3) -> str:
     lines = []
     for key in sorted({(r["kernel"], r["head_dim"], r["seq_len"]) for r in explore}):
         ok = sorted((r for r in explore if (r["kernel"], r["head_dim"], r["seq_len"]) == key and r["ms"]), key=lambda r: r["ms"])
-        best = ", ".join(f"{r['block_m']}x{r['block_n']}/w{r['num_warps']}/s{r['num_stages']}={r['ms']:.3f}ms" for r in ok[:top])
+        best = ", ".join(f"{r['block_m']}x{r['block_n']}/w{r['num_warps']}/s{r['num_stages']}"
+                         f"{'+tma' if r.get('tma') else ''}={r['ms']:.3f}ms"
+                         for r in ok[:top])
         lines.append(f"{key[0]:5s} D={key[1]:3d} N={key[2]:5d}: {best}")
     return "\n".join(lines)
 

@@ -20,14 +20,16 @@ def main() -> None:
     p.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
     p.add_argument("--explore", action="store_true", help="time candidate tile configs of our kernels first")
     p.add_argument("--explore-only", action="store_true", help="only the tile exploration, no provider table")
+    p.add_argument("--explore-seq", type=int, nargs="+", default=[2048, 8192], help="sequence lengths to explore at")
     p.add_argument("--out", type=Path, default=Path("results"))
     args = p.parse_args()
 
     explore = None
     if args.explore or args.explore_only:
-        explore = explore_tiles(head_dims=args.head_dim,
+        explore = explore_tiles(head_dims=args.head_dim, seq_lens=args.explore_seq,
                                 progress=lambda r: print(f"tile {r['kernel']:5s} D={r['head_dim']:3d} N={r['seq_len']:5d} "
                                                          f"{r['block_m']:3d}x{r['block_n']:3d} w{r['num_warps']} s{r['num_stages']} "
+                                                         f"tma={int(r['tma'])} "
                                                          f"{r['ms'] if r['ms'] is None else round(r['ms'], 4)} {r['error']}", flush=True))
         print(best_tiles_table(explore))
         if args.explore_only:

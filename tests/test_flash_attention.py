@@ -64,18 +64,49 @@ def test_matches_float64_reference(seq, head_dim, causal, dtype):
         assert err < 2 * TOL[dtype], f"d{name} relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_int64_offset_path(monkeypatch, causal):
-    """The int64 tile-offset variant (used when seq × row stride passes 2³¹) computes the same thing."""
-    monkeypatch.setattr(fa, "_needs_int64", lambda n, *tensors: True)
-    qkv, q, k, v = split_qkv(1, 77, 2, 32, torch.float32, seed=5)
+def check_against_reference(qkv, causal, seed):
+    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
     o = flash_attention(q, k, v, causal=causal)
     qkv64 = qkv.detach().double().requires_grad_()
     ref = reference_attention(*(t.transpose(1, 2) for t in qkv64.unbind(2)), causal)
-    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(6))
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(seed))
     (grad,) = torch.autograd.grad(o, qkv, do)
     (grad_ref,) = torch.autograd.grad(ref, qkv64, do.double())
     assert rel_err(o, ref) < 1e-5 and rel_err(grad, grad_ref) < 2e-5
+
+
+@pytest.fixture
+def pointer_loads(monkeypatch):
+    """Tiles loaded through pointers instead of TMA descriptors (the path for unaligned inputs and pre-Hopper)."""
+    configs = {name: fa.TileConfig(c.block_m, c.block_n, c.num_warps, c.num_stages, tma=False)
+               for name, c in fa._INTERPRET_CONFIGS.items()}
+    monkeypatch.setattr(fa, "_INTERPRET_CONFIGS", configs)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("seq,head_dim", [(17, 16), (130, 64)])
+def test_pointer_load_path(pointer_loads, seq, head_dim, causal):
+    qkv, *_ = split_qkv(2, seq, 2, head_dim, torch.float32, seed=seq + head_dim)
+    check_against_reference(qkv, causal, seed=seq)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_int64_offset_path(monkeypatch, pointer_loads, causal):
+    """The int64 tile-offset variant (used when seq × row stride passes 2³¹) computes the same thing."""
+    monkeypatch.setattr(fa, "_needs_int64", lambda n, *tensors: True)
+    qkv, *_ = split_qkv(1, 77, 2, 32, torch.float32, seed=5)
+    check_against_reference(qkv, causal, seed=6)
+
+
+def test_unaligned_inputs_fall_back_to_pointer_loads():
+    """A row stride that is not a multiple of 16 bytes cannot be a TMA descriptor: the launcher must notice."""
+    g = torch.Generator().manual_seed(9)
+    wide = torch.randn(1, 45, 3 * 2 * 16 + 1, generator=g)  # qkv rows padded by one float: stride 97 × 4 bytes
+    qkv = wide[:, :, :96].unflatten(2, (3, 2, 16))
+    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
+    assert not fa._use_tma(fa.tile_config("fwd", 16), q, k, v)
+    assert fa._use_tma(fa.tile_config("fwd", 16), *split_qkv(1, 45, 2, 16, torch.float32, 0)[1:])  # the default
+    check_against_reference(qkv.detach().requires_grad_(), True, seed=10)
 
 
 def test_softmax_scale_and_contiguous_inputs():
