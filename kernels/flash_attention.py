@@ -422,17 +422,17 @@ def _tma_ready(*tensors: Tensor) -> bool:
     return True
 
 
-_tma_allocator_set = False
+def _tma_scratch(size: int, alignment: int, stream: int | None) -> Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _use_tma(cfg: TileConfig, *tensors: Tensor) -> bool:
-    """Whether this launch streams through TMA; device-side descriptors need a scratch allocator, set once."""
-    global _tma_allocator_set
+    """Whether this launch streams through TMA. Device-side descriptors need Triton's scratch allocator; it is
+    per thread (a ContextVar) and autograd runs the backward on its own thread, so it is set on every launch."""
     if not (cfg.tma and _hopper_or_newer(tensors[0]) and _tma_ready(*tensors)):
         return False
-    if not _tma_allocator_set and not INTERPRET:
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-        _tma_allocator_set = True
+    if not INTERPRET:
+        triton.set_allocator(_tma_scratch)
     return True
 
 
