@@ -55,6 +55,36 @@ def _tile_source(base, N, stride_n, offs_n, offs_d, BLOCK: tl.constexpr, HEAD_DI
         return base + offs_n[:, None] * stride_n + offs_d[None, :]
 
 
+@triton.jit
+def _tile_start(src, lo, stride_n, INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr):
+    """Point a pointer tile at row lo (a descriptor is addressed by row at each load instead)."""
+    if TMA:
+        return src
+    elif INT64_OFFSETS:  # lo·stride passes 2³¹ on very long inputs
+        return src + tl.cast(lo, tl.int64) * stride_n
+    else:
+        return src + lo * stride_n
+
+
+@triton.jit
+def _load_tile(src, row, rows_ok, MASKED: tl.constexpr, TMA: tl.constexpr):
+    """The tile of rows starting at `row` (where a pointer tile already points); rows past the end read as 0."""
+    if TMA:
+        return src.load([row, 0])
+    elif MASKED:
+        return tl.load(src, mask=rows_ok[:, None], other=0.0)
+    else:
+        return tl.load(src)
+
+
+@triton.jit
+def _next_tile(src, BLOCK: tl.constexpr, stride_n, TMA: tl.constexpr):
+    if TMA:
+        return src
+    else:
+        return src + BLOCK * stride_n
+
+
 # ------------------------------------------------------------------------------------------------
 # Forward
 # ------------------------------------------------------------------------------------------------
@@ -69,24 +99,12 @@ def _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, lo
     """
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    if not TMA:
-        if INT64_OFFSETS:  # lo·stride passes 2³¹ on very long inputs
-            k_src += tl.cast(lo, tl.int64) * stride_kn
-            v_src += tl.cast(lo, tl.int64) * stride_vn
-        else:
-            k_src += lo * stride_kn
-            v_src += lo * stride_vn
+    k_src = _tile_start(k_src, lo, stride_kn, INT64_OFFSETS, TMA)
+    v_src = _tile_start(v_src, lo, stride_vn, INT64_OFFSETS, TMA)
     for start_n in range(lo, hi, BLOCK_N):
         in_bounds = (start_n + offs_n) < N
-        if TMA:  # rows past the end read as 0
-            k = k_src.load([start_n, 0])
-            v = v_src.load([start_n, 0])
-        elif MASKED:
-            k = tl.load(k_src, mask=in_bounds[:, None], other=0.0)
-            v = tl.load(v_src, mask=in_bounds[:, None], other=0.0)
-        else:
-            k = tl.load(k_src)
-            v = tl.load(v_src)
+        k = _load_tile(k_src, start_n, in_bounds, MASKED, TMA)
+        v = _load_tile(v_src, start_n, in_bounds, MASKED, TMA)
         qk = tl.dot(q, tl.trans(k))
         if MASKED:
             visible = in_bounds[None, :]
@@ -103,9 +121,8 @@ def _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, lo
         # acc = α·acc + p v, the add done by the tensor core's accumulator
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
-        if not TMA:
-            k_src += BLOCK_N * stride_kn
-            v_src += BLOCK_N * stride_vn
+        k_src = _next_tile(k_src, BLOCK_N, stride_kn, TMA)
+        v_src = _next_tile(v_src, BLOCK_N, stride_vn, TMA)
     return acc, l_i, m_i
 
 
@@ -187,22 +204,13 @@ def _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, stride_qn
     """Accumulate dK, dV of one key tile over query tiles [lo, hi). Works on transposed tiles (keys × queries)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    if not TMA:
-        if INT64_OFFSETS:  # lo·stride passes 2³¹ on very long inputs
-            q_src += tl.cast(lo, tl.int64) * stride_qn
-            do_src += tl.cast(lo, tl.int64) * stride_don
-        else:
-            q_src += lo * stride_qn
-            do_src += lo * stride_don
+    q_src = _tile_start(q_src, lo, stride_qn, INT64_OFFSETS, TMA)
+    do_src = _tile_start(do_src, lo, stride_don, INT64_OFFSETS, TMA)
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         row_ok = rows < N
-        if TMA:  # rows past the end read as 0
-            q = q_src.load([start_m, 0])
-            do = do_src.load([start_m, 0])
-        else:
-            q = tl.load(q_src, mask=row_ok[:, None], other=0.0)
-            do = tl.load(do_src, mask=row_ok[:, None], other=0.0)
+        q = _load_tile(q_src, start_m, row_ok, True, TMA)
+        do = _load_tile(do_src, start_m, row_ok, True, TMA)
         # rows past the end get LSE = +inf, so their probabilities are exactly 0
         lse = tl.load(lse_ptrs + rows, mask=row_ok, other=float("inf"))
         # Pᵀ = exp2(K Qᵀ · scale·log2e − LSE)
@@ -216,9 +224,8 @@ def _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, stride_qn
         dsT = pT * (tl.dot(v, tl.trans(do)) - delta[None, :])
         # dK += dSᵀ Q  (the softmax scale is applied once at the end)
         dk = tl.dot(dsT.to(q.dtype), q, dk)
-        if not TMA:
-            q_src += BLOCK_M * stride_qn
-            do_src += BLOCK_M * stride_don
+        q_src = _next_tile(q_src, BLOCK_M, stride_qn, TMA)
+        do_src = _next_tile(do_src, BLOCK_M, stride_don, TMA)
     return dk, dv
 
 
@@ -272,22 +279,13 @@ def _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, sta
     """Accumulate dQ of one query tile over key tiles [lo, hi)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    if not TMA:
-        if INT64_OFFSETS:  # lo·stride passes 2³¹ on very long inputs
-            k_src += tl.cast(lo, tl.int64) * stride_kn
-            v_src += tl.cast(lo, tl.int64) * stride_vn
-        else:
-            k_src += lo * stride_kn
-            v_src += lo * stride_vn
+    k_src = _tile_start(k_src, lo, stride_kn, INT64_OFFSETS, TMA)
+    v_src = _tile_start(v_src, lo, stride_vn, INT64_OFFSETS, TMA)
     for start_n in range(lo, hi, BLOCK_N):
         # keys past the end load as zeros: they add exactly 0 to dQ (dQ += dS K), so no score mask is needed
-        if TMA:
-            k = k_src.load([start_n, 0])
-            v = v_src.load([start_n, 0])
-        else:
-            col_ok = (start_n + offs_n) < N
-            k = tl.load(k_src, mask=col_ok[:, None], other=0.0)
-            v = tl.load(v_src, mask=col_ok[:, None], other=0.0)
+        col_ok = (start_n + offs_n) < N
+        k = _load_tile(k_src, start_n, col_ok, True, TMA)
+        v = _load_tile(v_src, start_n, col_ok, True, TMA)
         # P = exp2(Q Kᵀ · scale·log2e − LSE)
         p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
         if MASKED:
@@ -295,9 +293,8 @@ def _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, sta
         # dP = dO Vᵀ;  dS = P ∘ (dP − delta);  dQ += dS K
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq)
-        if not TMA:
-            k_src += BLOCK_N * stride_kn
-            v_src += BLOCK_N * stride_vn
+        k_src = _next_tile(k_src, BLOCK_N, stride_kn, TMA)
+        v_src = _next_tile(v_src, BLOCK_N, stride_vn, TMA)
     return dq
 
 
