@@ -105,8 +105,10 @@ def explore_tiles(head_dims=(64, 128), seq_lens=(2048, 8192), tokens: int = 1638
     # tile shape × warps × pipeline stages, each with TMA descriptor loads and with pointer loads
     shapes = {
         "fwd": [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
-        "dkdv": [(32, 128, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3)],
-        "dq": [(128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3)],
+        "dkdv": [(32, 128, 4, 3), (32, 128, 4, 4), (64, 128, 8, 2), (64, 128, 8, 3), (64, 128, 4, 2),
+                 (32, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+        "dq": [(128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 64, 4, 3), (128, 32, 4, 3),
+               (64, 64, 4, 3), (128, 128, 8, 2)],
     }
     candidates = {kernel: [TC(*shape, tma=tma) for shape in shape_list for tma in (False, True)]
                   for kernel, shape_list in shapes.items()}
