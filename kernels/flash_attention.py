@@ -352,9 +352,10 @@ class TileConfig:
     tma: bool = False  # stream tiles through TMA descriptors (Hopper+, aligned inputs; else pointer loads)
 
 
-# Chosen from `scripts/bench_attention.py --explore-only --explore-seq 8192` on an H200 (bf16 causal, D=64/128,
-# N=8K, each shape with and without TMA; results/explore_NVIDIA_H200.json holds every candidate's time). D=16/32 reuse
-# D=64's choice; D=256 uses smaller tiles to fit shared memory (pointer loads, not tuned). Key: (kernel, head_dim).
+# 2-byte inputs (bf16, fp16; the same tensor-core rate and tile bytes), causal. Chosen from
+# `scripts/bench_attention.py --explore-only --explore-seq 8192` on an H200 (bf16 causal, D=64/128, N=8K, each shape
+# with and without TMA; results/explore_NVIDIA_H200.json holds every candidate's time). D=16/32 reuse D=64's
+# choice; D=256 uses smaller tiles to fit shared memory (pointer loads, not tuned). Key: (kernel, head_dim).
 # Forward/dQ need block_m % block_n == 0; dK/dV needs block_n % block_m == 0.
 _GPU_CONFIGS: dict[tuple[str, int], TileConfig] = {
     **{("fwd", d): TileConfig(64, 64, 4, 3, tma=True) for d in (16, 32, 64, 128)},
@@ -366,6 +367,18 @@ _GPU_CONFIGS: dict[tuple[str, int], TileConfig] = {
     ("dq", 128): TileConfig(128, 64, 8, 4, tma=True),
     ("dq", 256): TileConfig(64, 16, 4, 2),
 }
+# Non-causal attention where its own exploration (`--explore-only --full`) found a different best; the rest
+# use the causal choice.
+_GPU_CONFIGS_FULL: dict[tuple[str, int], TileConfig] = {}
+# fp32 inputs (TF32 dots): tiles hold twice the bytes, so half the tile area and two stages fit shared memory.
+_GPU_CONFIGS_FP32: dict[tuple[str, int], TileConfig] = {
+    **{("fwd", d): TileConfig(64, 32, 4, 2, tma=True) for d in (16, 32, 64, 128)},
+    ("fwd", 256): TileConfig(32, 16, 4, 1),
+    **{("dkdv", d): TileConfig(32, 64, 4, 2, tma=True) for d in (16, 32, 64, 128)},
+    ("dkdv", 256): TileConfig(16, 32, 4, 1),
+    **{("dq", d): TileConfig(64, 32, 4, 2, tma=True) for d in (16, 32, 64, 128)},
+    ("dq", 256): TileConfig(32, 16, 4, 1),
+}
 # Small tiles under the CPU interpreter: fast there, and several tiles per test sequence so the
 # diagonal / full / ragged-tail paths all run. TMA on, as on the GPU (the interpreter emulates descriptors);
 # tests run the pointer path with explicit configs.
@@ -373,8 +386,15 @@ _INTERPRET_CONFIGS = {"fwd": TileConfig(32, 16, 4, 1, tma=True), "dkdv": TileCon
                       "dq": TileConfig(32, 16, 4, 1, tma=True)}
 
 
-def tile_config(kernel: str, head_dim: int) -> TileConfig:
-    return _INTERPRET_CONFIGS[kernel] if INTERPRET else _GPU_CONFIGS[(kernel, head_dim)]
+def tile_config(kernel: str, head_dim: int, causal: bool = True, dtype: torch.dtype = torch.bfloat16) -> TileConfig:
+    """The launch configuration of one kernel ('fwd', 'dkdv' or 'dq') for this head_dim, causality and dtype."""
+    if INTERPRET:
+        return _INTERPRET_CONFIGS[kernel]
+    if dtype == torch.float32:
+        return _GPU_CONFIGS_FP32[(kernel, head_dim)]
+    if not causal and (kernel, head_dim) in _GPU_CONFIGS_FULL:
+        return _GPU_CONFIGS_FULL[(kernel, head_dim)]
+    return _GPU_CONFIGS[(kernel, head_dim)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -442,11 +462,22 @@ def _needs_int64(n: int, *tensors: Tensor) -> bool:
     return any(n * t.stride(2) >= 2**31 for t in tensors)
 
 
+def _empty_in_layout_of(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """An uninitialized (B, H, N, D) tensor laid out in memory like t: as (B, N, H, D) rows when t is a
+    head-transposed view of a (B, N, ...) buffer (the model's q/k/v), so that the model's transpose +
+    reshape back to (B, N, H·D) is a free view; plain (B, H, N, D) otherwise."""
+    B, H, N, D = t.shape
+    dtype = dtype or t.dtype
+    if t.stride(1) < t.stride(2):  # heads vary faster than positions: rows of (H, D)
+        return torch.empty((B, N, H, D), dtype=dtype, device=t.device).transpose(1, 2)
+    return torch.empty((B, H, N, D), dtype=dtype, device=t.device)
+
+
 def _forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float,
              cfg: TileConfig | None = None) -> tuple[Tensor, Tensor]:
     B, H, N, D = q.shape
-    cfg = cfg or tile_config("fwd", D)
-    o = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
+    cfg = cfg or tile_config("fwd", D, causal, q.dtype)
+    o = _empty_in_layout_of(q)
     lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(N, cfg.block_m), B * H)
     _fwd_kernel[grid](q, k, v, o, lse, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(o),
@@ -464,18 +495,16 @@ def _backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
     delta = torch.empty_like(lse)
     _bwd_delta_kernel[(triton.cdiv(N, 128), B * H)](o, do, delta, *_strides3(o), *_strides3(do), H, N,
                                                     HEAD_DIM=D, BLOCK_M=128, num_warps=4)
-    dq = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
-    dk = torch.empty((B, H, N, D), dtype=k.dtype, device=q.device)
-    dv = torch.empty((B, H, N, D), dtype=v.dtype, device=q.device)
+    dq, dk, dv = _empty_in_layout_of(q), _empty_in_layout_of(k), _empty_in_layout_of(v)
     common = (*_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do))
     int64 = _needs_int64(N, q, k, v, do)
-    c = dkdv_cfg or tile_config("dkdv", D)
+    c = dkdv_cfg or tile_config("dkdv", D, causal, q.dtype)
     _bwd_dkdv_kernel[(triton.cdiv(N, c.block_n), B * H)](
         q, k, v, do, lse, delta, dk, dv, *common, *_strides3(dk), H, N, sm_scale * LOG2E, sm_scale,
         CAUSAL=causal, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, INT64_OFFSETS=int64,
         TMA=_use_tma(c, q, do),
         num_warps=c.num_warps, num_stages=c.num_stages)
-    c = dq_cfg or tile_config("dq", D)
+    c = dq_cfg or tile_config("dq", D, causal, q.dtype)
     _bwd_dq_kernel[(triton.cdiv(N, c.block_m), B * H)](
         q, k, v, do, lse, delta, dq, *common, *_strides3(dq), H, N, sm_scale * LOG2E, sm_scale,
         CAUSAL=causal, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, INT64_OFFSETS=int64,
@@ -493,9 +522,9 @@ def _flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: flo
 
 
 @_flash_attn_fwd.register_fake
-def _(q, k, v, causal, sm_scale):
+def _(q, k, v, causal, sm_scale):  # shapes and memory layouts of the outputs, for torch.compile
     B, H, N, D = q.shape
-    return q.new_empty((B, H, N, D)), q.new_empty((B, H, N), dtype=torch.float32)
+    return _empty_in_layout_of(q), q.new_empty((B, H, N), dtype=torch.float32)
 
 
 @torch.library.custom_op("minigpt::flash_attn_bwd", mutates_args=())
@@ -506,7 +535,7 @@ def _flash_attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse:
 
 @_flash_attn_bwd.register_fake
 def _(do, q, k, v, o, lse, causal, sm_scale):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return _empty_in_layout_of(q), _empty_in_layout_of(k), _empty_in_layout_of(v)
 
 
 class FlashAttention(torch.autograd.Function):
@@ -534,7 +563,8 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, softma
 
     q, k, v: (batch, heads, seq, head_dim) CUDA tensors of one dtype (fp16, bf16; fp32 runs with TF32 dots),
     any strides whose last dimension is contiguous; head_dim in {16, 32, 64, 128, 256}; any seq >= 1.
-    softmax_scale defaults to 1/sqrt(head_dim). Returns a contiguous tensor of q's shape and dtype.
+    softmax_scale defaults to 1/sqrt(head_dim). Returns a tensor of q's shape and dtype, laid out in memory
+    like q: (B, N, H, D) rows for head-transposed views such as the model's, else contiguous.
     `precomputed=(o, lse)` from `flash_attention_with_lse` on the same inputs skips the forward kernel and
     only sets up the backward (activation checkpointing uses it to avoid recomputing the N² attention).
     Unsupported inputs raise ValueError naming the problem.

@@ -95,22 +95,37 @@ def bench_attention(head_dims=(64, 128), seq_lens=(1024, 2048, 4096, 8192, 16384
     return rows
 
 
+# Candidate launch configs per kernel: (block_m, block_n, num_warps, num_stages), each tried with TMA descriptor
+# loads and with pointer loads.
+TILE_CANDIDATES = {
+    "fwd": [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
+    "dkdv": [(32, 128, 4, 3), (32, 128, 4, 4), (64, 128, 8, 2), (64, 128, 8, 3), (64, 128, 4, 2),
+             (32, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+    "dq": [(128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 64, 4, 3), (128, 32, 4, 3),
+           (64, 64, 4, 3), (128, 128, 8, 2)],
+}
+# The shapes that won or came within a few percent in the full exploration on the H200 (TMA only): enough to
+# check whether another dtype or non-causal attention wants a different choice, at a fraction of the cost.
+TILE_SHORTLIST = {
+    "fwd": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+    "dkdv": [(32, 128, 4, 3), (32, 128, 4, 4), (64, 128, 8, 2)],
+    "dq": [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)],
+}
+
+
 def explore_tiles(head_dims=(64, 128), seq_lens=(2048, 8192), tokens: int = 16384, hidden: int = 2048,
-                  causal: bool = True, dtype: torch.dtype = torch.bfloat16, progress: Callable = print) -> list[dict]:
-    """Time each candidate TileConfig of our forward, dK/dV and dQ kernels; returns one dict per (kernel, config, shape)."""
+                  causal: bool = True, dtype: torch.dtype = torch.bfloat16, shortlist: bool = False,
+                  progress: Callable = print) -> list[dict]:
+    """Time each candidate TileConfig of our forward, dK/dV and dQ kernels; returns one dict per (kernel, config, shape).
+
+    shortlist=True times only TILE_SHORTLIST's shapes with TMA loads (a quick re-check for another dtype or causality).
+    """
     from triton.testing import do_bench
 
     fa = importlib.import_module("kernels.flash_attention")
     TC = fa.TileConfig
-    # tile shape × warps × pipeline stages, each with TMA descriptor loads and with pointer loads
-    shapes = {
-        "fwd": [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
-        "dkdv": [(32, 128, 4, 3), (32, 128, 4, 4), (64, 128, 8, 2), (64, 128, 8, 3), (64, 128, 4, 2),
-                 (32, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
-        "dq": [(128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 64, 4, 3), (128, 32, 4, 3),
-               (64, 64, 4, 3), (128, 128, 8, 2)],
-    }
-    candidates = {kernel: [TC(*shape, tma=tma) for shape in shape_list for tma in (False, True)]
+    shapes, tma_options = (TILE_SHORTLIST, (True,)) if shortlist else (TILE_CANDIDATES, (False, True))
+    candidates = {kernel: [TC(*shape, tma=tma) for shape in shape_list for tma in tma_options]
                   for kernel, shape_list in shapes.items()}
     out = []
     for D in head_dims:
@@ -134,7 +149,8 @@ def explore_tiles(head_dims=(64, 128), seq_lens=(2048, 8192), tokens: int = 1638
                         ms, err = None, f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
                     else:
                         err = ""
-                    rec = {"kernel": kernel, "head_dim": D, "seq_len": N, **asdict(c), "ms": ms, "error": err}
+                    rec = {"kernel": kernel, "head_dim": D, "seq_len": N, "causal": causal,
+                           "dtype": str(dtype).removeprefix("torch."), **asdict(c), "ms": ms, "error": err}
                     out.append(rec)
                     progress(rec)
             del q, k, v, do, o, lse
@@ -144,13 +160,17 @@ def explore_tiles(head_dims=(64, 128), seq_lens=(2048, 8192), tokens: int = 1638
 
 def best_tiles_table(explore: list[dict], top: int = 3) -> str:
     """The fastest `top` configs of each kernel per (head_dim, seq_len), as text."""
+    def key_of(r: dict) -> tuple:
+        return r.get("dtype", "bfloat16"), r.get("causal", True), r["kernel"], r["head_dim"], r["seq_len"]
+
     lines = []
-    for key in sorted({(r["kernel"], r["head_dim"], r["seq_len"]) for r in explore}):
-        ok = sorted((r for r in explore if (r["kernel"], r["head_dim"], r["seq_len"]) == key and r["ms"]), key=lambda r: r["ms"])
+    for key in sorted({key_of(r) for r in explore}):
+        ok = sorted((r for r in explore if key_of(r) == key and r["ms"]), key=lambda r: r["ms"])
         best = ", ".join(f"{r['block_m']}x{r['block_n']}/w{r['num_warps']}/s{r['num_stages']}"
                          f"{'+tma' if r.get('tma') else ''}={r['ms']:.3f}ms"
                          for r in ok[:top])
-        lines.append(f"{key[0]:5s} D={key[1]:3d} N={key[2]:5d}: {best}")
+        dtype, causal, kernel, D, N = key
+        lines.append(f"{dtype} {'causal' if causal else 'full  '} {kernel:5s} D={D:3d} N={N:5d}: {best}")
     return "\n".join(lines)
 
 
@@ -205,3 +225,14 @@ def write_results(rows: list[Row], out_dir: Path, explore: list[dict] | None = N
     md = out_dir / f"{stem}.md"
     md.write_text(markdown_table(rows, env))
     return md
+
+
+def write_explore(explore: list[dict], out_dir: Path) -> Path:
+    """A tile exploration alone, as explore_<GPU>_<dtype>_<causal|full>.json."""
+    env = environment()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    first = explore[0] if explore else {}
+    mode = "causal" if first.get("causal", True) else "full"
+    path = out_dir / f"explore_{env['gpu'].replace(' ', '_')}_{first.get('dtype', 'bfloat16')}_{mode}.json"
+    path.write_text(json.dumps({"env": env, "explore": explore}, indent=1) + "\n")
+    return path

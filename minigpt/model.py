@@ -38,14 +38,15 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, seq_len: int) -> tuple[Tensor, Tensor]:
-        """cos and sin tables of shape (seq_len, 1, head_dim/2), made once per model forward."""
+        """cos and sin tables of shape (seq_len, 1, 1, head_dim/2), made once per model forward."""
         pos = torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32)
         angles = torch.outer(pos, self.inv_freq)
-        return angles.cos()[:, None, :], angles.sin()[:, None, :]
+        return angles.cos()[:, None, None, :], angles.sin()[:, None, None, :]
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: (B, N, H, D). Rotates the two halves of the last dim: [x1, x2] -> [x1 cos - x2 sin, x1 sin + x2 cos]."""
+    """x: (B, N, 2, H, D), q and k together. Rotates the two halves of the last dim:
+    [x1, x2] -> [x1 cos - x2 sin, x1 sin + x2 cos]. Saves nothing for the backward but cos and sin."""
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
 
@@ -61,12 +62,16 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         B, N, C = x.shape
-        # One matmul for q, k, v; views as (B, N, H, D). RoPE is applied in this layout so the
+        # One matmul for q, k, v, viewed as (B, N, 3, H, D). RoPE is applied in this layout so the
         # transposes below are free strided views (the attention kernels accept any strides).
-        q, k, v = self.c_attn(x).view(B, N, 3, self.n_head, self.head_dim).unbind(dim=2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qkv = self.c_attn(x).view(B, N, 3, self.n_head, self.head_dim)
+        q, k = apply_rotary(qkv[:, :, :2], cos, sin).unbind(dim=2)
+        # v gets its own storage: the attention keeps v for its backward, and a view would keep the
+        # whole qkv buffer alive with it (3 KB more per token and layer).
+        v = qkv[:, :, 2].contiguous()
         attend = self.kept_attention or self.attend
         y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)  # (B, H, N, D)
+        # SDPA and our flash return y laid out as (B, N, H, D) like q, so this reshape is a view, not a copy
         return self.c_proj(y.transpose(1, 2).reshape(B, N, C))
 
 
@@ -115,8 +120,9 @@ class Block(nn.Module):
 
 
 def to_host(t: Tensor) -> Tensor:
-    """An asynchronous copy of t into CPU memory (pinned when t is on a GPU, so the copy overlaps compute)."""
-    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+    """An asynchronous copy of t into CPU memory (pinned when t is on a GPU, so the copy overlaps compute),
+    with t's memory layout."""
+    host = torch.empty_like(t, device="cpu", pin_memory=t.is_cuda)
     return host.copy_(t, non_blocking=True)
 
 

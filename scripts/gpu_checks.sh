@@ -1,12 +1,21 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (see ../shared/GPU.md): GPU tests, kernel benchmark, training runs.
-#   bash scripts/gpu_checks.sh tests|explore|bench|train ...   (logs and results under $OUT, default ./gpu_out)
+#   bash scripts/gpu_checks.sh tests|explore|tiles|bench|train|long ...   (logs and results under $OUT, default ./gpu_out)
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 for step in "$@"; do
   case $step in
     tests)   python3 -m pytest -m gpu -q -rA tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     explore) python3 scripts/bench_attention.py --explore-only --out "$OUT" > "$OUT/explore.log" 2>&1; tail -12 "$OUT/explore.log" ;;
+    tiles)   # quick re-check of the tile choice for non-causal and fp16 (bf16 causal as the noise reference)
+      for opts in "" "--full" "--dtype float16"; do
+        python3 scripts/bench_attention.py --explore-only --shortlist --explore-seq 8192 $opts --out "$OUT" \
+          > "$OUT/tiles${opts// /_}.log" 2>&1; grep -E "^(bfloat16|float16) " "$OUT/tiles${opts// /_}.log"
+      done ;;
+    long)    # one 1M-token training step of gpt2-small with every lever (the README's long-context recipe)
+      python3 scripts/context_sweep.py --variants flash+levers+offload+keepattn --default-start 1048576 \
+        --max-seq-len 1048576 --steps 1 --out "${LONG_OUT:-results/sweeps/long}" > "$OUT/long.log" 2>&1
+      tail -6 "$OUT/long.log" ;;
     bench)   python3 scripts/bench_attention.py --out results 2>&1 | tee "$OUT/bench.log" | tail -16; cp results/attention_* "$OUT/" ;;
     train)
       for spec in "sdpa 8192" "flash 8192" "naive 4096"; do

@@ -109,6 +109,18 @@ def test_unaligned_inputs_fall_back_to_pointer_loads():
     check_against_reference(qkv.detach().requires_grad_(), True, seed=10)
 
 
+def test_outputs_are_laid_out_like_the_inputs():
+    """Head-transposed views (the model's q/k/v) give (B, N, H, D)-row outputs and grads, so the model's
+    transpose + reshape back to (B, N, H·D) is a view, not a copy; contiguous inputs give contiguous outputs."""
+    qkv, q, k, v = split_qkv(2, 33, 3, 16, torch.float32, seed=4)
+    o = flash_attention(q, k, v)
+    assert o.transpose(1, 2).is_contiguous() and o.transpose(1, 2).reshape(2, 33, 48)._base is not None
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
+    assert all(t.transpose(1, 2).is_contiguous() for t in (dq, dk, dv))
+    plain = [t.detach().contiguous() for t in (q, k, v)]
+    assert flash_attention(*plain).is_contiguous()
+
+
 def test_softmax_scale_and_contiguous_inputs():
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 3, 45, 32, generator=g) for _ in range(3))

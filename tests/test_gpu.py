@@ -50,6 +50,23 @@ def test_other_head_dims(head_dim):
     assert max(errs) < TOL[torch.bfloat16], errs
 
 
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 256])
+def test_float32_inputs(head_dim):
+    """fp32 is accepted: TF32 dots with fp32 accumulation (about 1e-3 relative error), its own smaller tiles."""
+    g = torch.Generator(device="cuda").manual_seed(head_dim + 7)
+    qkv = torch.randn(2, 1000, 3, 3, head_dim, device="cuda", generator=g).requires_grad_()
+    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
+    for causal in (True, False):
+        o = flash_attention(q, k, v, causal=causal)
+        do = torch.randn(o.shape, device="cuda", generator=g)
+        (grad,) = torch.autograd.grad(o, qkv, do)
+        qkv64 = qkv.detach().double().requires_grad_()
+        ref = reference_attention(*(t.transpose(1, 2) for t in qkv64.unbind(2)), causal)
+        (grad_ref,) = torch.autograd.grad(ref, qkv64, do.double())
+        errs = [rel_err(o, ref)] + [rel_err(grad[:, :, i], grad_ref[:, :, i]) for i in range(3)]
+        assert o.dtype == torch.float32 and max(errs) < 5e-3, (causal, errs)
+
+
 def test_int64_offsets_at_a_million_tokens():
     """1M tokens with the model's qkv-split strides (row stride 2304 elements): offsets pass 2³¹.
 
