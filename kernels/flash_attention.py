@@ -355,10 +355,13 @@ class TileConfig:
 # 2-byte inputs (bf16, fp16; the same tensor-core rate and tile bytes), causal. Chosen from
 # `scripts/bench_attention.py --explore-only --explore-seq 8192` on an H200 (bf16 causal, D=64/128, N=8K, each shape
 # with and without TMA; results/explore_NVIDIA_H200.json holds every candidate's time). D=16/32 reuse D=64's
-# choice; D=256 uses smaller tiles to fit shared memory (pointer loads, not tuned). Key: (kernel, head_dim).
+# choice; D=256 uses smaller tiles to fit shared memory (pointer loads, not tuned). The forward at D=128 takes
+# 128×64 tiles with 8 warps: best in that exploration (1.086 vs 1.120 ms for 64×64) and in the H100 re-check
+# (1.083 vs 1.141 ms, results/explore_NVIDIA_H100_80GB_HBM3_*.json). Key: (kernel, head_dim).
 # Forward/dQ need block_m % block_n == 0; dK/dV needs block_n % block_m == 0.
 _GPU_CONFIGS: dict[tuple[str, int], TileConfig] = {
-    **{("fwd", d): TileConfig(64, 64, 4, 3, tma=True) for d in (16, 32, 64, 128)},
+    **{("fwd", d): TileConfig(64, 64, 4, 3, tma=True) for d in (16, 32, 64)},
+    ("fwd", 128): TileConfig(128, 64, 8, 3, tma=True),
     ("fwd", 256): TileConfig(64, 32, 4, 2),
     **{("dkdv", d): TileConfig(32, 128, 4, 3, tma=True) for d in (16, 32, 64)},
     ("dkdv", 128): TileConfig(64, 128, 8, 2, tma=True),
@@ -367,9 +370,13 @@ _GPU_CONFIGS: dict[tuple[str, int], TileConfig] = {
     ("dq", 128): TileConfig(128, 64, 8, 4, tma=True),
     ("dq", 256): TileConfig(64, 16, 4, 2),
 }
-# Non-causal attention where its own exploration (`--explore-only --full`) found a different best; the rest
-# use the causal choice.
-_GPU_CONFIGS_FULL: dict[tuple[str, int], TileConfig] = {}
+# Non-causal attention where its own exploration (`--explore-only --shortlist --full`, H100, N=8K:
+# results/explore_NVIDIA_H100_80GB_HBM3_bfloat16_full.json) found a different best: the forward at D<=64 wants
+# 128-row query tiles (2.35 vs 2.45 ms), as the causal forward does at D=128. The rest use the causal choice, and
+# fp16 uses bf16's (its shortlist re-check put the same shapes within noise of the top).
+_GPU_CONFIGS_FULL: dict[tuple[str, int], TileConfig] = {
+    **{("fwd", d): TileConfig(128, 64, 8, 3, tma=True) for d in (16, 32, 64)},
+}
 # fp32 inputs (TF32 dots): tiles hold twice the bytes, so half the tile area and two stages fit shared memory.
 _GPU_CONFIGS_FP32: dict[tuple[str, int], TileConfig] = {
     **{("fwd", d): TileConfig(64, 32, 4, 2, tma=True) for d in (16, 32, 64, 128)},
