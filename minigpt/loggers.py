@@ -69,8 +69,14 @@ class WandbLogger:
         self.run.log(metrics, step=step)
 
     def finish(self, summary: dict[str, Any], exit_code: int) -> None:
+        import wandb
+
         self.run.summary.update(summary)
         self.run.finish(exit_code=exit_code)
+        # finish() returns before W&B's background service has written the offline run file (seen with
+        # wandb 0.31: an empty .wandb file right after it, complete a moment later); shutting the service
+        # down waits for it, so the run is on disk when training returns.
+        wandb.teardown()
 
 
 def build_logger(cfg: TrainConfig, config_dict: dict[str, Any]) -> Logger:

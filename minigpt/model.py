@@ -38,17 +38,20 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, seq_len: int) -> tuple[Tensor, Tensor]:
-        """cos and sin tables of shape (seq_len, 1, 1, head_dim/2), made once per model forward."""
+        """cos and sin tables of shape (seq_len, 1, head_dim/2), made once per model forward."""
         pos = torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32)
         angles = torch.outer(pos, self.inv_freq)
-        return angles.cos()[:, None, None, :], angles.sin()[:, None, None, :]
+        return angles.cos()[:, None, :], angles.sin()[:, None, :]
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: (B, N, 2, H, D), q and k together. Rotates the two halves of the last dim:
-    [x1, x2] -> [x1 cos - x2 sin, x1 sin + x2 cos]. Saves nothing for the backward but cos and sin."""
+    """x: (B, N, H, D). Rotates the two halves of the last dim: [x1, x2] -> [x1 cos - x2 sin, x1 sin + x2 cos].
+
+    In fp32, each half rounded back to x's dtype as soon as it is made, so at long context the fp32
+    temporaries stay small; autograd keeps only cos and sin for the backward.
+    """
     x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
+    return torch.cat(((x1 * cos - x2 * sin).to(x.dtype), (x1 * sin + x2 * cos).to(x.dtype)), dim=-1)
 
 
 class CausalSelfAttention(nn.Module):
@@ -62,17 +65,20 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         B, N, C = x.shape
-        # One matmul for q, k, v, viewed as (B, N, 3, H, D). RoPE is applied in this layout so the
-        # transposes below are free strided views (the attention kernels accept any strides).
-        qkv = self.c_attn(x).view(B, N, 3, self.n_head, self.head_dim)
-        q, k = apply_rotary(qkv[:, :, :2], cos, sin).unbind(dim=2)
-        # v gets its own storage: the attention keeps v for its backward, and a view would keep the
-        # whole qkv buffer alive with it (3 KB more per token and layer).
-        v = qkv[:, :, 2].contiguous()
+        q, k, v = self.heads(x, cos, sin)
         attend = self.kept_attention or self.attend
         y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)  # (B, H, N, D)
         # SDPA and our flash return y laid out as (B, N, H, D) like q, so this reshape is a view, not a copy
         return self.c_proj(y.transpose(1, 2).reshape(B, N, C))
+
+    def heads(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k (rotated) and v as (B, N, H, D), each in its own buffer: the attention keeps all three for its
+        backward, and views would keep the whole qkv matmul output alive with them (3 KB more per token
+        and layer). RoPE is applied in this layout so the caller's transposes are free strided views."""
+        B, N, C = x.shape
+        qkv = self.c_attn(x).view(B, N, 3, self.n_head, self.head_dim)
+        q, k = apply_rotary(qkv[:, :, 0], cos, sin), apply_rotary(qkv[:, :, 1], cos, sin)
+        return q, k, qkv[:, :, 2].contiguous()
 
 
 class MLP(nn.Module):

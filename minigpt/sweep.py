@@ -329,6 +329,7 @@ def log_summary_to_wandb(trials_by_variant: dict[str, list[Trial]], derived: lis
     for d in derived:
         run.summary[f"derived/{d['variant']}/n{d['seq_len']}/peak_gib"] = d["peak_allocated_gib"]
     run.finish()
+    wandb.teardown()  # waits until the offline run file is written (finish() returns before; see loggers.py)
 
 
 def write_reports(trials_by_variant: dict[str, list[Trial]], derived: list[dict], out_dir: Path, header: str) -> Path:
