@@ -469,15 +469,14 @@ def _needs_int64(n: int, *tensors: Tensor) -> bool:
     return any(n * t.stride(2) >= 2**31 for t in tensors)
 
 
-def _empty_in_layout_of(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+def _empty_in_layout_of(t: Tensor) -> Tensor:
     """An uninitialized (B, H, N, D) tensor laid out in memory like t: as (B, N, H, D) rows when t is a
     head-transposed view of a (B, N, ...) buffer (the model's q/k/v), so that the model's transpose +
     reshape back to (B, N, H·D) is a free view; plain (B, H, N, D) otherwise."""
     B, H, N, D = t.shape
-    dtype = dtype or t.dtype
     if t.stride(1) < t.stride(2):  # heads vary faster than positions: rows of (H, D)
-        return torch.empty((B, N, H, D), dtype=dtype, device=t.device).transpose(1, 2)
-    return torch.empty((B, H, N, D), dtype=dtype, device=t.device)
+        return torch.empty((B, N, H, D), dtype=t.dtype, device=t.device).transpose(1, 2)
+    return torch.empty((B, H, N, D), dtype=t.dtype, device=t.device)
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float,

@@ -68,7 +68,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.heads(x, cos, sin)
         attend = self.kept_attention or self.attend
         y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)  # (B, H, N, D)
-        # SDPA and our flash return y laid out as (B, N, H, D) like q, so this reshape is a view, not a copy
+        # flash and SDPA's fused kernels return y laid out as (B, N, H, D) like q, so this reshape is a view
+        # (naive's y is contiguous (B, H, N, D): a copy)
         return self.c_proj(y.transpose(1, 2).reshape(B, N, C))
 
     def heads(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
