@@ -1,4 +1,4 @@
-"""minigpt's Triton kernels."""
-from kernels.flash_attention import flash_attention
+"""minigpt's Triton kernels, installed as `minigpt_kernels` (the folder is kernels/ in the source tree)."""
+from minigpt_kernels.flash_attention import flash_attention, flash_attention_with_lse
 
-__all__ = ["flash_attention"]
+__all__ = ["flash_attention", "flash_attention_with_lse"]

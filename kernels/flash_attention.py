@@ -479,8 +479,9 @@ def _empty_in_layout_of(t: Tensor) -> Tensor:
     return torch.empty((B, H, N, D), dtype=t.dtype, device=t.device)
 
 
-def _forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float,
-             cfg: TileConfig | None = None) -> tuple[Tensor, Tensor]:
+def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float,
+                   cfg: TileConfig | None = None) -> tuple[Tensor, Tensor]:
+    """Run the forward kernel: (o, lse). `cfg` overrides the tile table (the benchmark's tile exploration)."""
     B, H, N, D = q.shape
     cfg = cfg or tile_config("fwd", D, causal, q.dtype)
     o = _empty_in_layout_of(q)
@@ -493,8 +494,9 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float,
     return o, lse
 
 
-def _backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, sm_scale: float,
-              dkdv_cfg: TileConfig | None = None, dq_cfg: TileConfig | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, sm_scale: float,
+                    dkdv_cfg: TileConfig | None = None, dq_cfg: TileConfig | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Run the backward kernels (delta, dK/dV, dQ): (dq, dk, dv). The cfgs override the tile table."""
     B, H, N, D = q.shape
     if do.stride(-1) != 1:
         do = do.contiguous()
@@ -524,7 +526,7 @@ def _backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
 # ------------------------------------------------------------------------------------------------
 @torch.library.custom_op("minigpt::flash_attn_fwd", mutates_args=())
 def _flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float) -> tuple[Tensor, Tensor]:
-    return _forward(q, k, v, causal, sm_scale)
+    return launch_forward(q, k, v, causal, sm_scale)
 
 
 @_flash_attn_fwd.register_fake
@@ -536,7 +538,7 @@ def _(q, k, v, causal, sm_scale):  # shapes and memory layouts of the outputs, f
 @torch.library.custom_op("minigpt::flash_attn_bwd", mutates_args=())
 def _flash_attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool,
                     sm_scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    return _backward(do, q, k, v, o, lse, causal, sm_scale)
+    return launch_backward(do, q, k, v, o, lse, causal, sm_scale)
 
 
 @_flash_attn_bwd.register_fake

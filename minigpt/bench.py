@@ -134,15 +134,15 @@ def explore_tiles(head_dims=(64, 128), seq_lens=(2048, 8192), tokens: int = 1638
             B = max(1, tokens // N)
             q, k, v, do = _inputs(B, H, N, D, dtype)
             scale = D ** -0.5
-            o, lse = fa._forward(q, k, v, causal, scale)
+            o, lse = fa.launch_forward(q, k, v, causal, scale)
             for kernel, configs in candidates.items():
                 for c in configs:
                     if kernel == "fwd":
-                        fn = lambda c=c: fa._forward(q, k, v, causal, scale, cfg=c)  # noqa: E731
+                        fn = lambda c=c: fa.launch_forward(q, k, v, causal, scale, cfg=c)  # noqa: E731
                     elif kernel == "dkdv":
-                        fn = lambda c=c: fa._backward(do, q, k, v, o, lse, causal, scale, dkdv_cfg=c)  # noqa: E731
+                        fn = lambda c=c: fa.launch_backward(do, q, k, v, o, lse, causal, scale, dkdv_cfg=c)  # noqa: E731
                     else:
-                        fn = lambda c=c: fa._backward(do, q, k, v, o, lse, causal, scale, dq_cfg=c)  # noqa: E731
+                        fn = lambda c=c: fa.launch_backward(do, q, k, v, o, lse, causal, scale, dq_cfg=c)  # noqa: E731
                     try:
                         ms = do_bench(fn, warmup=10, rep=40, return_mode="median")
                     except Exception as e:  # noqa: BLE001 - out of shared memory etc.: record and go on
