@@ -1,48 +1,113 @@
-"""Command-line entry for training: Hydra app with a one-line error for any bad override.
+"""Command-line entry points (console scripts in pyproject.toml; scripts/*.py call the same functions).
 
-Before Hydra runs, the overrides are composed and validated once (`minigpt.config.compose`), so a
-wrong key, type or value ends with one line and exit code 2 instead of Hydra's multi-line report.
+`minigpt-train` / `python scripts/train.py [overrides]` is a Hydra app with three things added in front:
+- the overrides are composed and validated once before Hydra runs, so a wrong key, type or value ends with
+  one line and exit code 2 instead of Hydra's multi-line report;
+- each run gets a directory of its own (`outputs/<date>_<time>_<attention>_<model>_n<seq_len>`, with `-1`,
+  `-2`, ... when two runs start in the same second), unless `hydra.run.dir` is given;
+- with no GPU and no model chosen, CPU-sized defaults (config.CPU_DEFAULTS) replace the gpt2-small run.
+A multirun (`-m`) exits with the first failing job's code.
 """
 from __future__ import annotations
 
 import sys
+import time
+from pathlib import Path
 
-from minigpt.config import CONFIG_DIR, CONFIG_NAME, ConfigError, compose, register_schema, validate
+from minigpt.config import CONFIG_NAME, CPU_DEFAULTS, ConfigError, compose, config_dir, register_schema, to_train_config
+from minigpt.summary import ExitCode
 
-EXIT_BAD_CONFIG = 2
+HYDRA_KEYS = ("hydra.", "+hydra.", "++hydra.")
+
+
+def reserve_dir(parent: str | Path, name: str) -> Path:
+    """Create parent/name, or parent/name-1, -2, ... if taken: the directory is this run's alone."""
+    Path(parent).mkdir(parents=True, exist_ok=True)
+    for k in range(10_000):
+        path = Path(parent) / (name if k == 0 else f"{name}-{k}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise ConfigError(f"hydra.run.dir: {parent} has 10,000 runs named {name}; choose hydra.run.dir yourself")
+
+
+def _key(override: str) -> str:
+    return override.lstrip("+~").partition("=")[0]
+
+
+def _with_cpu_defaults(overrides: list[str]) -> list[str]:
+    """On a machine without a GPU, a run that names no model gets CPU-sized defaults for what it did not set."""
+    cfg = compose(overrides)
+    if cfg.torch_device().type != "cpu" or any(_key(o) == "model" for o in overrides):
+        return overrides
+    given = {_key(o) for o in overrides}
+    added = [d for d in CPU_DEFAULTS if _key(d) not in given]
+    print(f"no GPU: using CPU-sized defaults {' '.join(added)} (name a model, e.g. model=gpt2-small, to override)")
+    return [*added, *overrides]
 
 
 def train_main(argv: list[str] | None = None) -> int:
-    """`python scripts/train.py [overrides]`: returns the exit code (0 ok, 2 bad config, 3 OOM, 1 error)."""
+    """`minigpt-train [overrides]`: returns the exit code (0 ok, 1 error, 2 bad setting, 3 OOM, 128+signal)."""
     import hydra
     from omegaconf import OmegaConf
 
-    from minigpt.train import run
+    from minigpt.run import run
 
-    argv = sys.argv[1:] if argv is None else list(argv)
-    # Hydra's own flags (--help, --cfg job, -m ...) and hydra.* overrides go straight to Hydra.
-    if not any(a.startswith("-") for a in argv):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flags = [a for a in argv if a.startswith("-")]  # Hydra's own: --help, --cfg job, -m/--multirun, ...
+    multirun = any(a in ("-m", "--multirun") for a in flags)
+    if not flags:
         try:
-            compose([a for a in argv if not a.startswith(("hydra.", "+hydra.", "++hydra."))])
+            overrides = [a for a in argv if not a.startswith(HYDRA_KEYS)]
+            argv = [*_with_cpu_defaults(overrides), *(a for a in argv if a.startswith(HYDRA_KEYS))]
+            cfg = compose([a for a in argv if not a.startswith(HYDRA_KEYS)])
+            if not any(_key(a) == "hydra.run.dir" for a in argv):
+                name = f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{cfg.attention.name}_{cfg.model.name}_n{cfg.seq_len}"
+                argv.append(f"hydra.run.dir={reserve_dir('outputs', name)}")
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
-            return EXIT_BAD_CONFIG
+            return ExitCode.BAD_SETTING
+    elif multirun and not any(_key(a) == "hydra.sweep.dir" for a in argv):
+        argv.append(f"hydra.sweep.dir={reserve_dir('multirun', time.strftime('%Y-%m-%d_%H-%M-%S'))}")
 
     register_schema()
-    exit_code = 0
+    codes: list[int] = []
 
-    @hydra.main(config_path=str(CONFIG_DIR), config_name=CONFIG_NAME, version_base=None)
+    @hydra.main(config_path=str(config_dir()), config_name=CONFIG_NAME, version_base=None)
     def app(dict_cfg) -> None:
-        nonlocal exit_code
-        cfg = OmegaConf.to_object(dict_cfg)
         try:
-            validate(cfg)
+            cfg = to_train_config(dict_cfg)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
-            exit_code = EXIT_BAD_CONFIG
+            codes.append(ExitCode.BAD_SETTING)
             return
-        exit_code = run(cfg, OmegaConf.to_container(dict_cfg, resolve=True))
+        codes.append(run(cfg, config_dict=OmegaConf.to_container(dict_cfg, resolve=True)))
 
     sys.argv = [sys.argv[0], *argv]
     app()
-    return exit_code
+    failed = [c for c in codes if c != ExitCode.OK]
+    if multirun and codes:
+        print(f"multirun: {len(codes) - len(failed)} of {len(codes)} jobs ok" +
+              (f"; exit codes of the failed: {', '.join(map(str, failed))}" if failed else ""),
+              file=sys.stderr if failed else sys.stdout)
+    return failed[0] if failed else ExitCode.OK
+
+
+def sweep_main(argv: list[str] | None = None) -> int:
+    """`minigpt-sweep ...`: the context-length sweep (minigpt/experiments/sweep.py)."""
+    from minigpt.experiments.sweep import main
+
+    return main(argv)
+
+
+def bench_main(argv: list[str] | None = None) -> int:
+    """`minigpt-bench ...`: the attention benchmark (minigpt/experiments/bench.py)."""
+    from minigpt.experiments.bench import main
+
+    return main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(train_main())

@@ -1,31 +1,39 @@
 """Where metrics go: Weights & Biases (`logger=wandb`) or nowhere but the console (`logger=none`).
 
-Metric keys are grouped as train/, perf/, memory/, eval/. W&B runs online when credentials exist and
-offline otherwise (sync later with `wandb sync`), so a run never blocks on a login prompt or the network.
+One lifecycle for every W&B run minigpt makes (training runs, the sweep's summary run): `WandbLogger` opens
+the run, `log` adds a step, `finish` writes the summary and waits until the run is on disk. Metric keys are
+grouped as train/, perf/, memory/, eval/. With `mode=auto` W&B runs online when credentials exist and offline
+otherwise (sync later with `wandb sync`), so a run never blocks on a login prompt or the network.
+`WANDB_MODE` and `WANDB_DIR` in the environment win over the config.
 """
 from __future__ import annotations
 
 import netrc
 import os
+from pathlib import Path
 from typing import Any, Protocol
 
-from minigpt.config import TrainConfig
+from minigpt.config import ConfigError, LoggerConfig
 
 
 class Logger(Protocol):
-    def log(self, metrics: dict[str, float], step: int) -> None: ...
+    location: str | None  # where the run's logs are (a directory or URL), for the run's last line
+
+    def log(self, metrics: dict[str, Any], step: int) -> None: ...
     def finish(self, summary: dict[str, Any], exit_code: int) -> None: ...
 
 
 class NullLogger:
-    def log(self, metrics: dict[str, float], step: int) -> None:
+    location = None
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
         pass
 
     def finish(self, summary: dict[str, Any], exit_code: int) -> None:
         pass
 
 
-def _has_wandb_credentials() -> bool:
+def has_wandb_credentials() -> bool:
     if os.environ.get("WANDB_API_KEY"):
         return True
     try:
@@ -40,32 +48,38 @@ def wandb_mode(configured: str) -> str:
         return os.environ["WANDB_MODE"]
     if configured != "auto":
         return configured
-    return "online" if _has_wandb_credentials() else "offline"
+    return "online" if has_wandb_credentials() else "offline"
 
 
-def run_name(cfg: TrainConfig) -> str:
-    return cfg.logger.run_name or f"{cfg.attention.name}-{cfg.model.name}-n{cfg.seq_len}"
+def check_wandb(cfg: LoggerConfig) -> None:
+    """Refuse an online run without credentials before it starts (W&B would prompt or fail mid-run)."""
+    if cfg.name == "wandb" and wandb_mode(cfg.mode) == "online" and not has_wandb_credentials():
+        source = "WANDB_MODE=online" if os.environ.get("WANDB_MODE") else f"logger.mode={cfg.mode}"
+        raise ConfigError(f"{source}: no W&B credentials; set WANDB_API_KEY or run `wandb login`, "
+                          "or use logger.mode=offline (sync later) or logger=none")
+
+
+def wandb_dir(default: str | Path) -> str:
+    """WANDB_DIR if set (W&B's own convention), else `default` (the run directory)."""
+    return os.environ.get("WANDB_DIR") or str(default)
 
 
 class WandbLogger:
-    def __init__(self, cfg: TrainConfig, config_dict: dict[str, Any]):
+    def __init__(self, *, project: str, name: str, directory: str | Path, mode: str = "auto",
+                 entity: str | None = None, group: str | None = None, tags: list[str] | tuple[str, ...] = (),
+                 config: dict[str, Any] | None = None, job_type: str | None = None):
         import wandb
 
-        mode = wandb_mode(cfg.logger.mode)
-        self.run = wandb.init(
-            project=cfg.logger.project,
-            entity=cfg.logger.entity,
-            group=cfg.logger.group,
-            name=run_name(cfg),
-            tags=list(cfg.logger.tags),
-            config=config_dict,
-            dir=cfg.run_dir,
-            mode=mode,
-            settings=wandb.Settings(silent=True, init_timeout=60),
-        )
-        print(f"wandb: {mode} run '{run_name(cfg)}' in {self.run.dir}")
+        self.mode = wandb_mode(mode)
+        directory = wandb_dir(directory)
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(project=project, entity=entity, group=group, name=name, tags=list(tags), config=config,
+                              dir=directory, mode=self.mode, job_type=job_type,
+                              settings=wandb.Settings(silent=True, init_timeout=60))
+        online = self.mode == "online" and getattr(self.run, "url", None)
+        self.location = self.run.url if online else str(Path(self.run.dir).parent)
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
+    def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
         self.run.log(metrics, step=step)
 
     def finish(self, summary: dict[str, Any], exit_code: int) -> None:
@@ -75,9 +89,12 @@ class WandbLogger:
         self.run.finish(exit_code=exit_code)
         # finish() returns before W&B's background service has written the offline run file (seen with
         # wandb 0.31: an empty .wandb file right after it, complete a moment later); shutting the service
-        # down waits for it, so the run is on disk when training returns.
+        # down waits for it, so the run is on disk when this returns.
         wandb.teardown()
 
 
-def build_logger(cfg: TrainConfig, config_dict: dict[str, Any]) -> Logger:
-    return WandbLogger(cfg, config_dict) if cfg.logger.name == "wandb" else NullLogger()
+def build_logger(cfg: LoggerConfig, run_name: str, run_dir: str | Path, config: dict[str, Any]) -> Logger:
+    if cfg.name == "none":
+        return NullLogger()
+    return WandbLogger(project=cfg.project, entity=cfg.entity, group=cfg.group, name=cfg.run_name or run_name,
+                       tags=cfg.tags, config=config, directory=run_dir, mode=cfg.mode)

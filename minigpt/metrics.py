@@ -59,3 +59,29 @@ def peak_memory_gib(device: torch.device) -> tuple[float, float]:
     if device.type != "cuda":
         return 0.0, 0.0
     return torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB
+
+
+def versions() -> dict[str, str | None]:
+    """torch and triton versions, for the run summary and benchmark files."""
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"torch": torch.__version__, "triton": triton_version}
+
+
+def git_commit() -> str | None:
+    """The source commit: MINIGPT_COMMIT if set (GPU machines get a copy of the tree without .git), else git's."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    if os.environ.get("MINIGPT_COMMIT"):
+        return os.environ["MINIGPT_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from attention_reference import reference_attention as reference
-from minigpt.attention import ATTENTION_BACKENDS, get_attention
+from minigpt.attention import BACKENDS, get_attention
 
 
 @pytest.mark.parametrize("name", ["naive", "sdpa"])
@@ -33,11 +33,11 @@ def test_naive_and_sdpa_agree_on_odd_length():
 
 def test_sdpa_pinned_math_backend():
     q, k, v = (torch.randn(1, 2, 33, 16) for _ in range(3))
-    out = get_attention("sdpa", backend="math")(q, k, v, causal=True)
+    out = get_attention("sdpa", sdpa_backend="math")(q, k, v, causal=True)
     torch.testing.assert_close(out.double(), reference(q, k, v, True), rtol=1e-4, atol=1e-5)
 
 
 def test_registry():
-    assert set(ATTENTION_BACKENDS) == {"naive", "sdpa", "flash"}
+    assert set(BACKENDS) == {"naive", "sdpa", "flash"}
     with pytest.raises(ValueError, match="choose one of"):
         get_attention("bogus")

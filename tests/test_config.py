@@ -37,9 +37,12 @@ def test_every_group_option_composes(group, option):
     ("data=text", "data.path"),
     ("model.n_head=5", "model.n_embd"),
     ("resume=/does/not/exist", "resume"),
-    ("model.keep_attention=true", "model.keep_attention"),
-    ("model.offload=true", "model.checkpoint_every"),
-    ("model.checkpoint_dtype=float8", "model.checkpoint_dtype"),
+    ("model.keep_attention=true", "model.recompute_every"),
+    ("model.offload=true", "model.recompute_every"),
+    ("model.recompute_dtype=float8", "model.recompute_dtype"),
+    ("+unknown_key=1", "unknown_key"),
+    ("+model.foo=2", "model.foo"),
+    ("attention.sdpa_backend=cudnn", "attention"),
 ])
 def test_bad_override_names_the_key(override, expected):
     with pytest.raises(ConfigError) as info:
@@ -56,3 +59,34 @@ def test_cli_bad_override_is_one_line_and_nonzero(override, allowed):
     assert "Traceback" not in proc.stderr + proc.stdout
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and override.split("=")[0] in lines[0] and allowed in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["attention=flash", "model=tiny", "model.n_embd=80", "model.n_head=4"], "head_dim 20"),  # 80/4: not a kernel size
+    (["attention=sdpa", "model.recompute_every=1", "model.keep_attention=true"], "model.keep_attention"),
+    (["attention=naive", "attention.sdpa_backend=math"], "attention.sdpa_backend"),
+])
+def test_the_backend_capability_check_drives_config_errors(overrides, expected):
+    """What a backend says it cannot run (registry: unsupported(), returns_lse) refuses the run before it starts."""
+    with pytest.raises(ConfigError) as info:
+        compose(overrides)
+    assert expected in str(info.value) and str(info.value).startswith(("attention", "model", "head_dim"))
+
+
+def test_flash_needs_a_gpu_or_the_interpreter(monkeypatch):
+    from minigpt.attention import get_attention
+    import torch
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    reason = get_attention("flash").unsupported(torch.device("cpu"), torch.float32, 64)
+    assert reason and "CUDA" in reason
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert get_attention("flash").unsupported(torch.device("cpu"), torch.float32, 64) is None
+
+
+def test_online_wandb_without_credentials_is_refused(monkeypatch, tmp_path):
+    for var in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(ConfigError, match="logger.mode=online: no W&B credentials"):
+        compose(["logger.mode=online"])

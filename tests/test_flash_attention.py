@@ -157,7 +157,7 @@ def test_kept_attention_gives_the_same_gradients(tiny_config, offload):
     x, y = torch.randint(0, 256, (2, 70)), torch.randint(0, 256, (2, 70))
     results = []
     for keep in (False, True):
-        cfg.checkpoint_every, cfg.keep_attention, cfg.offload = 1, keep, offload
+        cfg.recompute_every, cfg.keep_attention, cfg.offload = 1, keep, offload
         torch.manual_seed(0)
         model = GPT(cfg, 256, get_attention("flash"))
         calls = {"fwd": 0}
@@ -181,13 +181,13 @@ def test_kept_attention_gives_the_same_gradients(tiny_config, offload):
 
 def test_flash_backend_trains_the_model(tiny_config):
     """attention=flash through the trainer (interpreter on CPU): same loss as sdpa on the first step."""
-    from minigpt.train import run
+    from minigpt.run import run
     import json
     from pathlib import Path
     losses = {}
     for name in ("flash", "sdpa"):
         cfg = tiny_config(f"attention={name}", "seq_len=112", "max_steps=2", "batch_size=2", "eval_batches=0")
-        cfg.run_dir = cfg.run_dir + name
+        cfg.run_dir, cfg.ckpt_dir = cfg.run_dir + name, cfg.run_dir + name + "/checkpoints"
         assert run(cfg) == 0
         losses[name] = json.loads((Path(cfg.run_dir) / "summary.json").read_text())["final_train_loss"]
     assert math.isclose(losses["flash"], losses["sdpa"], rel_tol=1e-4)

@@ -6,9 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from minigpt import train as train_mod
+from conftest import RecordingLogger
+from minigpt.attention import get_attention
 from minigpt.model import GPT
-from minigpt.train import EXIT_OOM, run
+from minigpt.run import run
+from minigpt.summary import ExitCode, RunSummary
 from wandb_records import offline_run
 
 SUMMARY_FIELDS = {"status", "steps", "final_train_loss", "final_val_loss", "passkey_acc", "tokens_per_s",
@@ -31,23 +33,20 @@ def test_tiny_model_learns(tiny_config):
     assert 0.0 <= s["passkey_acc"] <= 1.0 and s["tokens_per_s"] > 0 and s["n_params"] > 0
 
 
-def _losses(cfg, monkeypatch) -> list[float]:
-    seen = []
-    real = train_mod.NullLogger.log
-    monkeypatch.setattr(train_mod.NullLogger, "log", lambda self, m, step: seen.append(m["train/loss"]) if "train/loss" in m else None)
-    assert run(cfg) == 0
-    monkeypatch.setattr(train_mod.NullLogger, "log", real)
-    return seen
+def _losses(cfg) -> list[float]:
+    logger = RecordingLogger()
+    assert run(cfg, logger=logger) == 0
+    return logger.series("train/loss")
 
 
-def test_resume_gives_the_same_losses(tiny_config, tmp_path, monkeypatch):
-    straight = _losses(tiny_config("max_steps=20", "lr_decay_steps=20"), monkeypatch)
+def test_resume_gives_the_same_losses(tiny_config, tmp_path):
+    straight = _losses(tiny_config("max_steps=20", "lr_decay_steps=20"))
     first = tiny_config("max_steps=10", "lr_decay_steps=20")
     first.run_dir, first.ckpt_dir = str(tmp_path / "b"), str(tmp_path / "b" / "ckpt")
-    head = _losses(first, monkeypatch)
+    head = _losses(first)
     second = tiny_config("max_steps=20", "lr_decay_steps=20", "resume=auto")
     second.run_dir, second.ckpt_dir = str(tmp_path / "b2"), first.ckpt_dir
-    tail = _losses(second, monkeypatch)
+    tail = _losses(second)
     assert len(straight) == 20 and len(head) == 10 and len(tail) == 10
     assert head + tail == pytest.approx(straight, rel=1e-6, abs=1e-7)
 
@@ -57,10 +56,11 @@ def test_oom_gives_exit_3_and_status_oom(tiny_config, monkeypatch, capsys):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
     monkeypatch.setattr(GPT, "forward", boom)
     cfg = tiny_config()
-    assert run(cfg) == EXIT_OOM
+    assert run(cfg) == ExitCode.OOM
     assert summary(cfg)["status"] == "oom"
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and "seq_len=128" in err[0] and "attention=sdpa" in err[0] and "try" in err[0]
+    assert "summary.json" in err[0]  # the one line also says where the summary is
 
 
 def test_non_finite_loss_stops_and_keeps_last_checkpoint(tiny_config, monkeypatch):
@@ -76,23 +76,7 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(tiny_config, monkeypatc
     assert run(cfg) == 1
     s = summary(cfg)
     assert s["status"] == "error" and "non-finite" in s["error"] and s["steps"] == 4
-    assert sorted(p.name for p in Path(cfg.ckpt_dir).iterdir()) == ["ckpt_00000002.pt", "ckpt_00000004.pt"]
-
-
-def test_interrupt_writes_checkpoint(tiny_config, monkeypatch):
-    cfg = tiny_config("max_steps=10")
-    real = GPT.forward
-    calls = {"n": 0}
-
-    def interrupt_on_fourth(self, idx, targets):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise KeyboardInterrupt
-        return real(self, idx, targets)
-    monkeypatch.setattr(GPT, "forward", interrupt_on_fourth)
-    assert run(cfg) == 130
-    assert summary(cfg)["status"] == "interrupted"
-    assert [p.name for p in Path(cfg.ckpt_dir).iterdir()] == ["ckpt_00000003.pt"]
+    assert sorted(p.name for p in Path(cfg.ckpt_dir).glob("*.pt")) == ["ckpt_00000002.pt", "ckpt_00000004.pt"]
 
 
 def test_wandb_offline_run_holds_the_metrics(tiny_config, monkeypatch):
@@ -107,7 +91,7 @@ def test_wandb_offline_run_holds_the_metrics(tiny_config, monkeypatch):
     assert logged["name"] == "sdpa-tiny-n128" and logged["group"] == "g1" and logged["exit_code"] == 0
 
 
-LEVERS = [  # (loss_chunk, checkpoint_every, checkpoint_dtype, mlp_chunk, offload)
+LEVERS = [  # (loss_chunk, recompute_every, recompute_dtype, mlp_chunk, offload)
     (16, 0, "float32", 0, False), (7, 1, "float32", 0, False), (0, 2, "float32", 0, False),
     (0, 0, "float32", 9, False), (0, 1, "float32", 0, True), (13, 1, "float32", 11, True),
 ]
@@ -115,7 +99,6 @@ LEVERS = [  # (loss_chunk, checkpoint_every, checkpoint_dtype, mlp_chunk, offloa
 
 @pytest.mark.parametrize("loss_chunk,every,dtype,mlp_chunk,offload", LEVERS)
 def test_memory_levers_give_the_same_loss_and_gradients(tiny_config, loss_chunk, every, dtype, mlp_chunk, offload):
-    from minigpt.attention import get_attention
     cfg = tiny_config().model
     x, y = torch.randint(0, 256, (2, 50)), torch.randint(0, 256, (2, 50))
 
@@ -128,8 +111,8 @@ def test_memory_levers_give_the_same_loss_and_gradients(tiny_config, loss_chunk,
         loss.backward()
         return loss.item(), [p.grad.clone() for p in model.parameters()]
 
-    base_loss, base_grads = loss_and_grads(loss_chunk=0, checkpoint_every=0, checkpoint_dtype="float32", mlp_chunk=0, offload=False)
-    loss, grads = loss_and_grads(loss_chunk=loss_chunk, checkpoint_every=every, checkpoint_dtype=dtype,
+    base_loss, base_grads = loss_and_grads(loss_chunk=0, recompute_every=0, recompute_dtype="float32", mlp_chunk=0, offload=False)
+    loss, grads = loss_and_grads(loss_chunk=loss_chunk, recompute_every=every, recompute_dtype=dtype,
                                  mlp_chunk=mlp_chunk, offload=offload)
     assert math.isclose(loss, base_loss, rel_tol=1e-5)
     for a, b in zip(grads, base_grads):
@@ -138,20 +121,20 @@ def test_memory_levers_give_the_same_loss_and_gradients(tiny_config, loss_chunk,
 
 def test_bf16_checkpoints_round_the_stored_input_only(tiny_config):
     """bfloat16 block checkpoints: close to the fp32 model, and the gradient is exact for the rounded forward."""
-    from minigpt.attention import get_attention
     cfg = tiny_config().model
     x, y = torch.randint(0, 256, (2, 40)), torch.randint(0, 256, (2, 40))
     torch.manual_seed(0)
     model = GPT(cfg, 256, get_attention("sdpa"))
     plain = model(x, y).item()
-    cfg.checkpoint_every, cfg.checkpoint_dtype = 1, "bfloat16"
+    cfg.recompute_every, cfg.recompute_dtype = 1, "bfloat16"
+    torch.manual_seed(0)
+    model = GPT(cfg, 256, get_attention("sdpa"))  # the same weights, with the lever on
     loss = model(x, y)
     assert loss.item() != plain and math.isclose(loss.item(), plain, rel_tol=1e-2)
     # exact gradient of the rounded model: compare with autograd through an explicit rounding (straight-through)
     params = list(model.parameters())
     loss.backward()
     grads = [p.grad.clone() for p in params]
-    cfg.checkpoint_every = 0
 
     def rounded_hidden(idx):
         h = model.wte(idx)

@@ -7,31 +7,29 @@ our kernels so the table in kernels/flash_attention.py can be chosen from measur
 """
 from __future__ import annotations
 
+import argparse
 import datetime as dt
-import importlib
 import json
-import os
 import platform
-import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from minigpt.attention import get_attention
-from minigpt.metrics import attention_flops
+from minigpt.attention import SDPA_KERNELS, attention_names, get_attention
+from minigpt.files import atomic_write_text, markdown_table
+from minigpt.metrics import attention_flops, git_commit, versions
 
-PROVIDERS = ("minigpt", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "naive")
+# Providers: every registered backend by name ("flash" is ours), and sdpa pinned to each of PyTorch's fused
+# kernels as "sdpa-<kernel>" (sdpa-math is the slow reference, left out).
+PROVIDERS = (*(n for n in attention_names() if n != "sdpa"), *(f"sdpa-{k}" for k in SDPA_KERNELS if k != "math"))
 MODES = ("fwd", "bwd", "fwd+bwd")
 
 
 def attention_fn(provider: str) -> Callable:
-    if provider == "minigpt":
-        return get_attention("flash")
-    if provider.startswith("sdpa-"):
-        return get_attention("sdpa", backend=provider.removeprefix("sdpa-"))
-    return get_attention(provider)
+    backend, _, kernel = provider.partition("-")
+    return get_attention(backend, sdpa_backend=kernel) if kernel else get_attention(backend)
 
 
 @dataclass
@@ -122,7 +120,8 @@ def explore_tiles(head_dims=(64, 128), seq_lens=(2048, 8192), tokens: int = 1638
     """
     from triton.testing import do_bench
 
-    fa = importlib.import_module("kernels.flash_attention")
+    from minigpt_kernels import flash_attention as fa
+
     TC = fa.TileConfig
     shapes, tma_options = (TILE_SHORTLIST, (True,)) if shortlist else (TILE_CANDIDATES, (False, True))
     candidates = {kernel: [TC(*shape, tma=tma) for shape in shape_list for tma in tma_options]
@@ -175,64 +174,86 @@ def best_tiles_table(explore: list[dict], top: int = 3) -> str:
 
 
 def environment() -> dict:
-    import triton
-
-    commit = os.environ.get("MINIGPT_COMMIT", "")  # the GPU machine's copy of the tree has no .git
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        except OSError:
-            pass
-    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "date": dt.date.today().isoformat(), "commit": commit or None}
+    return {"gpu": torch.cuda.get_device_name(), **versions(), "python": platform.python_version(),
+            "date": dt.date.today().isoformat(), "commit": git_commit()}
 
 
-def markdown_table(rows: list[Row], env: dict) -> str:
-    """One line per (head_dim, seq): fwd+bwd TFLOP/s per provider, then ours/FA2 and ours/cuDNN for fwd, bwd, fwd+bwd."""
-    def tf(provider, D, N, mode):
-        for r in rows:
-            if (r.provider, r.head_dim, r.seq_len, r.mode) == (provider, D, N, mode):
-                return r.tflops
-        return None
+def results_table(rows: list[Row], env: dict) -> str:
+    """One line per (head_dim, seq): fwd+bwd TFLOP/s per provider, then ours/FA2 for fwd, bwd, fwd+bwd, and ours/cuDNN."""
+    tflops = {(r.provider, r.head_dim, r.seq_len, r.mode): r.tflops for r in rows}
 
-    def fmt(x, pct=False):
-        return "–" if x is None else (f"{x:.2f}" if pct else f"{x:.0f}")
+    def ratio(a: float | None, b: float | None) -> str | None:
+        return f"{a / b:.2f}" if a and b else None
 
     providers = [p for p in PROVIDERS if any(r.provider == p for r in rows)]
-    head = ["head_dim", "seq", *[f"{p} fwd+bwd" for p in providers], "ours/FA2 fwd", "ours/FA2 bwd", "ours/FA2 fwd+bwd",
-            "ours/cuDNN fwd+bwd"]
-    lines = [f"Causal bf16, batch·seq = 16K tokens, hidden 2048; TFLOP/s (fwd = 4·B·H·N²·D/2, bwd = 2.5·fwd). "
-             f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}, commit {env['commit']}.", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    header = ["head_dim", "seq", *[f"{p} fwd+bwd" for p in providers], "ours/FA2 fwd", "ours/FA2 bwd",
+              "ours/FA2 fwd+bwd", "ours/cuDNN fwd+bwd"]
+    table = []
     for D in sorted({r.head_dim for r in rows}):
         for N in sorted({r.seq_len for r in rows}):
-            cells = [str(D), str(N)] + [fmt(tf(p, D, N, "fwd+bwd")) for p in providers]
-            for mode in MODES:
-                ours, fa2 = tf("minigpt", D, N, mode), tf("sdpa-flash", D, N, mode)
-                cells.append(fmt(ours / fa2 if ours and fa2 else None, pct=True))
-            ours, cudnn = tf("minigpt", D, N, "fwd+bwd"), tf("sdpa-cudnn", D, N, "fwd+bwd")
-            cells.append(fmt(ours / cudnn if ours and cudnn else None, pct=True))
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+            cells: list[object] = [D, N]
+            cells += [None if tflops.get((p, D, N, "fwd+bwd")) is None else f"{tflops[(p, D, N, 'fwd+bwd')]:.0f}"
+                      for p in providers]
+            cells += [ratio(tflops.get(("flash", D, N, m)), tflops.get(("sdpa-flash", D, N, m))) for m in MODES]
+            cells.append(ratio(tflops.get(("flash", D, N, "fwd+bwd")), tflops.get(("sdpa-cudnn", D, N, "fwd+bwd"))))
+            table.append(cells)
+    return (f"Causal bf16, batch·seq = 16K tokens, hidden 2048; TFLOP/s (fwd = 4·B·H·N²·D/2, bwd = 2.5·fwd). "
+            f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}, commit {env['commit']}.\n\n"
+            + markdown_table(header, table))
 
 
 def write_results(rows: list[Row], out_dir: Path, explore: list[dict] | None = None) -> Path:
     env = environment()
-    out_dir.mkdir(parents=True, exist_ok=True)
     stem = "attention_" + env["gpu"].replace(" ", "_")
-    (out_dir / f"{stem}.json").write_text(json.dumps({"env": env, "rows": [asdict(r) for r in rows],
-                                                      "explore": explore or []}, indent=1) + "\n")
-    md = out_dir / f"{stem}.md"
-    md.write_text(markdown_table(rows, env))
-    return md
+    atomic_write_text(out_dir / f"{stem}.json", json.dumps({"env": env, "rows": [asdict(r) for r in rows],
+                                                            "explore": explore or []}, indent=1) + "\n")
+    return atomic_write_text(out_dir / f"{stem}.md", results_table(rows, env))
 
 
 def write_explore(explore: list[dict], out_dir: Path) -> Path:
     """A tile exploration alone, as explore_<GPU>_<dtype>_<causal|full>.json."""
     env = environment()
-    out_dir.mkdir(parents=True, exist_ok=True)
     first = explore[0] if explore else {}
     mode = "causal" if first.get("causal", True) else "full"
     path = out_dir / f"explore_{env['gpu'].replace(' ', '_')}_{first.get('dtype', 'bfloat16')}_{mode}.json"
-    path.write_text(json.dumps({"env": env, "explore": explore}, indent=1) + "\n")
-    return path
+    return atomic_write_text(path, json.dumps({"env": env, "explore": explore}, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`minigpt-bench` / scripts/bench_attention.py: parse the arguments, run, print the table."""
+    p = argparse.ArgumentParser(prog="bench_attention", description="Attention kernels on the GPU: ours (flash) vs "
+                                "SDPA's backends and naive, in one process; results/attention_<GPU>.{json,md}.")
+    p.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--seq", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
+    p.add_argument("--explore", action="store_true", help="time candidate tile configs of our kernels first")
+    p.add_argument("--explore-only", action="store_true", help="only the tile exploration, no provider table")
+    p.add_argument("--explore-seq", type=int, nargs="+", default=[2048, 8192], help="sequence lengths to explore at")
+    p.add_argument("--full", action="store_true", help="explore non-causal attention (the table is always causal)")
+    p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16", help="dtype to explore in")
+    p.add_argument("--shortlist", action="store_true", help="explore only the shortlisted tile shapes, TMA loads")
+    p.add_argument("--out", type=Path, default=Path("results"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (it times GPU kernels)")
+
+    explore = None
+    if args.explore or args.explore_only:
+        explore = explore_tiles(head_dims=args.head_dim, seq_lens=args.explore_seq, causal=not args.full,
+                                dtype=getattr(torch, args.dtype), shortlist=args.shortlist,
+                                progress=lambda r: print(f"tile {r['kernel']:5s} D={r['head_dim']:3d} N={r['seq_len']:5d} "
+                                                         f"{r['block_m']:3d}x{r['block_n']:3d} w{r['num_warps']} "
+                                                         f"s{r['num_stages']} tma={int(r['tma'])} {r['ms']} {r['error']}",
+                                                         flush=True))
+        print(best_tiles_table(explore))
+        if args.explore_only:
+            print("wrote", write_explore(explore, args.out))
+            return 0
+    rows = bench_attention(head_dims=args.head_dim, seq_lens=args.seq, providers=args.providers,
+                           progress=lambda r: print(f"{r.provider:15s} D={r.head_dim:3d} N={r.seq_len:6d} {r.mode:8s} "
+                                                    f"{'' if r.ms is None else f'{r.ms:8.3f} ms {r.tflops:6.1f} TFLOP/s'} "
+                                                    f"{r.note}", flush=True))
+    md = write_results(rows, args.out, explore)
+    print(md.read_text())
+    print(f"results: {md.resolve()}")
+    return 0

@@ -1,0 +1,195 @@
+"""The run lifecycle: claim the run directory, train, and always leave a summary, an exit code and a last line.
+
+    run(cfg, logger=None) -> exit code          (minigpt/summary.py has the table of statuses and codes)
+
+Nothing is lost:
+- a run never writes over another run: a directory that already holds a run's summary.json or checkpoints is
+  refused (exit 2) unless the run resumes it (`resume=auto`); `resume=auto` on a finished run says so and
+  changes nothing;
+- SIGINT and SIGTERM end the current step, write a checkpoint and summary.json (status `interrupted`) and exit
+  128 + signal; further signals meanwhile only print a note; a signal during setup stops at once;
+- every run that started writes summary.json (first with status `running`, so even SIGKILL leaves one), and its
+  last line says where the results are, or, for a failure, what went wrong and what to do.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minigpt.checkpoint import CheckpointError, list_checkpoints, step_of
+from minigpt.config import ConfigError, TrainConfig
+from minigpt.data import DataError
+from minigpt.files import WriteError
+from minigpt.loggers import Logger, NullLogger, build_logger
+from minigpt.metrics import git_commit, peak_memory_gib, versions
+from minigpt.summary import SUMMARY_FILE, ExitCode, RunSummary
+from minigpt.train import TrainingError, build, train_loop
+
+
+class Interrupted(Exception):
+    """A stop signal arrived before the training steps began."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+class StopSignals:
+    """SIGINT and SIGTERM while a run is alive: the first one asks the loop to stop after its step (or, during
+    setup, stops at once by raising Interrupted); later ones only say that the run is already stopping."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.immediate = True  # before the loop: nothing to finish, so stop now
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():  # Python only delivers signals there
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def _handle(self, signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if self.signum is not None:
+            print(f"\n{name} again: already stopping (checkpoint and summary.json are being written); please wait",
+                  file=sys.stderr, flush=True)
+            return
+        self.signum = signum
+        if self.immediate:
+            raise Interrupted(signum)
+        print(f"\n{name}: finishing this step, then writing a checkpoint and summary.json", file=sys.stderr, flush=True)
+
+
+def claim_run_dir(cfg: TrainConfig) -> str | None:
+    """Refuse (ConfigError) a directory that holds another run unless resuming it; returns a message when the
+    run to resume has already finished (nothing to do), else None."""
+    run_dir, ckpts = Path(cfg.run_dir), list_checkpoints(cfg.ckpt_dir)
+    summary_path = run_dir / SUMMARY_FILE
+    if cfg.resume == "none":
+        if ckpts:
+            raise ConfigError(f"ckpt_dir={cfg.ckpt_dir}: holds checkpoints of another run (newest: step "
+                              f"{step_of(ckpts[-1])}); continue it with resume=auto, or choose a new hydra.run.dir "
+                              f"(or ckpt_dir)")
+        if summary_path.exists():
+            raise ConfigError(f"hydra.run.dir={cfg.run_dir}: holds another run's {SUMMARY_FILE}; choose a new "
+                              f"hydra.run.dir, or continue that run with resume=auto")
+        return None
+    newest = step_of(ckpts[-1]) if cfg.resume == "auto" and ckpts else None
+    if newest is not None and newest >= cfg.max_steps:
+        return (f"the run in {cfg.run_dir} already finished: its newest checkpoint is at step {newest} and "
+                f"max_steps={cfg.max_steps}; nothing changed (raise max_steps to train further)")
+    return None
+
+
+def new_summary(cfg: TrainConfig) -> RunSummary:
+    return RunSummary(
+        status="running", max_steps=cfg.max_steps, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+        grad_accum=cfg.grad_accum, attention=cfg.attention.name, attention_options=cfg.attention.options(),
+        levers=cfg.model.levers(), compile=cfg.compile, model=cfg.model.name, n_layer=cfg.model.n_layer,
+        commit=git_commit(), run_dir=str(cfg.run_dir), **versions())
+
+
+def _oom_line(cfg: TrainConfig, alloc: float) -> str:
+    return (f"out of memory: seq_len={cfg.seq_len} attention={cfg.attention.name} model={cfg.model.name} "
+            f"batch={cfg.batch_size}, peak {alloc:.1f} GiB allocated; try attention=flash, a smaller seq_len or "
+            f"batch_size, model.recompute_every=1, model.loss_chunk=16384 (README: Memory levers)")
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError) and "out of memory" in str(e))
+
+
+def _failure(e: BaseException, cfg: TrainConfig, summary: RunSummary) -> tuple[int, str]:
+    """(exit code, one line for the user) for an exception that ended the run; updates the summary."""
+    if isinstance(e, Interrupted):
+        summary.status = "interrupted"
+        return ExitCode.SIGNAL_BASE + e.signum, f"{e} during setup: no training step ran"
+    if _is_oom(e):
+        alloc, reserved = peak_memory_gib(cfg.torch_device())
+        summary.peak_allocated_gib = max(summary.peak_allocated_gib, alloc)
+        summary.peak_reserved_gib = max(summary.peak_reserved_gib, reserved)
+        summary.status, summary.error = "oom", "CUDA out of memory"
+        return ExitCode.OOM, _oom_line(cfg, summary.peak_allocated_gib)
+    summary.status = "error"
+    if isinstance(e, ConfigError):
+        code, line = ExitCode.BAD_SETTING, str(e)
+    elif isinstance(e, (DataError, CheckpointError, TrainingError, WriteError)):
+        code, line = ExitCode.ERROR, str(e)
+    else:
+        traceback.print_exc()
+        code, line = ExitCode.ERROR, f"{type(e).__name__}: {e} (a bug? the traceback is above)"
+    summary.error = line
+    return code, line
+
+
+def run(cfg: TrainConfig, logger: Logger | None = None, config_dict: dict[str, Any] | None = None) -> int:
+    """Train as configured, write summary.json into cfg.run_dir, and return the process exit code.
+
+    `logger` defaults to the one cfg.logger names; tests pass their own to see the metrics.
+    """
+    config_dict = config_dict if config_dict is not None else asdict(cfg)
+    try:
+        finished = claim_run_dir(cfg)
+    except ConfigError as e:  # nothing of this run exists yet, and the other run's files stay untouched
+        print(f"error: {e}", file=sys.stderr)
+        return ExitCode.BAD_SETTING
+    if finished:
+        print(finished)
+        return ExitCode.OK
+
+    summary = new_summary(cfg)
+    summary_path = summary.write(cfg.run_dir)
+    t_start = time.perf_counter()
+    code, line = ExitCode.OK, ""
+    with StopSignals() as stop:
+        try:
+            logger = logger or build_logger(cfg.logger, f"{cfg.attention.name}-{cfg.model.name}-n{cfg.seq_len}",
+                                            cfg.run_dir, config_dict)
+            summary.wandb = logger.location
+            training = build(cfg, config_dict, summary)
+            stop.immediate = False  # from here a signal ends the current step
+            train_loop(training, logger, summary, stop.requested)
+            if stop.signum is not None:
+                summary.status, code = "interrupted", ExitCode.SIGNAL_BASE + stop.signum
+                line = (f"interrupted by {signal.Signals(stop.signum).name} after step {summary.steps}"
+                        + (f"; checkpoint {summary.checkpoint}" if summary.checkpoint else "")
+                        + f"; continue with resume=auto hydra.run.dir={cfg.run_dir}")
+            else:
+                summary.status = "ok"
+        except BaseException as e:  # noqa: BLE001 - every failure must still produce a summary and one line
+            stop.immediate = False
+            logger = logger or NullLogger()
+            code, line = _failure(e, cfg, summary)
+        finally:
+            stop.immediate = False
+            summary.exit_code, summary.wall_time_s = int(code), time.perf_counter() - t_start
+            summary.write(cfg.run_dir)
+            logger = logger or NullLogger()
+            logger.log({"status/ok": float(summary.status == "ok"), "status/oom": float(summary.status == "oom")},
+                       step=summary.steps)
+            logger.finish(asdict(summary), int(code))
+    where = f"summary {summary_path}" + (f", checkpoint {summary.checkpoint}" if summary.checkpoint else "") + \
+        (f", W&B {summary.wandb}" if summary.wandb else "")
+    if code == ExitCode.OK:
+        print(f"done: {summary.steps} steps; {where}")
+    else:
+        print(f"error: {line} ({where})" if summary.status != "interrupted" else f"{line} ({where})",
+              file=sys.stderr)
+    return int(code)
