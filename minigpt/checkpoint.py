@@ -35,11 +35,16 @@ class _Hashing:
 
     def __init__(self, f: BinaryIO):
         self.f, self.digest, self.size = f, hashlib.blake2b(), 0
+        self.error: OSError | None = None  # torch.save reports a failed write as a RuntimeError; keep the OS's reason
 
     def write(self, b: bytes) -> int:
         self.digest.update(b)
         self.size += len(b)
-        return self.f.write(b)
+        try:
+            return self.f.write(b)
+        except OSError as e:
+            self.error = e
+            raise
 
     def flush(self) -> None:
         self.f.flush()
@@ -84,7 +89,12 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model: torch.nn.Module, opt
 
     def write(f: BinaryIO) -> None:
         hashing.append(_Hashing(f))
-        torch.save(state, hashing[0])
+        try:
+            torch.save(state, hashing[0])
+        except Exception:
+            if hashing[0].error is not None:
+                raise hashing[0].error from None  # e.g. ENOSPC: "disk full", not torch's "unexpected pos"
+            raise
 
     atomic_write(path, write)
     atomic_write_text(_manifest(path), json.dumps({"step": step, "bytes": hashing[0].size,
@@ -135,8 +145,8 @@ def find_and_load(resume: str, ckpt_dir: str | Path, warn: Callable[[str], None]
     """The checkpoint `resume` asks for, loaded: none -> None; auto -> newest intact in ckpt_dir (None if there
     are none); a directory -> newest intact there; a file -> that file.
 
-    A damaged newest checkpoint is skipped with a warning naming it, and the next older one is tried; if none
-    is intact, CheckpointError says so.
+    A damaged newest checkpoint is skipped, and the next older one is tried; falling back prints one warning
+    naming the damaged file(s). If none is intact, CheckpointError says so.
     """
     if resume == "none":
         return None
@@ -148,18 +158,17 @@ def find_and_load(resume: str, ckpt_dir: str | Path, warn: Callable[[str], None]
         if resume == "auto":
             return None
         raise CheckpointError(f"resume={resume}: no ckpt_*.pt in that directory")
-    errors = []
+    damaged = []
     for path in reversed(found):
         try:
             state = load_checkpoint(path)
         except CheckpointError as e:
-            errors.append(str(e))
-            warn(f"warning: skipping a damaged checkpoint: {e}")
+            damaged.append(str(e))
             continue
-        if errors:
-            warn(f"warning: resuming from the older checkpoint {path}")
+        if damaged:
+            warn(f"warning: skipping damaged checkpoint(s): {'; '.join(damaged)}; resuming from the older {path}")
         return path, state
-    raise CheckpointError(f"no intact checkpoint in {target} ({len(errors)} damaged, newest: {errors[0]}); "
+    raise CheckpointError(f"no intact checkpoint in {target} ({len(damaged)} damaged, newest: {damaged[0]}); "
                           f"start a new run (resume=none in a new directory)")
 
 

@@ -53,7 +53,7 @@ def train_main(argv: list[str] | None = None) -> int:
     import hydra
     from omegaconf import OmegaConf
 
-    from minigpt.run import run
+    from minigpt.run import claim_run_dir, run
 
     argv = list(sys.argv[1:] if argv is None else argv)
     flags = [a for a in argv if a.startswith("-")]  # Hydra's own: --help, --cfg job, -m/--multirun, ...
@@ -62,10 +62,14 @@ def train_main(argv: list[str] | None = None) -> int:
         try:
             overrides = [a for a in argv if not a.startswith(HYDRA_KEYS)]
             argv = [*_with_cpu_defaults(overrides), *(a for a in argv if a.startswith(HYDRA_KEYS))]
-            cfg = compose([a for a in argv if not a.startswith(HYDRA_KEYS)])
-            if not any(_key(a) == "hydra.run.dir" for a in argv):
+            run_dir = next((a.partition("=")[2] for a in argv if _key(a) == "hydra.run.dir"), None)
+            cfg = compose([a for a in argv if not a.startswith(HYDRA_KEYS)], run_dir=run_dir or ".")
+            if run_dir is None:
                 name = f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{cfg.attention.name}_{cfg.model.name}_n{cfg.seq_len}"
                 argv.append(f"hydra.run.dir={reserve_dir('outputs', name)}")
+            elif finished := claim_run_dir(cfg):  # before Hydra writes its .hydra/ record into that directory
+                print(finished)
+                return ExitCode.OK
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return ExitCode.BAD_SETTING

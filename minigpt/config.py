@@ -305,8 +305,9 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
     return obj
 
 
-def compose(overrides: list[str]) -> TrainConfig:
-    """Compose configs/train.yaml with command-line overrides into a validated TrainConfig (outside a Hydra run)."""
+def compose(overrides: list[str], run_dir: str = ".") -> TrainConfig:
+    """Compose configs/train.yaml with command-line overrides into a validated TrainConfig (outside a Hydra run,
+    so `run_dir` stands in for Hydra's output directory)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -316,7 +317,7 @@ def compose(overrides: list[str]) -> TrainConfig:
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
             cfg = hydra_compose(config_name=CONFIG_NAME, overrides=overrides)
-            cfg.run_dir = "."  # outside a Hydra run there is no output dir to interpolate
+            cfg.run_dir = run_dir  # outside a Hydra run there is no output dir to interpolate
     except Exception as e:  # Hydra raises many types; all become one line
         raise ConfigError(one_line(e)) from e
     finally:
