@@ -8,8 +8,9 @@ Nothing is lost:
   changes nothing;
 - SIGINT and SIGTERM end the current step, write a checkpoint and summary.json (status `interrupted`) and exit
   128 + signal; further signals meanwhile only print a note; a signal during setup stops at once;
-- every run that started writes summary.json (first with status `running`, so even SIGKILL leaves one), and its
-  last line says where the results are, or, for a failure, what went wrong and what to do.
+- every run that started writes summary.json (first with status `running`, so even SIGKILL leaves one; a
+  resumed run keeps the earlier attempt's as summary.attempt<k>.json), and its last line says where the
+  results are, or, for a failure, what went wrong and what to do.
 """
 from __future__ import annotations
 
@@ -59,6 +60,10 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.signum is not None:  # the process is on its way out with 128 + signum: ignore later signals,
+            for s in self._previous:  # also during interpreter shutdown (which resets Python-level handlers)
+                signal.signal(s, signal.SIG_IGN)
+            return
         for s, handler in self._previous.items():
             signal.signal(s, handler)
 
@@ -95,7 +100,23 @@ def claim_run_dir(cfg: TrainConfig) -> str | None:
     if newest is not None and newest >= cfg.max_steps:
         return (f"the run in {cfg.run_dir} already finished: its newest checkpoint is at step {newest} and "
                 f"max_steps={cfg.max_steps}; nothing changed (raise max_steps to train further)")
+    if cfg.resume == "auto" and not ckpts and summary_path.exists():
+        try:
+            earlier = RunSummary.read(summary_path)
+        except ValueError:
+            earlier = None
+        if earlier is not None and earlier.status == "ok" and earlier.steps >= cfg.max_steps:
+            return (f"the run in {cfg.run_dir} already finished ({earlier.steps} steps, max_steps={cfg.max_steps}); "
+                    f"nothing changed (it kept no checkpoint to continue from)")
     return None
+
+
+def keep_earlier_summary(run_dir: Path) -> None:
+    """A resumed run's summary.json replaces the earlier attempt's: keep that one as summary.attempt<k>.json."""
+    path = run_dir / SUMMARY_FILE
+    if path.exists():
+        k = 1 + sum(1 for _ in run_dir.glob("summary.attempt*.json"))
+        path.rename(run_dir / f"summary.attempt{k}.json")
 
 
 def new_summary(cfg: TrainConfig) -> RunSummary:
@@ -154,6 +175,7 @@ def run(cfg: TrainConfig, logger: Logger | None = None, config_dict: dict[str, A
         print(finished)
         return ExitCode.OK
 
+    keep_earlier_summary(Path(cfg.run_dir))
     summary = new_summary(cfg)
     summary_path = summary.write(cfg.run_dir)
     t_start = time.perf_counter()

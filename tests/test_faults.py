@@ -106,6 +106,13 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_older_one(finished_run, d
     assert RunSummary.read(finished_run / "summary.json").steps == 4
 
 
+def test_resume_auto_on_a_finished_run_without_checkpoints_changes_nothing(tmp_path):
+    assert cli(tmp_path, *TINY, "max_steps=2", "save_checkpoints=false", "hydra.run.dir=run").returncode == 0
+    before = files(tmp_path / "run")
+    proc = cli(tmp_path, *TINY, "max_steps=2", "resume=auto", "hydra.run.dir=run")
+    assert proc.returncode == 0 and "already finished" in proc.stdout and files(tmp_path / "run") == before
+
+
 def test_no_intact_checkpoint_is_one_line(finished_run):
     for p in (finished_run / "checkpoints").glob("*.pt"):
         p.write_bytes(b"not a checkpoint")
@@ -153,11 +160,12 @@ def test_disk_full_keeps_the_previous_checkpoint_and_no_temp_files(tmp_path):
     assert s.status == "error" and s.exit_code == 1 and "disk full" in s.error
 
 
-def _start_and_signal(tmp_path: Path, *signals: signal.Signals) -> subprocess.Popen:
+def _start_and_signal(tmp_path: Path, *signals: signal.Signals, seq_len: int) -> subprocess.Popen:
     """Start a long run, wait until it has finished a step, then send `signals` (back to back)."""
     out = open(tmp_path / "log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "minigpt", *TINY, "max_steps=100000", "ckpt_every=1",
-                             "hydra.run.dir=run"], cwd=tmp_path, stdout=out, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "minigpt", *TINY, f"seq_len={seq_len}", "max_steps=100000",
+                             "ckpt_every=1", "hydra.run.dir=run"], cwd=tmp_path, stdout=out, stderr=subprocess.PIPE,
+                            text=True)
     deadline = time.time() + 120
     while not list((tmp_path / "run" / "checkpoints").glob("ckpt_*.json")) and time.time() < deadline:
         time.sleep(0.1)
@@ -170,7 +178,9 @@ def _start_and_signal(tmp_path: Path, *signals: signal.Signals) -> subprocess.Po
 @pytest.mark.parametrize("signals", [(signal.SIGTERM,), (signal.SIGINT, signal.SIGINT, signal.SIGTERM)],
                          ids=["sigterm", "ctrl-c-twice-then-sigterm"])
 def test_a_signal_ends_the_step_with_a_checkpoint_and_resume_continues(tmp_path, signals):
-    proc = _start_and_signal(tmp_path, *signals)
+    # with more than one signal, steps long enough (~1 s) that the later ones arrive while the run is stopping
+    seq_len = 128 if len(signals) == 1 else 4096
+    proc = _start_and_signal(tmp_path, *signals, seq_len=seq_len)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signals[0], err
     assert "Traceback" not in err
@@ -179,9 +189,10 @@ def test_a_signal_ends_the_step_with_a_checkpoint_and_resume_continues(tmp_path,
     s = RunSummary.read(tmp_path / "run" / "summary.json")
     assert s.status == "interrupted" and s.exit_code == 128 + signals[0] and s.steps >= 1
     assert s.checkpoint and Path(s.checkpoint).name == f"ckpt_{s.steps:08d}.pt" and Path(s.checkpoint).exists()
-    resumed = cli(tmp_path, *TINY, f"max_steps={s.steps + 1}", "resume=auto", "hydra.run.dir=run")
+    resumed = cli(tmp_path, *TINY, f"seq_len={seq_len}", f"max_steps={s.steps + 1}", "resume=auto", "hydra.run.dir=run")
     assert resumed.returncode == 0 and f"at step {s.steps}" in resumed.stdout, resumed.stderr
     assert RunSummary.read(tmp_path / "run" / "summary.json").status == "ok"
+    assert RunSummary.read(tmp_path / "run" / "summary.attempt1.json") == s  # the interrupted attempt's, kept
 
 
 # ------------------------------------------------------------------------------------------------
