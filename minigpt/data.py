@@ -7,9 +7,14 @@ the batches a straight run would.
 """
 from __future__ import annotations
 
+import codecs
+import contextlib
 import glob
 import hashlib
 import os
+import socket
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -109,6 +114,28 @@ class TokenData:
         return t[:, :-1], t[:, 1:]
 
 
+def _first_line(e: BaseException) -> str:
+    """The root cause's first message line: `datasets` wraps the informative error in a generic one."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def _cache_dir(cfg: DataConfig) -> str:
+    """cfg.cache_dir, created; checked here so an unusable one is named instead of failing inside `datasets`."""
+    path = os.path.expanduser(cfg.cache_dir)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise DataError(
+            f"data.cache_dir={cfg.cache_dir}: cannot create it ({e.strerror}); point it at a writable directory"
+        ) from e
+    if not os.access(path, os.W_OK):
+        raise DataError(f"data.cache_dir={cfg.cache_dir}: not writable; point it at a writable directory")
+    return path
+
+
 def _text_files(pattern: str) -> list[str]:
     path = os.path.expanduser(pattern)
     if os.path.isdir(path):
@@ -123,14 +150,70 @@ def _text_files(pattern: str) -> list[str]:
     return files
 
 
-def _files_key(files: list[str]) -> str:
+def _blocks(path: str) -> Iterator[bytes]:
+    """The file's bytes, 1 MiB at a time: a corpus can be larger than memory."""
+    with open(path, "rb") as fh:
+        yield from iter(lambda: fh.read(1 << 20), b"")
+
+
+def _is_archive(path: str) -> bool:
+    """True for a compressed file or archive (gzip, zip, tar, ...): `datasets` unpacks those itself."""
+    from datasets.utils.extract import Extractor
+
+    return Extractor.infer_extractor_format(path) is not None
+
+
+def _decode(decoder: codecs.IncrementalDecoder, block: bytes, offset: int, path: str, pattern: str, final=False):
+    """Feed `block`, at byte `offset` of the file, to the decoder; invalid UTF-8 is a DataError naming the file."""
+    pending = len(decoder.getstate()[0])  # bytes of an unfinished character carried over from the previous block
+    try:
+        decoder.decode(block, final)
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"data.path={pattern}: {path} is not UTF-8 text (invalid byte 0x{e.object[e.start]:02x} at offset "
+            f"{offset - pending + e.start}); convert it (iconv -f <its encoding> -t UTF-8) or exclude it from data.path"
+        ) from None
+
+
+def _text_blocks(path: str, pattern: str) -> Iterator[bytes]:
+    """The file's bytes in blocks, checked on the way: a NUL byte (binary) or invalid UTF-8 is a DataError naming the
+    file, not a traceback from `datasets`. Streamed, so a large corpus costs no memory."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    for block in _blocks(path):
+        nul = block.find(b"\0")
+        if nul >= 0:
+            raise DataError(
+                f"data.path={pattern}: {path} is binary (NUL byte at offset {offset + nul}), not text; "
+                f"give UTF-8 text files only, or exclude it from data.path"
+            )
+        _decode(decoder, block, offset, path, pattern)
+        offset += len(block)
+        yield block
+    _decode(decoder, b"", offset, path, pattern, final=True)
+
+
+def _files_key(files: list[str], pattern: str) -> str:
+    """Hash of the files' names and bytes (the tokenizer cache key); the same single read checks that they are text."""
     h = hashlib.sha256()
     for f in files:
         h.update(f.encode())
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
+        for block in _blocks(f) if _is_archive(f) else _text_blocks(f, pattern):
+            h.update(block)
     return h.hexdigest()[:16]
+
+
+def _user_tokenizer(cfg: DataConfig):
+    """cfg.tokenizer, loaded; a file that is not a tokenizer JSON is a DataError, not a bare `tokenizers` Exception."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(os.path.expanduser(cfg.tokenizer))
+    except Exception as e:  # tokenizers raises a bare Exception for unreadable or malformed files
+        raise DataError(
+            f"data.tokenizer={cfg.tokenizer}: not a tokenizer JSON file ({_first_line(e)}); give a tokenizer.json "
+            f"saved by `tokenizers`, or unset data.tokenizer to train a BPE on the data"
+        ) from e
 
 
 def load_tokenizer(cfg: DataConfig, texts: Iterable[str], data_key: str):
@@ -138,8 +221,8 @@ def load_tokenizer(cfg: DataConfig, texts: Iterable[str], data_key: str):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if cfg.tokenizer:
-        return Tokenizer.from_file(os.path.expanduser(cfg.tokenizer))
-    cache = Path(os.path.expanduser(cfg.cache_dir)) / "tokenizers" / f"bpe-{cfg.vocab_size}-{data_key}.json"
+        return _user_tokenizer(cfg)
+    cache = Path(_cache_dir(cfg)) / "tokenizers" / f"bpe-{cfg.vocab_size}-{data_key}.json"
     if cache.exists():
         return Tokenizer.from_file(str(cache))
     tok = Tokenizer(models.BPE())
@@ -166,7 +249,7 @@ def _token_stream(ds, column: str, tokenizer) -> np.ndarray:
         raise DataError(f"data.tokenizer: has no {EOT} token to separate documents")
 
     def encode(batch: dict) -> dict:
-        return {"ids": [e.ids + [eot] for e in tokenizer.encode_batch(batch[column])]}
+        return {"ids": [e.ids + [eot] for e in tokenizer.encode_batch([t or "" for t in batch[column]])]}
 
     ids = ds.map(encode, batched=True, remove_columns=ds.column_names, desc="tokenizing")
     dtype = np.uint16 if tokenizer.get_vocab_size() <= 1 << 16 else np.int32
@@ -180,40 +263,167 @@ def _split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndar
 
 
 def _documents(ds, column: str) -> Iterator[str]:
+    """The documents in batches; a missing one (None, e.g. a JSON row without the key) reads as empty."""
     for i in range(0, len(ds), 1000):
-        yield from ds[i : i + 1000][column]
+        yield from (t or "" for t in ds[i : i + 1000][column])
 
 
 def load_text(cfg: DataConfig, seq_len: int, seed: int) -> TokenData:
     import datasets
 
     files = _text_files(cfg.path)
-    cache_dir = os.path.expanduser(cfg.cache_dir)
-    ds = datasets.load_dataset("text", data_files=files, sample_by="document", split="train", cache_dir=cache_dir)
-    tokenizer = load_tokenizer(cfg, _documents(ds, "text"), _files_key(files))
+    key = _files_key(files, cfg.path)  # before `datasets` sees the files: a binary or non-UTF-8 one is named here
+    try:
+        ds = datasets.load_dataset(
+            "text", data_files=files, sample_by="document", split="train", cache_dir=_cache_dir(cfg)
+        )
+    except DataError:
+        raise
+    except Exception as e:  # e.g. non-UTF-8 text inside an archive, which only `datasets` unpacks
+        raise DataError(
+            f"data.path={cfg.path}: cannot read the files ({_first_line(e)}); give UTF-8 text, plain or compressed"
+        ) from e
+    tokenizer = load_tokenizer(cfg, _documents(ds, "text"), key)
     train, val = _split(_token_stream(ds, "text", tokenizer), cfg.val_fraction)
     return TokenData(train, val, seq_len, seed, tokenizer.get_vocab_size())
 
 
-def load_hf(cfg: DataConfig, seq_len: int, seed: int) -> TokenData:
+# --------------------------------------------------------------------------------------------
+# hf: a hub dataset, a local dataset directory or data files, or a `save_to_disk` directory
+# --------------------------------------------------------------------------------------------
+OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def _offline_reason() -> str | None:
+    """Why the hub cannot be used ("HF_HUB_OFFLINE is set", "huggingface.co:443 is unreachable"), or None if it can.
+
+    A quick TCP connect (to the HTTPS proxy, if one is set) replaces minutes of `datasets` retries on a machine
+    without network."""
+    from huggingface_hub import constants
+
+    for var in OFFLINE_VARS:
+        if os.environ.get(var, "").upper() in ("1", "ON", "YES", "TRUE"):
+            return f"{var} is set"
+    endpoint = urllib.parse.urlsplit(constants.ENDPOINT)
+    proxy = None if urllib.request.proxy_bypass(endpoint.hostname) else urllib.request.getproxies().get(endpoint.scheme)
+    target = urllib.parse.urlsplit(proxy) if proxy else endpoint
+    address = (target.hostname, target.port or (443 if target.scheme == "https" else 80))
+    try:
+        socket.create_connection(address, timeout=3).close()
+    except OSError:
+        return f"{address[0]}:{address[1]} is unreachable"
+    return None
+
+
+@contextlib.contextmanager
+def _hub_offline():
+    """Offline mode for `datasets` and `huggingface_hub` during one load: a cached copy is used, a missing one fails at
+    once. Both read HF_HUB_OFFLINE when imported, so their flags are switched (and put back), not os.environ."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    saved = datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE, constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE, constants.HF_HUB_OFFLINE = saved
+
+
+def _is_saved_dataset(path: str) -> bool:
+    """True for a directory written by Dataset.save_to_disk or DatasetDict.save_to_disk."""
+    def has(name: str) -> bool:
+        return os.path.isfile(os.path.join(path, name))
+
+    return has("dataset_dict.json") or (has("dataset_info.json") and has("state.json"))
+
+
+def _load_from_disk(cfg: DataConfig, path: str):
+    """A save_to_disk directory (from a DatasetDict, its data.split). It is read locally whether or not
+    data.streaming is set: max_docs selects the same first documents a stream would."""
     import datasets
 
-    cache_dir = os.path.expanduser(cfg.cache_dir)
+    ds = datasets.load_from_disk(path)
+    if isinstance(ds, datasets.DatasetDict):
+        if cfg.split not in ds:
+            raise DataError(f"data.split={cfg.split}: not a split of {cfg.dataset}; it has {', '.join(ds)}")
+        ds = ds[cfg.split]
+    return ds
+
+
+def _load_dataset(cfg: DataConfig):
+    """datasets.load_dataset; a streamed dataset is read up to max_docs documents into memory."""
+    import datasets
+
+    ds = datasets.load_dataset(
+        cfg.dataset, cfg.dataset_config, split=cfg.split, streaming=cfg.streaming, cache_dir=_cache_dir(cfg)
+    )
+    if not cfg.streaming:
+        return ds
+    rows = list(ds.take(cfg.max_docs))
+    if rows and cfg.text_column not in rows[0]:
+        raise _no_column(cfg, list(rows[0]))
+    return datasets.Dataset.from_dict({cfg.text_column: [r[cfg.text_column] for r in rows]})
+
+
+def _open_hf(cfg: DataConfig):
+    """cfg.dataset as a datasets.Dataset. This is the boundary to `datasets` and the hub: whatever goes wrong there
+    becomes one DataError line carrying the first line of the cause."""
+    path = os.path.expanduser(cfg.dataset)
+    local = os.path.exists(path)
+    if not local and cfg.dataset.startswith(("/", ".", "~")):
+        raise DataError(f"data.dataset={cfg.dataset}: no such file or directory; check the path")
+    offline = None if local else _offline_reason()
     try:
-        ds = datasets.load_dataset(
-            cfg.dataset, cfg.dataset_config, split=cfg.split, streaming=cfg.streaming, cache_dir=cache_dir
+        if _is_saved_dataset(path):
+            return _load_from_disk(cfg, path)
+        with _hub_offline() if offline else contextlib.nullcontext():
+            return _load_dataset(cfg)
+    except DataError:
+        raise
+    except Exception as e:
+        if offline:
+            raise DataError(
+                f"data.dataset={cfg.dataset}: not a local path, the Hugging Face Hub cannot be used ({offline}) and no "
+                f"cached copy is in data.cache_dir={cfg.cache_dir} ({_first_line(e)}); run once with network access, "
+                f"or point data.dataset at a local dataset directory, a save_to_disk directory or data files"
+            ) from e
+        raise DataError(
+            f"data.dataset={cfg.dataset}: cannot load it ({_first_line(e)}); "
+            f"check data.dataset, data.dataset_config and data.split"
+        ) from e
+
+
+def _no_column(cfg: DataConfig, columns: list[str]) -> DataError:
+    return DataError(f"data.text_column={cfg.text_column}: not a column of {cfg.dataset}; it has {', '.join(columns)}")
+
+
+def _is_text(feature) -> bool:
+    import datasets
+
+    return isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")
+
+
+def _check_text_column(ds, cfg: DataConfig) -> None:
+    """The documents must be strings: anything else would fail deep inside the tokenizer."""
+    if cfg.text_column not in ds.column_names:
+        raise _no_column(cfg, ds.column_names)
+    feature = ds.features[cfg.text_column]
+    if not _is_text(feature):
+        strings = ", ".join(c for c, f in ds.features.items() if _is_text(f)) or "none"
+        raise DataError(
+            f"data.text_column={cfg.text_column}: a {feature} column, not text; "
+            f"choose a string column of {cfg.dataset} ({strings})"
         )
-    except (FileNotFoundError, ValueError) as e:
-        raise DataError(f"data.dataset={cfg.dataset}: cannot load ({str(e).splitlines()[0]})") from e
-    columns = ds.column_names or []
-    if cfg.text_column not in columns:
-        raise DataError(f"data.text_column={cfg.text_column}: not a column of {cfg.dataset}; it has {', '.join(columns)}")
-    if cfg.streaming:  # read the first max_docs documents into an in-memory dataset
-        ds = datasets.Dataset.from_list([{cfg.text_column: r[cfg.text_column]} for r in ds.take(cfg.max_docs)])
-    elif cfg.max_docs is not None:
-        ds = ds.select(range(min(cfg.max_docs, len(ds))))
+
+
+def load_hf(cfg: DataConfig, seq_len: int, seed: int) -> TokenData:
+    ds = _open_hf(cfg)
+    if cfg.max_docs is not None and len(ds) > cfg.max_docs:
+        ds = ds.select(range(cfg.max_docs))
     if len(ds) == 0:
         raise DataError(f"data.dataset={cfg.dataset}: split {cfg.split} is empty")
+    _check_text_column(ds, cfg)
     key = hashlib.sha256(f"{cfg.dataset}|{cfg.dataset_config}|{cfg.split}|{cfg.max_docs}|{ds._fingerprint}".encode())
     tokenizer = load_tokenizer(cfg, _documents(ds, cfg.text_column), key.hexdigest()[:16])
     train, val = _split(_token_stream(ds, cfg.text_column, tokenizer), cfg.val_fraction)
