@@ -89,41 +89,9 @@ def _next_tile(src, BLOCK: tl.constexpr, stride_n, TMA: tl.constexpr):
 # Forward
 # ------------------------------------------------------------------------------------------------
 @triton.jit
-def _exp2_fma(x):
-    """2^x for finite x <= 0 on the FMA units, not the special-function unit (MUFU: 16 exp2 per clock per SM,
-    against 128 fp32 FMAs; at head_dim 64 the forward needs about as many MUFU cycles as tensor-core cycles).
-
-    x = j + f with j = round(x), f = x - j in [-1/2, 1/2]: adding 1.5*2^23 rounds x to the integer j, which then
-    sits in the low mantissa bits of the sum t. 2^f is a degree-3 polynomial (relative error <= 8.4e-5, under the
-    bf16/fp16 rounding P gets before the PV dot), and 2^j is applied by adding j to the exponent field (bits
-    23..30) of 2^f with one integer add: (bits(t) << 23) keeps exactly j << 23, two's complement included.
-    """
-    x = tl.maximum(x, -125.0)  # 2^x below 2^-125 is 0 to any row sum; keeps the exponent field >= 1
-    t = x + 12582912.0  # 1.5 * 2^23
-    f = x - (t - 12582912.0)
-    p = 0.9999195933 + f * (0.6932621598 + f * (0.2427141368 + f * 0.0552129932))  # 2^f, minimax on [-1/2, 1/2]
-    bits = p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _exp2_shared(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMA_SHARE: tl.constexpr):
-    """exp2 of a (BLOCK_M, BLOCK_N) tile with 1/FMA_SHARE of its columns (the last ones; FMA_SHARE 2 or 4) computed
-    by `_exp2_fma` and the rest by the MUFU unit, so both units work on every tile. Columns are split as halves:
-    (m, c) -> (m, c mod N/2, c div N/2), a relabeling of each thread's registers."""
-    a, b = x.reshape([BLOCK_M, 2, BLOCK_N // 2]).permute(0, 2, 1).split()
-    if FMA_SHARE == 2:
-        b = _exp2_fma(b)
-    else:
-        b1, b2 = b.reshape([BLOCK_M, 2, BLOCK_N // 4]).permute(0, 2, 1).split()
-        b = tl.join(tl.math.exp2(b1), _exp2_fma(b2)).permute(0, 2, 1).reshape([BLOCK_M, BLOCK_N // 2])
-    return tl.join(tl.math.exp2(a), b).permute(0, 2, 1).reshape([BLOCK_M, BLOCK_N])
-
-
-@triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, lo, hi, N, qk_scale,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr, FMA_SHARE: tl.constexpr):
+               INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr):
     """Fold key tiles [lo, hi) into the running (acc, l, m) of one query tile.
 
     MASKED tiles (the causal diagonal, or the ragged last tile) apply the causal/bounds mask; the rest
@@ -145,12 +113,8 @@ def _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, lo
             qk = tl.where(visible, qk, float("-inf"))
         # scores in base-2 units are s = qk · scale·log2(e);  m_new = max(m_old, rowmax(s))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        # p = exp2(s − m_new), one fused multiply-add per score; on unmasked tiles (finite scores) a share of
-        # the exponentials can run on the FMA units
-        if FMA_SHARE > 0 and not MASKED:
-            p = _exp2_shared(qk * qk_scale - m_new[:, None], BLOCK_M, BLOCK_N, FMA_SHARE)
-        else:
-            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        # p = exp2(s − m_new), one fused multiply-add per score
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         # α = exp2(m_old − m_new) rescales what was accumulated under the old max
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -168,7 +132,7 @@ def _fwd_kernel(Q, K, V, O, LSE,
                 stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
                 H, N, qk_scale,
                 CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr, FMA_SHARE: tl.constexpr):
+                INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:  # longest rows first: the last query tiles see the most keys
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -197,9 +161,9 @@ def _fwd_kernel(Q, K, V, O, LSE,
         full_hi = (N // BLOCK_N) * BLOCK_N
         diag_hi = N
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, 0, full_hi, N,
-                               qk_scale, False, CAUSAL, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA, FMA_SHARE)
+                               qk_scale, False, CAUSAL, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, full_hi, diag_hi, N,
-                               qk_scale, True, CAUSAL, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA, FMA_SHARE)
+                               qk_scale, True, CAUSAL, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
 
     # o = acc / l;  LSE = m + log2(l) (base 2), what the backward needs to rebuild P = exp2(s − LSE)
     o = acc / l_i[:, None]
@@ -214,10 +178,9 @@ def _fwd_kernel(Q, K, V, O, LSE,
 # Backward
 # ------------------------------------------------------------------------------------------------
 @triton.jit
-def _bwd_delta_kernel(O, DO, DELTA, DQ_ACC, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
-                      H, N, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ZERO_DQ_ACC: tl.constexpr):
-    """delta_i = Σ_d dO_id · O_id  (= Σ_j P_ij dP_ij, the softmax backward's row term).
-    With ZERO_DQ_ACC it also clears the same rows of the fp32 dQ sums that the dK/dV kernel then adds into."""
+def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
+                      H, N, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta_i = Σ_d dO_id · O_id  (= Σ_j P_ij dP_ij, the softmax backward's row term)."""
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
@@ -231,19 +194,14 @@ def _bwd_delta_kernel(O, DO, DELTA, DQ_ACC, stride_ob, stride_oh, stride_on, str
                  mask=row_ok[:, None], other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + bh.to(tl.int64) * N + rows, delta, mask=row_ok)
-    if ZERO_DQ_ACC:  # (B·H, N, HEAD_DIM) contiguous fp32
-        tl.store(DQ_ACC + (bh.to(tl.int64) * N + rows[:, None]) * HEAD_DIM + offs_d[None, :],
-                 tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32), mask=row_ok[:, None])
 
 
 @triton.jit
-def _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, dq_dst, stride_qn, stride_don,
+def _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, stride_qn, stride_don,
                     start_n, lo, hi, N, qk_scale,
-                    MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr, DQ_MODE: tl.constexpr, DQ_T: tl.constexpr):
-    """Accumulate dK, dV of one key tile over query tiles [lo, hi). Works on transposed tiles (keys × queries).
-    DQ_MODE 1 (pointer atomics) or 2 (TMA bulk reduce-add) also adds this key tile's share of each query tile's dQ
-    into fp32 sums at dq_dst (the 5-matmul backward); DQ_MODE 0 leaves dQ to its own kernel."""
+                    MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr,
+                    TMA: tl.constexpr):
+    """Accumulate dK, dV of one key tile over query tiles [lo, hi). Works on transposed tiles (keys × queries)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     q_src = _tile_start(q_src, lo, stride_qn, INT64_OFFSETS, TMA)
@@ -263,34 +221,22 @@ def _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, dq_dst, s
         dv = tl.dot(pT.to(do.dtype), do, dv)
         # dPᵀ = V dOᵀ;  dSᵀ = Pᵀ ∘ (dPᵀ − delta)
         delta = tl.load(delta_ptrs + rows, mask=row_ok, other=0.0)
-        dsT = (pT * (tl.dot(v, tl.trans(do)) - delta[None, :])).to(q.dtype)
+        dsT = pT * (tl.dot(v, tl.trans(do)) - delta[None, :])
         # dK += dSᵀ Q  (the softmax scale is applied once at the end)
-        dk = tl.dot(dsT, q, dk)
-        if DQ_MODE != 0:
-            # dQ_i += dS_ij K_j, this key tile's share of the query tile's gradient. Every key tile of the head adds
-            # into the same fp32 sums, in an order that varies from run to run (dQ's last bits can vary)
-            if DQ_T:  # as (Kᵀ dSᵀ)ᵀ: the dot's M is head_dim rather than BLOCK_M
-                dq = tl.trans(tl.dot(tl.trans(k), dsT))
-            else:
-                dq = tl.dot(tl.trans(dsT), k)
-            if DQ_MODE == 2:  # one asynchronous bulk reduce-add of the tile (rows past N are dropped)
-                dq_dst.atomic_add([start_m, 0], dq)
-            else:
-                tl.atomic_add(dq_dst + rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], dq,
-                              mask=row_ok[:, None], sem="relaxed")
+        dk = tl.dot(dsT.to(q.dtype), q, dk)
         q_src = _next_tile(q_src, BLOCK_M, stride_qn, TMA)
         do_src = _next_tile(do_src, BLOCK_M, stride_don, TMA)
     return dk, dv
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                      stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                      stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
                      stride_dkb, stride_dkh, stride_dkn,
                      H, N, qk_scale, sm_scale,
                      CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr, DQ_MODE: tl.constexpr, DQ_T: tl.constexpr):
+                     INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
     b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
@@ -307,47 +253,23 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
     do_src = _tile_source(DO + b * stride_dob + h * stride_doh, N, stride_don, offs_m, offs_d, BLOCK_M, HEAD_DIM, TMA)
     lse_ptrs = LSE + bh.to(tl.int64) * N
     delta_ptrs = DELTA + bh.to(tl.int64) * N
-    # this head's fp32 dQ sums, (N, HEAD_DIM) contiguous: a TMA descriptor for bulk reduce-adds, or a pointer
-    if DQ_MODE == 2:
-        dq_dst = tl.make_tensor_descriptor(DQ_ACC + bh.to(tl.int64) * N * HEAD_DIM, shape=[N, HEAD_DIM],
-                                           strides=[HEAD_DIM, 1], block_shape=[BLOCK_M, HEAD_DIM])
-    else:
-        dq_dst = DQ_ACC + bh.to(tl.int64) * N * HEAD_DIM
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     if CAUSAL:  # queries before this key tile cannot see it; the diagonal tiles get the mask
         diag_hi = tl.minimum(start_n + BLOCK_N, N)
-        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, dq_dst, stride_qn, stride_don,
-                                 start_n, start_n, diag_hi, N, qk_scale, True, BLOCK_M, BLOCK_N, HEAD_DIM,
-                                 INT64_OFFSETS, TMA, DQ_MODE, DQ_T)
-        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, dq_dst, stride_qn, stride_don,
-                                 start_n, diag_hi, N, N, qk_scale, False, BLOCK_M, BLOCK_N, HEAD_DIM,
-                                 INT64_OFFSETS, TMA, DQ_MODE, DQ_T)
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, stride_qn, stride_don,
+                                 start_n, start_n, diag_hi, N, qk_scale, True, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, stride_qn, stride_don,
+                                 start_n, diag_hi, N, N, qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
     else:
-        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, dq_dst, stride_qn, stride_don,
-                                 start_n, 0, N, N, qk_scale, False, BLOCK_M, BLOCK_N, HEAD_DIM,
-                                 INT64_OFFSETS, TMA, DQ_MODE, DQ_T)
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, stride_qn, stride_don,
+                                 start_n, 0, N, N, qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
 
     dk *= sm_scale  # dS was taken w.r.t. the scaled scores
     out = b * stride_dkb + h * stride_dkh + rows_n[:, None] * stride_dkn + offs_d[None, :]
     tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
-
-
-@triton.jit
-def _bwd_dq_from_sums_kernel(DQ_ACC, DQ, stride_dqb, stride_dqh, stride_dqn, H, N, sm_scale,
-                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """dQ = scale · Σ_j dS_j K_j from the fp32 sums the dK/dV kernel added up, in dQ's dtype and memory layout."""
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
-    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
-    offs_d = tl.arange(0, HEAD_DIM)
-    rows = start_m.to(tl.int64) + tl.arange(0, BLOCK_M)
-    row_ok = rows < N
-    dq = tl.load(DQ_ACC + (bh.to(tl.int64) * N + rows[:, None]) * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None])
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn + offs_d[None, :],
-             (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -428,9 +350,6 @@ class TileConfig:
     num_warps: int
     num_stages: int
     tma: bool = False  # stream tiles through TMA descriptors (Hopper+, aligned inputs; else pointer loads)
-    fma_exp: int = 0  # forward, 2-byte inputs: 1/fma_exp of each unmasked tile's exp2 on the FMA units (0 = none)
-    fused_dq: int = 0  # dK/dV kernel: also add dQ into fp32 sums (5 matmuls, no dQ kernel; Hopper+): 2 TMA reduce, 1 atomics
-    dq_t: bool = False  # fused dQ computed as (Kᵀ dSᵀ)ᵀ
 
 
 # 2-byte inputs (bf16, fp16; the same tensor-core rate and tile bytes), causal. Chosen from
@@ -467,6 +386,19 @@ _GPU_CONFIGS_FP32: dict[tuple[str, int], TileConfig] = {
     **{("dq", d): TileConfig(64, 32, 4, 2, tma=True) for d in (16, 32, 64, 128)},
     ("dq", 256): TileConfig(32, 16, 4, 1),
 }
+# Causal 2-byte inputs, by sequence length (`.scratch` benchmarks of issue 10, H200, bf16, 16K tokens per batch):
+# (kernel, head_dim) -> (seq bound, config). The forward at D=128 takes 64×64 tiles up to 2K tokens (fwd TFLOP/s
+# 315–318 vs 275–277 at N=1K, 399 vs 373 at 2K; 128×64 wins from 4K: 439–441 vs 418–420, 483 vs 463 at 8K), where
+# more, shorter programs fill the GPU better. At D<=64 the forward takes 128×64 tiles with 8 warps from 16K
+# tokens (418–426 vs 397–401 at N=16K; 407 vs 402 at 8K, a tie; 64×64 ahead at 1K–2K by 3%). The dK/dV kernel at
+# D=128 takes 64×64 tiles with 4 warps up to 1K tokens (bwd 247 vs 226 at N=1K; 299 vs 292 at 2K; 321 vs 349 at 4K).
+_GPU_CONFIGS_UP_TO_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
+    ("fwd", 128): (2048, TileConfig(64, 64, 4, 3, tma=True)),
+    ("dkdv", 128): (1024, TileConfig(64, 64, 4, 2, tma=True)),
+}
+_GPU_CONFIGS_FROM_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
+    **{("fwd", d): (16384, TileConfig(128, 64, 8, 3, tma=True)) for d in (16, 32, 64)},
+}
 # Small tiles under the CPU interpreter: fast there, and several tiles per test sequence so the
 # diagonal / full / ragged-tail paths all run. TMA on, as on the GPU (the interpreter emulates descriptors);
 # tests run the pointer path with explicit configs.
@@ -474,14 +406,23 @@ _INTERPRET_CONFIGS = {"fwd": TileConfig(32, 16, 4, 1, tma=True), "dkdv": TileCon
                       "dq": TileConfig(32, 16, 4, 1, tma=True)}
 
 
-def tile_config(kernel: str, head_dim: int, causal: bool = True, dtype: torch.dtype = torch.bfloat16) -> TileConfig:
-    """The launch configuration of one kernel ('fwd', 'dkdv' or 'dq') for this head_dim, causality and dtype."""
+def tile_config(kernel: str, head_dim: int, causal: bool = True, dtype: torch.dtype = torch.bfloat16,
+                seq_len: int | None = None) -> TileConfig:
+    """The launch configuration of one kernel ('fwd', 'dkdv' or 'dq') for this head_dim, causality and dtype, and,
+    when seq_len is given, for that sequence length (causal 2-byte inputs have short- and long-sequence tiles)."""
     if INTERPRET:
         return _INTERPRET_CONFIGS[kernel]
     if dtype == torch.float32:
         return _GPU_CONFIGS_FP32[(kernel, head_dim)]
     if not causal and (kernel, head_dim) in _GPU_CONFIGS_FULL:
         return _GPU_CONFIGS_FULL[(kernel, head_dim)]
+    if causal and seq_len is not None:
+        up_to = _GPU_CONFIGS_UP_TO_SEQ.get((kernel, head_dim))
+        if up_to is not None and seq_len <= up_to[0]:
+            return up_to[1]
+        from_seq = _GPU_CONFIGS_FROM_SEQ.get((kernel, head_dim))
+        if from_seq is not None and seq_len >= from_seq[0]:
+            return from_seq[1]
     return _GPU_CONFIGS[(kernel, head_dim)]
 
 
@@ -564,88 +505,42 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
                    cfg: TileConfig | None = None) -> tuple[Tensor, Tensor]:
     """Run the forward kernel: (o, lse). `cfg` overrides the tile table (the benchmark's tile exploration)."""
     B, H, N, D = q.shape
-    cfg = cfg or tile_config("fwd", D, causal, q.dtype)
+    cfg = cfg or tile_config("fwd", D, causal, q.dtype, N)
     o = _empty_in_layout_of(q)
     lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(N, cfg.block_m), B * H)
     _fwd_kernel[grid](q, k, v, o, lse, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(o),
                       H, N, sm_scale * LOG2E, CAUSAL=causal, HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       INT64_OFFSETS=_needs_int64(N, q, k, v), TMA=_use_tma(cfg, k, v),
-                      FMA_SHARE=cfg.fma_exp if q.dtype != torch.float32 else 0,  # fp32 keeps exact exponentials
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return o, lse
 
 
-# The fp32 dQ sums of the fused backward take 2× a bf16 dQ; heads are done in groups so they stay under this.
-_DQ_SUMS_BYTES = 512 * 2**20
-
-
-def _deterministic() -> bool:
-    return os.environ.get("MINIGPT_FLASH_DETERMINISTIC", "0") == "1"
-
-
 def launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, sm_scale: float,
-                    dkdv_cfg: TileConfig | None = None, dq_cfg: TileConfig | None = None,
-                    deterministic: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Run the backward kernels (delta, dK/dV, dQ): (dq, dk, dv). The cfgs override the tile table.
-
-    Where the dK/dV config says `fused_dq` (Hopper or the interpreter), the dK/dV kernel also adds dQ into fp32 sums
-    (5 matmuls instead of 7; dQ's last bits can vary between runs). `deterministic=True` (or the environment
-    variable MINIGPT_FLASH_DETERMINISTIC=1) keeps the separate dQ kernel, whose results are bitwise reproducible."""
+                    dkdv_cfg: TileConfig | None = None, dq_cfg: TileConfig | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Run the backward kernels (delta, dK/dV, dQ): (dq, dk, dv). The cfgs override the tile table."""
     B, H, N, D = q.shape
     if do.stride(-1) != 1:
         do = do.contiguous()
-    dq, dk, dv = _empty_in_layout_of(q), _empty_in_layout_of(k), _empty_in_layout_of(v)
-    c = dkdv_cfg or tile_config("dkdv", D, causal, q.dtype)
-    deterministic = _deterministic() if deterministic is None else deterministic
-    if c.fused_dq and not deterministic and _hopper_or_newer(q):
-        # heads in groups whose fp32 dQ sums fit _DQ_SUMS_BYTES (one group at benchmark sizes)
-        group = max(1, min(H, _DQ_SUMS_BYTES // (B * N * D * 4)))
-        sums = torch.empty((B * group, N, D), dtype=torch.float32, device=q.device)
-        for h0 in range(0, H, group):
-            hs = slice(h0, min(H, h0 + group))
-            part = (lambda t: t[:, hs]) if group < H else (lambda t: t)
-            _backward_fused(part(do), part(q), part(k), part(v), part(o), part(lse).contiguous(), causal, sm_scale,
-                            c, part(dq), part(dk), part(dv), sums)
-        return dq, dk, dv
-
     delta = torch.empty_like(lse)
-    _bwd_delta_kernel[(triton.cdiv(N, 128), B * H)](o, do, delta, delta, *_strides3(o), *_strides3(do), H, N,
-                                                    HEAD_DIM=D, BLOCK_M=128, ZERO_DQ_ACC=False, num_warps=4)
+    _bwd_delta_kernel[(triton.cdiv(N, 128), B * H)](o, do, delta, *_strides3(o), *_strides3(do), H, N,
+                                                    HEAD_DIM=D, BLOCK_M=128, num_warps=4)
+    dq, dk, dv = _empty_in_layout_of(q), _empty_in_layout_of(k), _empty_in_layout_of(v)
     common = (*_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do))
     int64 = _needs_int64(N, q, k, v, do)
+    c = dkdv_cfg or tile_config("dkdv", D, causal, q.dtype, N)
     _bwd_dkdv_kernel[(triton.cdiv(N, c.block_n), B * H)](
-        q, k, v, do, lse, delta, dk, dv, delta, *common, *_strides3(dk), H, N, sm_scale * LOG2E, sm_scale,
+        q, k, v, do, lse, delta, dk, dv, *common, *_strides3(dk), H, N, sm_scale * LOG2E, sm_scale,
         CAUSAL=causal, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, INT64_OFFSETS=int64,
-        TMA=_use_tma(c, q, do), DQ_MODE=0, DQ_T=False,
+        TMA=_use_tma(c, q, do),
         num_warps=c.num_warps, num_stages=c.num_stages)
-    c = dq_cfg or tile_config("dq", D, causal, q.dtype)
+    c = dq_cfg or tile_config("dq", D, causal, q.dtype, N)
     _bwd_dq_kernel[(triton.cdiv(N, c.block_m), B * H)](
         q, k, v, do, lse, delta, dq, *common, *_strides3(dq), H, N, sm_scale * LOG2E, sm_scale,
         CAUSAL=causal, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, INT64_OFFSETS=int64,
         TMA=_use_tma(c, k, v),
         num_warps=c.num_warps, num_stages=c.num_stages)
     return dq, dk, dv
-
-
-def _backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool,
-                    sm_scale: float, c: TileConfig, dq: Tensor, dk: Tensor, dv: Tensor, sums: Tensor) -> None:
-    """The 5-matmul backward of one group of heads: delta (and zeroed dQ sums), dK/dV with dQ reduce-adds, dQ."""
-    B, H, N, D = q.shape
-    delta = torch.empty_like(lse)
-    _bwd_delta_kernel[(triton.cdiv(N, 128), B * H)](o, do, delta, sums, *_strides3(o), *_strides3(do), H, N,
-                                                    HEAD_DIM=D, BLOCK_M=128, ZERO_DQ_ACC=True, num_warps=4)
-    tma_reduce = c.fused_dq == 2 and not INTERPRET  # the interpreter has no descriptor reduce: pointer atomics
-    if tma_reduce:
-        triton.set_allocator(_tma_scratch)
-    _bwd_dkdv_kernel[(triton.cdiv(N, c.block_n), B * H)](
-        q, k, v, do, lse, delta, dk, dv, sums, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do),
-        *_strides3(dk), H, N, sm_scale * LOG2E, sm_scale,
-        CAUSAL=causal, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, INT64_OFFSETS=_needs_int64(N, q, k, v, do),
-        TMA=_use_tma(c, q, do), DQ_MODE=2 if tma_reduce else 1, DQ_T=c.dq_t,
-        num_warps=c.num_warps, num_stages=c.num_stages)
-    _bwd_dq_from_sums_kernel[(triton.cdiv(N, 64), B * H)](sums, dq, *_strides3(dq), H, N, sm_scale,
-                                                          HEAD_DIM=D, BLOCK_M=64, num_warps=4)
 
 
 # ------------------------------------------------------------------------------------------------
