@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from minigpt.config import DataConfig
+from minigpt.files import atomic_write_text
 
 EOT = "<|endoftext|>"
 SPLITS = ("train", "val")
@@ -235,10 +236,7 @@ def load_tokenizer(cfg: DataConfig, texts: Iterable[str], data_key: str):
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(f".tmp{os.getpid()}")
-    tok.save(str(tmp))
-    os.replace(tmp, cache)
+    atomic_write_text(cache, tok.to_str())
     return tok
 
 

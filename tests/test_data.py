@@ -52,7 +52,7 @@ def test_text_source_trains_and_caches_tokenizer(tmp_path, tiny_config):
     again = build_data(cfg, seq_len=32, seed=0)
     assert (again.train == data.train).all()
     # and through the trainer, with the tokenizer file given explicitly
-    from minigpt.train import run
+    from minigpt.run import run
 
     tc = tiny_config("data=text", f"data.path={corpus}", f"data.tokenizer={cached[0]}", "seq_len=32", "max_steps=2")
     assert run(tc) == 0
@@ -87,7 +87,7 @@ def test_bad_text_data(tmp_path):
 
 
 def test_bad_data_through_trainer_is_one_error_line(tiny_config, tmp_path, capsys):
-    from minigpt.train import run
+    from minigpt.run import run
 
     cfg = tiny_config("data=text", f"data.path={tmp_path / 'nothing.txt'}")
     assert run(cfg) == 1

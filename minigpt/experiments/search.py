@@ -27,6 +27,7 @@ LEVERS: dict[str, list[str]] = {
     "mlpchunk": ["model.mlp_chunk=65536"],
     "offload": ["model.recompute_every=1", "model.offload=true"],
     "keepattn": ["model.recompute_every=1", "model.keep_attention=true"],
+    "compile": ["compile=true"],  # regional torch.compile: a lever too (fused loss and MLP need less memory)
 }
 LEVERS["levers"] = LEVERS["bf16ckpt"] + LEVERS["losschunk"] + LEVERS["mlpchunk"]
 NEEDS_LSE = "model.keep_attention=true"  # only backends that return their log-sum-exp can keep attention
@@ -47,6 +48,8 @@ def variant_overrides(variant: str) -> list[str]:
         keeps = [n for n, b in BACKENDS.items() if b.returns_lse]
         raise ValueError(f"variant {variant}: keeping attention needs a backend that returns its log-sum-exp "
                          f"({', '.join(keeps)})")
+    if "compile=true" not in out:
+        out.append("compile=false")  # a variant without +compile is eager, whatever the trainer's default
     if PROBE_MARK in variant:
         if not layers.isdigit() or int(layers) < 1:
             raise ValueError(f"variant {variant}: {PROBE_MARK} needs a layer count >= 1, e.g. {name}{PROBE_MARK}2")

@@ -1,6 +1,6 @@
 """Find the longest context each attention backend can train at batch 1, then report table, plots and W&B.
 
-    minigpt-sweep                                                  # naive, sdpa, flash; gpt2-small
+    minigpt-sweep                                  # naive, sdpa, flash, each eager and +compile; gpt2-small
     minigpt-sweep --variants sdpa flash flash+levers --start flash+levers=262144
     minigpt-sweep --variants flash+levers --no-search --probe-seq-lens 2097152   # 2M derived from 1-/2-layer probes
     minigpt-sweep --cpu                                            # tiny model on CPU (smoke test)
@@ -37,12 +37,14 @@ from minigpt.experiments.search import (LEVERS, Trial, TrialRunner, best, is_pro
                                         variant_overrides)
 from minigpt.files import WriteError
 
+# Each backend eager and compiled, so the table shows what compile alone buys in context length.
+DEFAULT_VARIANTS = [v for name in attention_names() for v in (name, f"{name}+compile")]
 # What --cpu and a GPU sweep use for the settings the user did not give.
 DEFAULTS = {
-    "gpu": {"base": ["model=gpt2-small"], "default_start": 4096, "granularity": 128, "max_seq_len": None,
-            "full_layers": 12},
-    "cpu": {"base": ["model=tiny", "device=cpu"], "default_start": 128, "granularity": 64, "max_seq_len": 512,
-            "full_layers": 2},
+    "gpu": {"variants": DEFAULT_VARIANTS, "base": ["model=gpt2-small"], "default_start": 4096, "granularity": 128,
+            "max_seq_len": None, "full_layers": 12},
+    "cpu": {"variants": ["naive", "sdpa"], "base": ["model=tiny", "device=cpu"], "default_start": 128,
+            "granularity": 64, "max_seq_len": 512, "full_layers": 2},
 }
 
 
@@ -204,8 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 usage="%(prog)s [--variants VARIANT ...] [--out DIR] [options] | "
                                       "%(prog)s --combine DIR ... --out DIR")
-    p.add_argument("--variants", nargs="+", type=variant_arg, default=["naive", "sdpa", "flash"], metavar="VARIANT",
-                   help=f"<backend>[+lever...]; backends: {', '.join(attention_names())}; levers: {', '.join(LEVERS)}")
+    p.add_argument("--variants", nargs="+", type=variant_arg, default=None, metavar="VARIANT",
+                   help=f"<backend>[+lever...]; backends: {', '.join(attention_names())}; levers: {', '.join(LEVERS)} "
+                        f"(default: each backend eager and +compile; --cpu: naive sdpa)")
     p.add_argument("--out", type=Path, metavar="DIR", default=Path("results/sweeps") / time.strftime("%Y%m%d-%H%M%S"),
                    help="sweep directory (default: results/sweeps/<date>-<time>); an existing one resumes")
     p.add_argument("--start", nargs="*", type=start_arg, default=[], metavar="VARIANT=N",
@@ -246,7 +249,7 @@ def sweep_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> S
     def given(name: str):
         return defaults[name] if getattr(args, name) is None else getattr(args, name)
 
-    variants = list(dict.fromkeys(args.variants))
+    variants = list(dict.fromkeys(given("variants")))
     start = dict(args.start)
     for variant, n in start.items():
         if variant not in variants:
