@@ -18,21 +18,16 @@ for step in "$@"; do
         --max-seq-len 1048576 --steps 1 --out "${LONG_OUT:-results/sweeps/long}" > "$OUT/long.log" 2>&1
       tail -6 "$OUT/long.log" ;;
     bench)   minigpt-bench --out results 2>&1 | tee "$OUT/bench.log" | tail -16; cp results/attention_* "$OUT/" ;;
-    train)
-      for spec in "sdpa 8192" "flash 8192" "naive 4096"; do
+    train)   # flash next to sdpa, eager and compiled, back to back in one job: "attention seq_len batch compile steps"
+      SPECS=${TRAIN_SPECS:-"sdpa 8192 4 false 20;flash 8192 4 false 20;sdpa 8192 4 true 20;flash 8192 4 true 20;sdpa 32768 1 false 20;flash 32768 1 false 20;sdpa 32768 1 true 20;flash 32768 1 true 20;sdpa 131072 1 false 8;flash 131072 1 false 8;sdpa 131072 1 true 8;flash 131072 1 true 8"}
+      IFS=';' read -ra specs <<< "$SPECS"
+      for spec in "${specs[@]}"; do
         set -- $spec
-        minigpt-train attention=$1 seq_len=$2 max_steps=20 eval_every=20 hydra.run.dir=runs/gpu_$1_$2 \
-          > "$OUT/train_$1_$2.log" 2>&1; echo "train $1 $2 exit $?"
+        dir=runs/gpu_$1_$2_b$3_c$4
+        minigpt-train attention=$1 seq_len=$2 batch_size=$3 compile=$4 max_steps=$5 eval_every=$5 logger=none \
+          hydra.run.dir=$dir > "$OUT/train_$1_$2_c$4.log" 2>&1; echo "train $1 $2 compile=$4 exit $?"
       done
-      python3 - <<'PY'
-import glob
-from minigpt.summary import RunSummary
-for f in sorted(glob.glob("runs/gpu_*/summary.json")):
-    s = RunSummary.read(f)
-    print(f"{s.attention:6s} seq={s.seq_len:6d} batch={s.batch_size} status={s.status:5s} "
-          f"tok/s={s.tokens_per_s or 0:10.0f} step={s.step_time_s or 0:.3f}s peak_alloc={s.peak_allocated_gib:.1f}GiB "
-          f"reserved={s.peak_reserved_gib:.1f}GiB mfu={s.mfu or 0:.3f} loss={s.final_train_loss} {s.device}")
-PY
-      tar czf "$OUT/train_runs.tgz" runs/gpu_*/summary.json runs/gpu_*/wandb 2>/dev/null ;;
+      python3 -m minigpt.experiments.training_table runs/gpu_* | tee "$OUT/training.md"
+      tar czf "$OUT/train_runs.tgz" runs/gpu_*/summary.json runs/gpu_*/.hydra 2>/dev/null ;;
   esac
 done
