@@ -1,0 +1,315 @@
+"""Ring attention over our Triton FlashAttention kernel: causal attention of a sequence split over K ranks.
+
+Layout (zigzag, for causal load balance): the sequence is cut into 2K chunks of c tokens and rank r holds
+chunks r and 2K-1-r, in that order, so every rank has one early and one late chunk and the same amount of
+causal work. `zigzag_positions` gives a rank's global token positions (RoPE rotates with those), and
+`zigzag_shard` / `zigzag_unshard` move a full sequence to and from that layout.
+
+Forward, on rank r with local queries q = [q_a | q_b] (chunks r and 2K-1-r): the key/value blocks travel
+around the ring (rank r sends to r+1 and receives from r-1), so at step s rank r holds the block of rank
+src = r - s (mod K), keys [k_a | k_b] of chunks src and 2K-1-src. Which (query chunk, key chunk) pairs see
+each other follows from the chunk order alone:
+
+    src == r   (step 0): the local block; plain causal attention over the 2c local tokens (chunk r comes
+               before chunk 2K-1-r, so the local order is the global order).
+    src <  r:  chunk src precedes both query chunks, chunk 2K-1-src follows both: all 2c queries attend to
+               k_a in full, to k_b not at all.
+    src >  r:  both key chunks precede chunk 2K-1-r and follow chunk r: q_b attends to all 2c keys in full,
+               q_a to none.
+
+Each step is one kernel launch on c-token pairs stacked along the batch dimension (the kernel takes q and k
+of one length), giving a partial output o_i and its row log-sum-exp lse_i. Partials are merged in fp32:
+
+    lse = log2(Σ_i 2^lse_i),     o = Σ_i 2^(lse_i − lse) · o_i
+
+in base 2 because the kernel's LSE is log2 Σ_j exp2(scale·log2(e)·q·k_j), the softmax scale folded in.
+
+Backward (FlashAttention-2): a block's dQ, dK, dV need only the final o, the final lse and
+delta = rowsum(dO ∘ O), so each step reruns our backward kernel (`launch_backward`) on the same pairs with
+the merged (o, lse). dQ stays local; each block's dK/dV accumulator (fp32) travels around the ring with
+the block and, after the K-th hop, arrives back at the block's owner.
+
+Communication is `torch.distributed.batch_isend_irecv` on the context-parallel group, posted before the
+step's compute so the transfer overlaps it. Every rank issues the same sends and receives in the same
+order, whatever its data: recomputing a block (levers.py) runs the forward's ring again on all ranks.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from minigpt.attention import FlashAttention
+
+
+# ------------------------------------------------------------------------------------------------
+# Zigzag layout: rank r holds chunks r and 2K-1-r of a sequence cut into 2K chunks
+# ------------------------------------------------------------------------------------------------
+def padded_len(n: int, k: int) -> int:
+    """The shortest length >= n that splits into 2k equal chunks."""
+    return -(-n // (2 * k)) * 2 * k
+
+
+def zigzag_positions(n: int, k: int, rank: int, device: torch.device | str = "cpu") -> Tensor:
+    """Global positions (int64, n/k of them) of rank's tokens: chunks rank and 2k-1-rank of n tokens."""
+    if n % (2 * k):
+        raise ValueError(f"zigzag: sequence length {n} does not split into 2*{k} equal chunks; pad it to "
+                         f"{padded_len(n, k)} (padded_len)")
+    c = n // (2 * k)
+    return torch.cat((torch.arange(rank * c, (rank + 1) * c, device=device),
+                      torch.arange((2 * k - 1 - rank) * c, (2 * k - rank) * c, device=device)))
+
+
+def zigzag_shard(x: Tensor, k: int, rank: int, dim: int = 1, pad: float = 0) -> Tensor:
+    """rank's zigzag shard of x along `dim`; x is first padded at the end with `pad` to a multiple of 2k
+    (padding at the end is exact for causal attention: no real token sees a later one)."""
+    n = x.shape[dim]
+    extra = padded_len(n, k) - n
+    if extra:
+        shape = list(x.shape)
+        shape[dim] = extra
+        x = torch.cat((x, x.new_full(shape, pad)), dim=dim)
+    return x.index_select(dim, zigzag_positions(x.shape[dim], k, rank, x.device))
+
+
+def zigzag_unshard(shards: list[Tensor], dim: int = 1, n: int | None = None) -> Tensor:
+    """The full sequence from every rank's shard (in rank order), cut back to n tokens."""
+    k = len(shards)
+    c = shards[0].shape[dim] // 2
+    chunks: list[Tensor | None] = [None] * (2 * k)
+    for r, s in enumerate(shards):
+        chunks[r], chunks[2 * k - 1 - r] = s.narrow(dim, 0, c), s.narrow(dim, c, c)
+    full = torch.cat(chunks, dim=dim)
+    return full if n is None else full.narrow(dim, 0, n)
+
+
+# ------------------------------------------------------------------------------------------------
+# Pair stacking: one kernel launch over c-token (query chunk, key chunk) pairs
+# ------------------------------------------------------------------------------------------------
+def _halves(x: Tensor) -> Tensor:
+    """(B, H, 2c, ...) -> (2B, H, c, ...): each sequence's two chunks as two batch entries (b, half) -> 2b+half.
+    A view for the model's (B, N, H, D)-laid-out tensors, a copy otherwise."""
+    b, h, n = x.shape[:3]
+    return x.unflatten(2, (2, n // 2)).transpose(1, 2).flatten(0, 1)
+
+
+def _unhalves(x: Tensor) -> Tensor:
+    """Inverse of _halves: (2B, H, c, ...) -> (B, H, 2c, ...)."""
+    return x.unflatten(0, (x.shape[0] // 2, 2)).transpose(1, 2).flatten(2, 3)
+
+
+def _twice(x: Tensor) -> Tensor:
+    """(B, H, c, ...) -> (2B, H, c, ...): each batch entry repeated, so one chunk meets both chunks of the other side."""
+    return x.unsqueeze(1).expand(x.shape[0], 2, *x.shape[1:]).flatten(0, 1)
+
+
+def _pair_sum(x: Tensor) -> Tensor:
+    """(2B, ...) -> (B, ...): the sum over the two stacked entries of each batch entry (the reverse of _twice)."""
+    return x.unflatten(0, (x.shape[0] // 2, 2)).sum(1)
+
+
+def _first(x: Tensor) -> Tensor:
+    return x[:, :, : x.shape[2] // 2]
+
+
+def _second(x: Tensor) -> Tensor:
+    return x[:, :, x.shape[2] // 2 :]
+
+
+def _merge_(o: Tensor, lse: Tensor, o_i: Tensor, lse_i: Tensor) -> None:
+    """In place, fp32: (o, lse) <- the softmax over the union of both key sets (base-2 LSEs):
+    lse' = log2(2^lse + 2^lse_i);  o' = 2^(lse − lse') o + 2^(lse_i − lse') o_i."""
+    new = torch.logaddexp2(lse, lse_i)
+    o.mul_(torch.exp2(lse - new).unsqueeze(-1)).add_(o_i.float() * torch.exp2(lse_i - new).unsqueeze(-1))
+    lse.copy_(new)
+
+
+# ------------------------------------------------------------------------------------------------
+# One block: the partial forward and backward of the local queries against one key/value block
+# ------------------------------------------------------------------------------------------------
+def _block_forward(q: Tensor, k: Tensor, v: Tensor, src: int, rank: int, sm_scale: float
+                   ) -> tuple[Tensor, Tensor, slice]:
+    """(o_i, lse_i, rows): the partial attention of the query rows `rows` against block src's keys."""
+    from minigpt_kernels.flash_attention import launch_forward
+
+    n = q.shape[2]
+    if src == rank:  # the local block: causal over the local order
+        o, lse = launch_forward(q, k, v, True, sm_scale)
+        return o, lse, slice(0, n)
+    if src < rank:  # [q_a | q_b] against k_a: the pairs (q_a, k_a), (q_b, k_a), full
+        o, lse = launch_forward(_halves(q), _twice(_first(k)), _twice(_first(v)), False, sm_scale)
+        return _unhalves(o), _unhalves(lse), slice(0, n)
+    # src > rank: q_b against [k_a | k_b]: the pairs (q_b, k_a), (q_b, k_b), full; merge the two
+    o, lse = launch_forward(_twice(_second(q)), _halves(k), _halves(v), False, sm_scale)
+    o, lse = o.unflatten(0, (q.shape[0], 2)), lse.unflatten(0, (q.shape[0], 2))
+    o_b, lse_b = o[:, 0].float(), lse[:, 0].clone()
+    _merge_(o_b, lse_b, o[:, 1], lse[:, 1])
+    return o_b, lse_b, slice(n // 2, n)
+
+
+def _block_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, src: int, rank: int,
+                    sm_scale: float, dq: Tensor) -> tuple[slice, Tensor, Tensor]:
+    """Add block src's share of dQ into dq (fp32) and return its share of dK, dV: (key rows, dk_i, dv_i). Uses the
+    final (merged) o and lse: P = exp2(s − lse) and delta = rowsum(dO ∘ O) are those of the whole row."""
+    from minigpt_kernels.flash_attention import launch_backward
+
+    n = q.shape[2]
+    if src == rank:
+        dq_i, dk_i, dv_i = launch_backward(do, q, k, v, o, lse, True, sm_scale)
+        dq.add_(dq_i)
+        return slice(0, n), dk_i, dv_i
+    if src < rank:  # all queries against k_a: dQ for every row, dK/dV for chunk a (summed over both pairs)
+        dq_i, dk_i, dv_i = launch_backward(_halves(do), _halves(q), _twice(_first(k)), _twice(_first(v)),
+                                           _halves(o), _halves(lse).contiguous(), False, sm_scale)
+        dq.add_(_unhalves(dq_i))
+        return slice(0, n // 2), _pair_sum(dk_i.float()), _pair_sum(dv_i.float())
+    # q_b against both key chunks: dQ for rows b (summed over both pairs), dK/dV for the whole block
+    dq_i, dk_i, dv_i = launch_backward(_twice(_second(do)), _twice(_second(q)), _halves(k), _halves(v),
+                                       _twice(_second(o)), _twice(_second(lse)).contiguous(), False, sm_scale)
+    _second(dq).add_(_pair_sum(dq_i.float()))
+    return slice(0, n), _unhalves(dk_i), _unhalves(dv_i)
+
+
+# ------------------------------------------------------------------------------------------------
+# The ring: peer-to-peer exchange with the neighbours, posted before the compute it overlaps
+# ------------------------------------------------------------------------------------------------
+class Ring:
+    """This rank's neighbours in a process group: it sends to rank+1 and receives from rank-1."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size  # ranks in the group
+
+    def pass_on(self, t: Tensor) -> Callable[[], Tensor]:
+        """Send t (contiguous, not to be modified until the returned wait is called) to the next rank and receive
+        the previous rank's tensor of the same shape; the returned function waits and gives the received one."""
+        recv = torch.empty_like(t)
+        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, group=self.group, group_peer=self.next),
+                                       dist.P2POp(dist.irecv, recv, group=self.group, group_peer=self.prev)])
+
+        def wait() -> Tensor:
+            for req in reqs:
+                req.wait()
+            return recv
+
+        return wait
+
+
+def _stack_kv(k: Tensor, v: Tensor) -> Tensor:
+    """k and v in one contiguous message (2, B, N, H, D): the model's layout, in which _halves are views."""
+    return torch.stack((k.transpose(1, 2), v.transpose(1, 2)))
+
+
+def _unstack_kv(kv: Tensor) -> tuple[Tensor, Tensor]:
+    """The (B, H, N, D) views of k and v in a _stack_kv message."""
+    return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
+    if not (q.shape == k.shape == v.shape) or q.dim() != 4:
+        raise ValueError(f"ring attention: q, k, v must be local shards of one shape (B, H, N_local, D), got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[2] % 2:
+        raise ValueError(f"ring attention: the local shard has {q.shape[2]} tokens; zigzag shards hold two chunks "
+                         f"of equal length (pad the sequence to a multiple of 2 x context ranks: padded_len)")
+
+
+def ring_forward(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None, sm_scale: float
+                 ) -> tuple[Tensor, Tensor]:
+    """(o, lse) of causal attention of the local zigzag queries against the whole sequence's keys; no autograd.
+    o has q's dtype and memory layout; lse is the base-2 row log-sum-exp, fp32 (B, H, N_local)."""
+    ring = Ring(group)
+    kv = _stack_kv(k, v)
+    o_acc = lse_acc = None
+    for step in range(ring.size):
+        src = (ring.rank - step) % ring.size  # whose block we hold now
+        # post the next block's transfer first, so it overlaps this block's compute
+        incoming = ring.pass_on(kv) if step + 1 < ring.size else None
+        o_i, lse_i, rows = _block_forward(q, *_unstack_kv(kv), src, ring.rank, sm_scale)
+        if o_acc is None:  # step 0, the local causal block, covers every row
+            o_acc, lse_acc = o_i.float(), lse_i
+        else:
+            _merge_(o_acc[:, :, rows], lse_acc[:, :, rows], o_i, lse_i)
+        if incoming is not None:
+            kv = incoming()
+    return o_acc.to(q.dtype), lse_acc
+
+
+def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                  group: dist.ProcessGroup | None, sm_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of ring attention, from the final o and lse of ring_forward."""
+    ring = Ring(group)
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    kv = _stack_kv(k, v)
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    dkv_incoming = None  # the (dK, dV) accumulator (fp32) of the block we hold: it travels with the block
+    for step in range(ring.size):
+        src = (ring.rank - step) % ring.size
+        kv_incoming = ring.pass_on(kv) if step + 1 < ring.size else None
+        # this block's share, computed while the next block and this block's accumulator are in flight
+        rows, dk_i, dv_i = _block_backward(do, q, *_unstack_kv(kv), o, lse, src, ring.rank, sm_scale, dq)
+        dkv = dkv_incoming() if dkv_incoming is not None else torch.zeros((2, *k.shape), dtype=torch.float32,
+                                                                             device=k.device)
+        dkv[0][:, :, rows] += dk_i
+        dkv[1][:, :, rows] += dv_i
+        # hand the accumulator on with its block; after the K-th hop each one is back at its owner
+        dkv_incoming = ring.pass_on(dkv)
+        if kv_incoming is not None:
+            kv = kv_incoming()
+    dkv = dkv_incoming()
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class RingAttentionFunction(torch.autograd.Function):
+    """Differentiable ring attention: forward ring_forward (or a precomputed (o, lse)), backward ring_backward."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None, sm_scale: float,
+                precomputed: tuple[Tensor, Tensor] | None) -> Tensor:
+        o, lse = ring_forward(q, k, v, group, sm_scale) if precomputed is None else precomputed
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.group, ctx.sm_scale = group, sm_scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do: Tensor):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(do, q, k, v, o, lse, ctx.group, ctx.sm_scale)
+        return dq, dk, dv, None, None, None
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None, causal: bool = True,
+                   softmax_scale: float | None = None, precomputed: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """Causal attention of zigzag-sharded q, k, v (B, H, N_local, D) over the ranks of `group`; returns the local
+    output. `precomputed=(o, lse)` from ring_forward on the same inputs skips the forward (kept attention)."""
+    if not causal:
+        raise ValueError("ring attention: only causal attention (the zigzag layout balances causal work)")
+    _check(q, k, v)
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    return RingAttentionFunction.apply(q, k, v, group, sm_scale, precomputed)
+
+
+class RingFlashAttention(FlashAttention):
+    """The `flash` backend with the sequence split over a context-parallel group: what the model calls as its
+    attention under context parallelism. Returns its LSE, so kept attention works as with `flash`."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tensor:
+        return ring_attention(q, k, v, self.group, causal)
+
+    def forward_with_lse(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> tuple[Tensor, Tensor]:
+        if not causal:
+            raise ValueError("ring attention: only causal attention")
+        _check(q, k, v)
+        with torch.no_grad():
+            return ring_forward(q, k, v, self.group, 1.0 / math.sqrt(q.shape[-1]))
+
+    def attend_saved(self, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool = True) -> Tensor:
+        return ring_attention(q, k, v, self.group, causal, precomputed=(o, lse))
