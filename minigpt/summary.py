@@ -52,6 +52,13 @@ class RunSummary:
     peak_allocated_gib: float = 0.0
     peak_reserved_gib: float = 0.0
     compile_time_s: float | None = None
+    # under torchrun (world_size > 1): tokens_per_s and mfu are of all ranks together, the peaks above rank 0's;
+    # per rank (tokens/s from its median step time, peak GiB over the run) the max and the sum over ranks
+    rank_tokens_per_s_max: float | None = None
+    rank_tokens_per_s_sum: float | None = None
+    rank_peak_allocated_gib_max: float | None = None
+    rank_peak_allocated_gib_sum: float | None = None
+    rank_peak_reserved_gib_max: float | None = None
     wall_time_s: float | None = None
     # what ran
     seq_len: int = 0
@@ -61,7 +68,7 @@ class RunSummary:
     attention_options: dict[str, Any] = field(default_factory=dict)
     levers: dict[str, Any] = field(default_factory=dict)  # every memory lever of ModelConfig, on or off
     compile: bool = False
-    world_size: int = 1
+    world_size: int = 1  # processes (torchrun); data parallel degree = world_size / context_parallel
     context_parallel: int = 1
     model: str = ""
     n_layer: int = 0

@@ -310,6 +310,33 @@ def test_trial_command(tmp_path):
         assert o in cmd, o
 
 
+def test_trial_command_under_torchrun(tmp_path):
+    runner = SubprocessRunner(tmp_path, ["model=tiny"], "sweep-x", steps=1, logger="none", nproc=4, context=2)
+    cmd = runner.command("flash+ckpt", 1024)
+    assert cmd[:8] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", "-m",
+                       "minigpt"]
+    assert "parallel.context=2" in cmd and "attention=flash" in cmd and "seq_len=1024" in cmd
+    assert "parallel.context=1" not in SubprocessRunner(tmp_path, [], "s", nproc=2).command("flash", 64)
+
+
+def test_a_torchrun_trial_takes_the_failed_worker_exit_code():
+    from minigpt.experiments.runner import worker_exit_code
+
+    report = ("Failures:\n[1]:\n  rank      : 0 (local_rank: 0)\n  exitcode  : -15 (pid: 7)\n"
+              "Root Cause (first observed failure):\n[0]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : 3 (pid: 8)\n")
+    assert worker_exit_code(1, report) == 3  # out of memory on rank 1: an oom trial, not an error
+    assert worker_exit_code(0, report) == 0 and worker_exit_code(None, report) is None and worker_exit_code(1, "") == 1
+
+
+def test_context_must_divide_nproc(capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main(["--nproc", "2", "--context", "4", "--logger", "none", "--out", str(tmp_path / "o")])
+    assert e.value.code == 2 and "error: argument --context: 4 must divide --nproc 2" in capsys.readouterr().err
+    parser = build_parser()
+    cfg = sweep_config(parser, parser.parse_args(["--nproc", "4", "--context", "2", "--logger", "none"]))
+    assert (cfg.nproc, cfg.context) == (4, 2)
+
+
 # ------------------------------------------------------------------------------------------------
 # The command line
 # ------------------------------------------------------------------------------------------------

@@ -1,8 +1,11 @@
 """How a trial gets its result: the trainer in a fresh process, or the record of an earlier run of it.
 
 `SubprocessRunner` starts `python -m minigpt <overrides>` (a clean CUDA allocator per trial, any working
-directory) with its Hydra run dir at the absolute <out>/trials/<variant>-n<seq_len>, keeps the trainer's
-output there in trainer.log, and reads back its summary.json with `RunSummary.read`:
+directory), or with `nproc` > 1 that under torchrun (`python -m torch.distributed.run --standalone
+--nproc_per_node N -m minigpt ... parallel.context=K`, whose exit code is 1 for any failed worker: the first
+failed worker's own code is read from torchrun's report), with its Hydra run dir at the absolute
+<out>/trials/<variant>-n<seq_len>, keeps the trainer's output there in trainer.log, and reads back its summary.json
+with `RunSummary.read`:
 
     status    when
     ok        exit code 0 and the summary says ok
@@ -18,6 +21,7 @@ longer than it ran; an error is run again (the setting may have been fixed, the 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -46,6 +50,8 @@ class SubprocessRunner:
     time_limit_s: float = 600.0
     logger: str = "wandb"
     trainer: tuple[str, ...] = TRAINER
+    nproc: int = 1  # processes per trial (torchrun on one node); 1 = the trainer alone
+    context: int = 1  # parallel.context of each trial (divides nproc)
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir).resolve()  # the trainer may run anywhere; its run dir must not move
@@ -61,6 +67,11 @@ class SubprocessRunner:
         if self.logger == "wandb":
             overrides += [f"logger.group={self.sweep_id}", f"logger.run_name={variant}-n{seq_len}",
                           "logger.tags=[context-sweep]"]
+        if self.context > 1:
+            overrides.append(f"parallel.context={self.context}")
+        if self.nproc > 1:  # torchrun runs the trainer's module (or script) in nproc processes
+            return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                    str(self.nproc), *self.trainer[1:], *overrides]
         return [*self.trainer, *overrides]
 
     def __call__(self, variant: str, seq_len: int) -> Trial:
@@ -73,6 +84,8 @@ class SubprocessRunner:
                                     stderr=subprocess.STDOUT)
             returncode = _wait(proc, self.time_limit_s)
         output = (run_dir / LOG_FILE).read_text(errors="replace")
+        if self.nproc > 1:
+            returncode = worker_exit_code(returncode, output)
         return read_trial(variant, seq_len, run_dir, returncode, output, time.perf_counter() - t0, self.time_limit_s)
 
 
@@ -92,6 +105,16 @@ def _wait(proc: subprocess.Popen, limit_s: float) -> int | None:
         proc.kill()
         proc.wait()
         raise
+
+
+def worker_exit_code(returncode: int | None, output: str) -> int | None:
+    """Under torchrun: the exit code of the first worker that failed (its report's `exitcode : 3`), which says
+    more than torchrun's own 1; `returncode` when torchrun succeeded, was stopped or reported none."""
+    if not returncode:
+        return returncode
+    root = output.rfind("Root Cause")  # torchrun's report lists the first failure there, other workers above
+    found = re.search(r"exitcode\s*:\s*(-?\d+)", output[max(root, 0):])
+    return int(found.group(1)) if found else returncode
 
 
 def trainer_message(output: str) -> str | None:
@@ -121,8 +144,10 @@ def read_trial(variant: str, seq_len: int, run_dir: Path, returncode: int | None
     else:
         status, error = "error", _error_message(returncode, summary, unreadable, output)
     measured = summary if summary and status != "error" else None
+    # under torchrun the fullest GPU decides what fits (the summary's own peak is rank 0's)
+    peak = (measured.rank_peak_allocated_gib_max or measured.peak_allocated_gib) if measured else None
     return Trial(variant, seq_len, status,
-                 peak_allocated_gib=measured.peak_allocated_gib if measured else None,
+                 peak_allocated_gib=peak,
                  peak_reserved_gib=measured.peak_reserved_gib if measured else None,
                  tokens_per_s=measured.tokens_per_s if measured else None,
                  step_time_s=measured.step_time_s if measured else None,

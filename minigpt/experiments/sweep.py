@@ -4,6 +4,7 @@
     minigpt-sweep --variants sdpa flash flash+levers --start flash+levers=262144
     minigpt-sweep --variants flash+levers --no-search --probe-seq-lens 2097152   # 2M derived from 1-/2-layer probes
     minigpt-sweep --cpu                                            # tiny model on CPU (smoke test)
+    minigpt-sweep --variants flash+levers --nproc 2 --context 2    # each trial under torchrun, sequence split over 2
     minigpt-sweep --combine results/sweeps/* --out results --name context_scaling_H200
 
 (or `python scripts/context_sweep.py ...`, `python -m minigpt.experiments.sweep ...`, from any directory.)
@@ -66,6 +67,8 @@ class SweepConfig:
     probe_layers: tuple[int, int] = (1, 2)
     full_n_layer: int = 12  # the layers of the model the probes stand for
     search: bool = True  # False: only the probes
+    nproc: int = 1  # processes per trial (torchrun); global batch = nproc / context sequences
+    context: int = 1  # parallel.context of each trial
 
 
 @dataclass
@@ -119,7 +122,8 @@ def run_sweep(cfg: SweepConfig, runner: TrialRunner | None = None, log: Callable
     sweep_id = f"sweep-{out_dir.name}"
     store = TrialStore(out_dir / TRIALS_FILE, log)
     run = recorded(runner or SubprocessRunner(out_dir, cfg.base_overrides, sweep_id, cfg.steps, cfg.trial_time_limit_s,
-                                              cfg.logger), store, cfg.trial_time_limit_s, log)
+                                              cfg.logger, nproc=cfg.nproc, context=cfg.context),
+                   store, cfg.trial_time_limit_s, log)
     deadline = time.perf_counter() + cfg.budget_s
 
     def out_of_time() -> bool:
@@ -143,7 +147,9 @@ def run_sweep(cfg: SweepConfig, runner: TrialRunner | None = None, log: Callable
         log(f"{d['variant']} at {d['seq_len']:,}: derived {d['peak_allocated_gib']:.1f} GiB "
             f"({d['kb_per_token']:.1f} KB/token), {d['step_time_s']:.1f} s/step for {d['n_layer']} layers")
     no_result = [v for v, ts in ran.items() if not ts or only_errors(ts)]
-    header = (f"Context-length sweep `{sweep_id}`: batch 1, {cfg.steps} training steps per trial, "
+    ranks = f" per data-parallel rank, torchrun {cfg.nproc} processes, context parallel {cfg.context}" \
+        if cfg.nproc > 1 else ""
+    header = (f"Context-length sweep `{sweep_id}`: batch 1{ranks}, {cfg.steps} training steps per trial, "
               f"overrides (of the latest run) {' '.join(cfg.base_overrides)}. Peak = torch.cuda.max_memory_allocated.")
     plots = plot(by_variant(trials), out_dir, derived)
     md = write_reports(trials, derived, out_dir, header)
@@ -230,6 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--full-layers", metavar="N", type=positive_int,
                    help="layers of the model the probes stand for (12, gpt2-small; --cpu: 2, tiny)")
     p.add_argument("--no-search", action="store_true", help="skip the search, run only the probes")
+    p.add_argument("--nproc", metavar="N", type=positive_int, default=1,
+                   help="processes per trial: each trial runs under torchrun --standalone --nproc_per_node N (one node)")
+    p.add_argument("--context", metavar="K", type=positive_int, default=1,
+                   help="context-parallel degree of each trial (parallel.context=K; divides --nproc; attention=flash)")
     p.add_argument("--cpu", action="store_true",
                    help="tiny model on CPU; supplies the defaults of the settings not given (smoke test)")
     p.add_argument("--set", nargs="*", type=override_arg, default=[], metavar="KEY=VALUE",
@@ -261,6 +271,8 @@ def sweep_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> S
                 parser.error(f"argument {name}: {variant} would start at {n}, above --max-seq-len {args.max_seq_len}")
     if len(set(args.probe_layers)) < 2:
         parser.error(f"argument --probe-layers: needs two different layer counts, got {args.probe_layers}")
+    if args.nproc % args.context:
+        parser.error(f"argument --context: {args.context} must divide --nproc {args.nproc}")
     if args.no_search and not args.probe_seq_lens:
         parser.error("argument --no-search: needs --probe-seq-lens (nothing would run)")
     if args.logger == "wandb":  # an online W&B run without credentials would fail every trial, then the summary
@@ -279,7 +291,7 @@ def sweep_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> S
         default_start=given("default_start"), granularity=given("granularity"), max_seq_len=given("max_seq_len"),
         steps=args.steps, trial_time_limit_s=args.trial_time_limit, budget_s=args.budget, logger=args.logger,
         project=args.project, probe_seq_lens=args.probe_seq_lens, probe_layers=tuple(args.probe_layers),
-        full_n_layer=given("full_layers"), search=not args.no_search)
+        full_n_layer=given("full_layers"), search=not args.no_search, nproc=args.nproc, context=args.context)
 
 
 def _progress(line: str) -> None:
