@@ -7,14 +7,22 @@
   `-2`, ... when two runs start in the same second), unless `hydra.run.dir` is given;
 - with no GPU and no model chosen, CPU-sized defaults (config.CPU_DEFAULTS) replace the gpt2-small run.
 A multirun (`-m`) exits with the first failing job's code.
+
+Under torchrun (`torchrun --nproc_per_node=N -m minigpt ...`) every rank runs this: rank 0 reserves the run
+directory and tells the others its name over torchrun's process group, rank 0 alone prints and writes Hydra's
+record there, and a bad setting ends every rank with exit code 2 (torchrun itself then exits 1, naming the
+workers' codes in its report).
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import time
 from pathlib import Path
 
 from minigpt.config import CONFIG_NAME, CPU_DEFAULTS, ConfigError, compose, config_dir, register_schema, to_train_config
+from minigpt.parallel import env_rank, start_distributed, stop_distributed
 from minigpt.summary import ExitCode
 
 HYDRA_KEYS = ("hydra.", "+hydra.", "++hydra.")
@@ -31,6 +39,26 @@ def reserve_dir(parent: str | Path, name: str) -> Path:
         except FileExistsError:
             continue
     raise ConfigError(f"hydra.run.dir: {parent} has 10,000 runs named {name}; choose hydra.run.dir yourself")
+
+
+def reserve_shared_dir(parent: str | Path, name: str) -> Path:
+    """reserve_dir for all of torchrun's ranks: rank 0 reserves it and broadcasts its name over the process group
+    (joined by train_main); one process reserves its own."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return reserve_dir(parent, name)
+    box: list[object] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = reserve_dir(parent, name)
+        except ConfigError as e:
+            box[0] = e
+    dist.broadcast_object_list(box, src=0, device=torch.device("cpu"))
+    if isinstance(box[0], ConfigError):
+        raise box[0]
+    return Path(box[0])
 
 
 def _key(override: str) -> str:
@@ -50,6 +78,19 @@ def _with_cpu_defaults(overrides: list[str]) -> list[str]:
 
 def train_main(argv: list[str] | None = None) -> int:
     """`minigpt-train [overrides]`: returns the exit code (0 ok, 1 error, 2 bad setting, 3 OOM, 128+signal)."""
+    code = ExitCode.ERROR
+    try:
+        start_distributed()  # under torchrun: join its process group first, so the ranks can agree on things
+        with contextlib.ExitStack() as quiet:
+            if env_rank() != 0:  # under torchrun only rank 0 prints (the others' errors go to stderr)
+                quiet.enter_context(contextlib.redirect_stdout(quiet.enter_context(open(os.devnull, "w"))))
+            code = _train_main(argv)
+        return code
+    finally:
+        stop_distributed(failed=code != ExitCode.OK)  # also after an error
+
+
+def _train_main(argv: list[str] | None) -> int:
     import hydra
     from omegaconf import OmegaConf
 
@@ -66,12 +107,15 @@ def train_main(argv: list[str] | None = None) -> int:
             cfg = compose([a for a in argv if not a.startswith(HYDRA_KEYS)], run_dir=run_dir or ".")
             if run_dir is None:
                 name = f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{cfg.attention.name}_{cfg.model.name}_n{cfg.seq_len}"
-                argv.append(f"hydra.run.dir={reserve_dir('outputs', name)}")
+                argv.append(f"hydra.run.dir={reserve_shared_dir('outputs', name)}")
             elif finished := claim_run_dir(cfg):  # before Hydra writes its .hydra/ record into that directory
                 print(finished)
                 return ExitCode.OK
+            if env_rank() != 0:  # rank 0 keeps Hydra's record of the run; the other ranks write nothing
+                argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
         except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
+            if env_rank() == 0:  # every rank finds the same bad setting; one line is enough
+                print(f"error: {e}", file=sys.stderr)
             return ExitCode.BAD_SETTING
     elif multirun and not any(_key(a) == "hydra.sweep.dir" for a in argv):
         argv.append(f"hydra.sweep.dir={reserve_dir('multirun', time.strftime('%Y-%m-%d_%H-%M-%S'))}")

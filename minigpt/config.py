@@ -146,6 +146,20 @@ class DataConfig:
 
 
 @dataclass
+class ParallelConfig:
+    # Several processes (torchrun --nproc_per_node=N ...; minigpt/parallel.py): the sequence is split over `context`
+    # ranks (ring attention, attention=flash), and the N/context groups of them train data-parallel.
+    context: int = 1  # context-parallel degree K; must divide the number of processes
+
+    def validate(self) -> None:
+        _at_least("parallel.context", self.context)
+        world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; 1 without it
+        if world % self.context:
+            raise ConfigError(f"parallel.context={self.context}: must divide the number of processes ({world}; "
+                              f"torchrun --nproc_per_node x nodes)")
+
+
+@dataclass
 class LoggerConfig:
     name: str = "wandb"  # wandb | none
     project: str = "minigpt"
@@ -169,6 +183,7 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     seq_len: int = 1024
     batch_size: int = 4
@@ -229,9 +244,12 @@ class TrainConfig:
         _choice("dtype", self.dtype, DTYPES)
         if self.resume not in ("none", "auto") and not Path(self.resume).exists():
             raise ConfigError(f"resume={self.resume}: must be none, auto, or an existing checkpoint file or directory")
-        for section in (self.attention, self.model, self.data, self.logger):
+        for section in (self.attention, self.model, self.data, self.logger, self.parallel):
             section.validate()
         self._check_attention_fits()
+        if self.parallel.context > 1 and self.attention.name != "flash":
+            raise ConfigError(f"attention={self.attention.name}: context parallelism (parallel.context="
+                              f"{self.parallel.context}) needs attention=flash (ring attention over our kernel)")
 
     def _check_attention_fits(self) -> None:
         """The backend's own capability check on this run's device, dtype and head_dim."""

@@ -27,9 +27,11 @@ class Rotary(nn.Module):
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, seq_len: int) -> tuple[Tensor, Tensor]:
-        """cos and sin tables of shape (seq_len, 1, head_dim/2), made once per model forward."""
-        pos = torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32)
+    def forward(self, seq_len: int, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """cos and sin tables of shape (seq_len, 1, head_dim/2), made once per model forward; `positions` (seq_len,)
+        are the tokens' global positions when a rank holds only part of the sequence (context parallelism)."""
+        pos = (torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32) if positions is None
+               else positions.to(self.inv_freq.device, torch.float32))
         angles = torch.outer(pos, self.inv_freq)
         return angles.cos()[:, None, :], angles.sin()[:, None, :]
 
@@ -128,10 +130,10 @@ class GPT(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def hidden(self, idx: Tensor) -> Tensor:
-        """Residual stream after the last block, (B, N, C), for token ids (B, N)."""
+    def hidden(self, idx: Tensor, positions: Tensor | None = None) -> Tensor:
+        """Residual stream after the last block, (B, N, C), for token ids (B, N) at `positions` (default 0..N-1)."""
         x = self.wte(idx)
-        cos, sin = self.rotary(idx.shape[1])
+        cos, sin = self.rotary(idx.shape[1], positions)
         for i, block in enumerate(self.blocks):
             x = self.recompute(block, x, cos, sin) if self.recompute.applies(i) else block(x, cos, sin)
         return x
@@ -147,9 +149,9 @@ class GPT(nn.Module):
     def loss(self, h: Tensor, targets: Tensor) -> Tensor:
         """Mean cross-entropy of the LM head on residual states h (B, N, C) against targets (B, N)."""
         # with model.loss_chunk, each chunk's logits are made, reduced and dropped (recomputed in the backward)
-        return chunked_sum(self._loss_sum, h, targets, self.cfg.loss_chunk) / targets.numel()
+        return chunked_sum(self.loss_sum, h, targets, self.cfg.loss_chunk) / targets.numel()
 
-    def _loss_sum(self, h: Tensor, targets: Tensor) -> Tensor:
+    def loss_sum(self, h: Tensor, targets: Tensor) -> Tensor:
         """Summed cross-entropy, logits in fp32."""
         logits = self.head(h).float()
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")

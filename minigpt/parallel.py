@@ -67,7 +67,7 @@ def start_distributed() -> bool:
 
 
 MAIN_DONE_KEY = "minigpt/rank0-done"
-MAIN_GRACE_S = 120.0
+MAIN_GRACE_S = 60.0  # rank 0 may still be writing a checkpoint and its W&B run
 
 
 def stop_distributed(failed: bool = False) -> None:

@@ -14,6 +14,8 @@ Nothing is lost:
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import sys
 import threading
@@ -31,6 +33,7 @@ from minigpt.data import DataError
 from minigpt.files import WriteError
 from minigpt.loggers import Logger, NullLogger, build_logger
 from minigpt.metrics import git_commit, peak_memory_gib, versions
+from minigpt.parallel import AgreedStop, Parallel, start_distributed, stop_distributed
 from minigpt.summary import SUMMARY_FILE, ExitCode, RunSummary
 from minigpt.train import TrainingError, build, train_loop
 
@@ -163,34 +166,55 @@ def _failure(e: BaseException, cfg: TrainConfig, summary: RunSummary) -> tuple[i
 def run(cfg: TrainConfig, logger: Logger | None = None, config_dict: dict[str, Any] | None = None) -> int:
     """Train as configured, write summary.json into cfg.run_dir, and return the process exit code.
 
-    `logger` defaults to the one cfg.logger names; tests pass their own to see the metrics.
+    `logger` defaults to the one cfg.logger names; tests pass their own to see the metrics. Under torchrun the
+    process joins torchrun's process group (unless its caller did) and leaves it at the end, also on errors;
+    rank 0 writes the files and the console lines, the other ranks print only their own errors.
     """
-    config_dict = config_dict if config_dict is not None else asdict(cfg)
+    joined, code = start_distributed(), ExitCode.ERROR
     try:
-        finished = claim_run_dir(cfg)
+        parallel = Parallel.setup(cfg.parallel.context, cfg.seq_len, cfg.torch_device().type)
+        with contextlib.ExitStack() as quiet:
+            if not parallel.is_main:
+                quiet.enter_context(contextlib.redirect_stdout(quiet.enter_context(open(os.devnull, "w"))))
+            code = _run(cfg, logger, config_dict, parallel)
+        return code
+    finally:
+        if joined:
+            stop_distributed(failed=code != ExitCode.OK)
+
+
+def _run(cfg: TrainConfig, logger: Logger | None, config_dict: dict[str, Any] | None, parallel: Parallel) -> int:
+    config_dict = config_dict if config_dict is not None else asdict(cfg)
+    try:  # rank 0 looks at the directory and tells the others
+        finished = parallel.on_main(lambda: claim_run_dir(cfg))
     except ConfigError as e:  # nothing of this run exists yet, and the other run's files stay untouched
-        print(f"error: {e}", file=sys.stderr)
+        if parallel.is_main:
+            print(f"error: {e}", file=sys.stderr)
         return ExitCode.BAD_SETTING
     if finished:
         print(finished)
         return ExitCode.OK
 
-    keep_earlier_summary(Path(cfg.run_dir))
+    if parallel.is_main:
+        keep_earlier_summary(Path(cfg.run_dir))
     summary = new_summary(cfg)
-    summary_path = summary.write(cfg.run_dir)
+    summary.world_size, summary.context_parallel = parallel.world, parallel.cp
+    summary_path = summary.write(cfg.run_dir) if parallel.is_main else Path(cfg.run_dir) / SUMMARY_FILE
     t_start = time.perf_counter()
     code, line = ExitCode.OK, ""
     with StopSignals() as stop:
+        stop_requested = AgreedStop(parallel, stop)  # under torchrun: a signal on any rank stops all at one step
         try:
-            logger = logger or build_logger(cfg.logger, f"{cfg.attention.name}-{cfg.model.name}-n{cfg.seq_len}",
-                                            cfg.run_dir, config_dict)
+            logger = logger or (NullLogger() if not parallel.is_main else build_logger(
+                cfg.logger, f"{cfg.attention.name}-{cfg.model.name}-n{cfg.seq_len}", cfg.run_dir, config_dict))
             summary.wandb = logger.location
-            training = build(cfg, config_dict, summary)
+            training = build(cfg, config_dict, summary, parallel)
             stop.immediate = False  # from here a signal ends the current step
-            train_loop(training, logger, summary, stop.requested)
-            if stop.signum is not None:
-                summary.status, code = "interrupted", ExitCode.SIGNAL_BASE + stop.signum
-                line = (f"interrupted by {signal.Signals(stop.signum).name} after step {summary.steps}"
+            train_loop(training, logger, summary, stop_requested)
+            signum = stop.signum or stop_requested.signum
+            if signum is not None:
+                summary.status, code = "interrupted", ExitCode.SIGNAL_BASE + signum
+                line = (f"interrupted by {signal.Signals(signum).name} after step {summary.steps}"
                         + (f"; checkpoint {summary.checkpoint}" if summary.checkpoint else "")
                         + f"; continue with resume=auto hydra.run.dir={cfg.run_dir}")
             else:
@@ -202,7 +226,8 @@ def run(cfg: TrainConfig, logger: Logger | None = None, config_dict: dict[str, A
         finally:
             stop.immediate = False
             summary.exit_code, summary.wall_time_s = int(code), time.perf_counter() - t_start
-            summary.write(cfg.run_dir)
+            if parallel.is_main:
+                summary.write(cfg.run_dir)
             logger = logger or NullLogger()
             logger.log({"status/ok": float(summary.status == "ok"), "status/oom": float(summary.status == "oom")},
                        step=summary.steps)
@@ -211,6 +236,9 @@ def run(cfg: TrainConfig, logger: Logger | None = None, config_dict: dict[str, A
         (f", W&B {summary.wandb}" if summary.wandb else "")
     if code == ExitCode.OK:
         print(f"done: {summary.steps} steps; {where}")
+    elif not parallel.is_main:  # its own failure (a setting refused on every rank is rank 0's line)
+        if summary.status != "interrupted" and code != ExitCode.BAD_SETTING:
+            print(f"error: rank {parallel.rank}: {line}", file=sys.stderr)
     else:
         print(f"error: {line} ({where})" if summary.status != "interrupted" else f"{line} ({where})",
               file=sys.stderr)

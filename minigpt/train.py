@@ -11,7 +11,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,6 +26,7 @@ from minigpt.files import WriteError
 from minigpt.loggers import Logger
 from minigpt.metrics import device_name, peak_memory_gib, peak_tflops, reset_peak_memory, train_step_flops
 from minigpt.model import GPT
+from minigpt.parallel import Parallel
 from minigpt.summary import RunSummary
 
 WARMUP_STEPS_EXCLUDED = 2  # first steps (compilation, allocator growth) left out of the medians, if more ran
@@ -73,10 +74,13 @@ class Training:
     tokens_per_step: int
     flops_per_step: float
     peak_tflops: float | None
+    parallel: Parallel = field(default_factory=Parallel)  # this process's ranks under torchrun (single by default)
 
 
-def build(cfg: TrainConfig, config_dict: dict[str, Any], summary: RunSummary) -> Training:
+def build(cfg: TrainConfig, config_dict: dict[str, Any], summary: RunSummary, parallel: Parallel | None = None
+          ) -> Training:
     """Device, data, model, optimizer and the resumed state; records what it made in the summary."""
+    parallel = parallel or Parallel()
     device, dtype = cfg.torch_device(), cfg.compute_dtype()
     summary.device, summary.dtype = device_name(device), str(dtype).removeprefix("torch.")
     torch.manual_seed(cfg.seed)
@@ -85,7 +89,8 @@ def build(cfg: TrainConfig, config_dict: dict[str, Any], summary: RunSummary) ->
     vocab_size = cfg.model.vocab_size or data.vocab_size
     if data.vocab_size > vocab_size:
         raise ConfigError(f"model.vocab_size={vocab_size}: smaller than the tokenizer's {data.vocab_size}")
-    model = GPT(cfg.model, vocab_size, get_attention(cfg.attention.name, **cfg.attention.options())).to(device)
+    attention = parallel.attention(get_attention(cfg.attention.name, **cfg.attention.options()))  # ring under CP
+    model = GPT(cfg.model, vocab_size, attention).to(device)
     summary.n_params, summary.vocab_size = model.num_params(), vocab_size
     print(f"model {cfg.model.name}: {summary.n_params / 1e6:.2f}M parameters, attention={cfg.attention.name}, "
           f"seq_len={cfg.seq_len}, batch={cfg.batch_size}x{cfg.grad_accum}, device={summary.device}, dtype={summary.dtype}")
@@ -101,30 +106,32 @@ def build(cfg: TrainConfig, config_dict: dict[str, Any], summary: RunSummary) ->
         print(f"resumed from {path} at step {start}")
     elif cfg.resume == "auto":
         print(f"resume=auto: no checkpoint in {cfg.ckpt_dir}, starting fresh")
+    parallel.agree(start, "resume: the step of the checkpoint found")
 
-    tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum
+    tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum * parallel.dp  # the global batch, all ranks together
     flops = train_step_flops(summary.n_params, cfg.model.n_layer, cfg.model.n_head, cfg.model.head_dim,
-                             cfg.batch_size * cfg.grad_accum, cfg.seq_len)
+                             cfg.batch_size * cfg.grad_accum * parallel.dp, cfg.seq_len)
+    parallel.wrap(model, cfg.batch_size * parallel.dp * cfg.seq_len, device)
+    peak = peak_tflops(summary.device)
     return Training(cfg, config_dict, device, dtype, data, model, torch.compile(model) if cfg.compile else model,
                     optimizer, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16), start, tokens, flops,
-                    peak_tflops(summary.device))
+                    peak * parallel.world if peak else None, parallel)
 
 
 @torch.no_grad()
 def evaluate(t: Training) -> dict[str, float]:
     """Mean val loss over cfg.eval_batches fixed batches, and passkey retrieval accuracy if the data has a key."""
-    cfg, model, data = t.cfg, t.model, t.data
+    cfg, model, data, par = t.cfg, t.model, t.data, t.parallel
     model.eval()
     losses, hits, total = [], 0, 0
     for i in range(cfg.eval_batches):
-        x, y = (b.to(t.device) for b in data.batch("val", i, cfg.batch_size))
+        x, y = (b.to(t.device) for b in par.batch(data, "val", i, cfg.batch_size))  # this rank's part under torchrun
         with torch.autocast(t.device.type, dtype=t.dtype, enabled=t.dtype != torch.float32):
-            h = model.hidden(x)
-            losses.append(model.loss(h, y).item())
+            h = model.hidden(x, par.positions(t.device))
+            losses.append(par.mean_loss(model, h, y))
             if data.answer is not None:  # all key digits must be the argmax predictions
-                pred = model.head(h[:, data.answer]).argmax(dim=-1)
-                hits += (pred == y[:, data.answer]).all(dim=-1).sum().item()
-                total += y.shape[0]
+                batch_hits, batch_total = par.key_hits(model, h, y, data.answer)
+                hits, total = hits + batch_hits, total + batch_total
     model.train()
     out = {"eval/val_loss": statistics.fmean(losses)}
     if total:
@@ -150,12 +157,14 @@ def train_step(t: Training, step: int) -> float:
         group["lr"] = lr_at(step, cfg)
     loss_sum = torch.zeros((), device=t.device)
     for micro in range(cfg.grad_accum):
-        x, y = (b.to(t.device, non_blocking=True) for b in t.data.batch("train", step * cfg.grad_accum + micro, cfg.batch_size))
-        with torch.autocast(t.device.type, dtype=t.dtype, enabled=t.dtype != torch.float32):
-            loss = t.forward(x, y) / cfg.grad_accum
-        t.scaler.scale(loss).backward()
+        x, y = (b.to(t.device, non_blocking=True)
+                for b in t.parallel.batch(t.data, "train", step * cfg.grad_accum + micro, cfg.batch_size))
+        with t.parallel.no_sync(last=micro == cfg.grad_accum - 1):  # DDP: gradients all-reduced once per step
+            with torch.autocast(t.device.type, dtype=t.dtype, enabled=t.dtype != torch.float32):
+                loss = t.parallel.loss(t.forward, x, y) / cfg.grad_accum
+            t.scaler.scale(loss).backward()
         loss_sum += loss.detach()
-    loss_value = loss_sum.item()
+    loss_value = t.parallel.mean(loss_sum).item()  # under torchrun: the mean over every rank's tokens
     if not math.isfinite(loss_value):
         raise TrainingError(f"non-finite loss ({loss_value}) at step {step}: stopped before the update; the last good "
                             f"checkpoint in {cfg.ckpt_dir} is kept; try a lower lr or dtype=float32")
@@ -172,6 +181,7 @@ def train_loop(t: Training, logger: Logger, summary: RunSummary, stop_requested:
     """Steps from t.start_step to max_steps; returns early (after a checkpoint) when a stop is requested."""
     cfg = t.cfg
     times: list[float] = []
+    ranks = t.parallel.rank_stats(t.tokens_per_step)  # under torchrun: every rank's speed and memory
     bar = tqdm(range(t.start_step, cfg.max_steps), initial=t.start_step, total=cfg.max_steps, desc="train",
                dynamic_ncols=True, mininterval=1.0, file=sys.stdout)
     try:
@@ -191,6 +201,7 @@ def train_loop(t: Training, logger: Logger, summary: RunSummary, stop_requested:
                        "memory/peak_allocated_gib": alloc, "memory/peak_reserved_gib": reserved}
             if t.peak_tflops:
                 metrics["perf/mfu"] = t.flops_per_step / dt / (t.peak_tflops * 1e12)
+            metrics.update(ranks.step(dt, alloc, reserved))
             summary.steps, summary.final_train_loss = done, loss
             summary.peak_allocated_gib = max(summary.peak_allocated_gib, alloc)
             summary.peak_reserved_gib = max(summary.peak_reserved_gib, reserved)
@@ -204,7 +215,8 @@ def train_loop(t: Training, logger: Logger, summary: RunSummary, stop_requested:
                 tqdm.write(f"step {done}: " + ", ".join(f"{k.split('/')[1]} {v:.4f}" for k, v in evals.items()), file=sys.stdout)
             logger.log(metrics, step=done)
             stopping = stop_requested()
-            if cfg.save_checkpoints and ((cfg.ckpt_every and done % cfg.ckpt_every == 0) or last or stopping):
+            if cfg.save_checkpoints and ((cfg.ckpt_every and done % cfg.ckpt_every == 0) or last or stopping) \
+                    and t.parallel.is_main:  # the full state is on every rank; rank 0 writes it
                 save(t, done, summary)
             if stopping:
                 return
@@ -215,3 +227,4 @@ def train_loop(t: Training, logger: Logger, summary: RunSummary, stop_requested:
             step_time = statistics.median(steady)
             summary.step_time_s, summary.tokens_per_s = step_time, t.tokens_per_step / step_time
             summary.mfu = t.flops_per_step / step_time / (t.peak_tflops * 1e12) if t.peak_tflops else None
+        ranks.fill(summary, WARMUP_STEPS_EXCLUDED)
