@@ -196,7 +196,7 @@ class TrainConfig:
     seed: int = 1337
     device: str = "auto"  # auto | cuda | cpu
     dtype: str = "auto"  # autocast dtype; auto = bfloat16 on CUDA, float32 on CPU
-    compile: bool = False
+    compile: Optional[bool] = None  # regional torch.compile; null = on with CUDA, off on CPU
     resume: str = "none"  # none | auto (latest intact checkpoint in ckpt_dir) | path to a checkpoint file or dir
 
     lr: float = 6e-4
@@ -217,6 +217,9 @@ class TrainConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device=cuda: no CUDA GPU is visible; use device=cpu or device=auto")
         return torch.device(self.device)
+
+    def compile_enabled(self) -> bool:
+        return self.torch_device().type == "cuda" if self.compile is None else self.compile
 
     def compute_dtype(self) -> torch.dtype:
         """The autocast dtype: bfloat16 on CUDA and float32 on CPU unless set."""

@@ -155,3 +155,17 @@ class GPT(nn.Module):
         """Summed cross-entropy, logits in fp32."""
         logits = self.head(h).float()
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+
+    def compile_regions(self, backend: str = "inductor") -> None:
+        """torch.compile the token-local pieces of the model (regional compilation, as torchtitan compiles per
+        block): each block's qkv projection + RoPE and its LayerNorm + MLP, and the LM head + loss.
+
+        The attention call between them stays as it is (a custom op for flash), so every memory lever wraps
+        compiled code unchanged: recompute and kept attention rerun the same compiled pieces, chunking calls
+        them per chunk. Shapes repeat from step to step, so each piece compiles once (once more for a ragged
+        last chunk, and for the no-grad forward of a recomputed block) and never again.
+        """
+        for block in self.blocks:
+            block.attn.heads = torch.compile(block.attn.heads, backend=backend, dynamic=False)
+            block.norm_mlp = torch.compile(block.norm_mlp, backend=backend, dynamic=False)
+        self.loss_sum = torch.compile(self.loss_sum, backend=backend, dynamic=False)

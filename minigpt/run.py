@@ -126,7 +126,7 @@ def new_summary(cfg: TrainConfig) -> RunSummary:
     return RunSummary(
         status="running", max_steps=cfg.max_steps, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
         grad_accum=cfg.grad_accum, attention=cfg.attention.name, attention_options=cfg.attention.options(),
-        levers=cfg.model.levers(), compile=cfg.compile, model=cfg.model.name, n_layer=cfg.model.n_layer,
+        levers=cfg.model.levers(), compile=cfg.compile_enabled(), model=cfg.model.name, n_layer=cfg.model.n_layer,
         commit=git_commit(), run_dir=str(cfg.run_dir), **versions())
 
 

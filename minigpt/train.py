@@ -66,8 +66,7 @@ class Training:
     device: torch.device
     dtype: torch.dtype
     data: Any  # a data source (minigpt/data.py): batch(split, index, batch_size) -> (x, y)
-    model: GPT
-    forward: Callable[..., torch.Tensor]  # the model, or its compiled form
+    model: GPT  # with cfg.compile, its regions are compiled (GPT.compile_regions)
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     start_step: int
@@ -111,10 +110,13 @@ def build(cfg: TrainConfig, config_dict: dict[str, Any], summary: RunSummary, pa
     tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum * parallel.dp  # the global batch, all ranks together
     flops = train_step_flops(summary.n_params, cfg.model.n_layer, cfg.model.n_head, cfg.model.head_dim,
                              cfg.batch_size * cfg.grad_accum * parallel.dp, cfg.seq_len)
+    summary.compile = cfg.compile_enabled()
+    if summary.compile:
+        model.compile_regions()
     parallel.wrap(model, cfg.batch_size * parallel.dp * cfg.seq_len, device)
     peak = peak_tflops(summary.device)
-    return Training(cfg, config_dict, device, dtype, data, model, torch.compile(model) if cfg.compile else model,
-                    optimizer, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16), start, tokens, flops,
+    return Training(cfg, config_dict, device, dtype, data, model, optimizer,
+                    torch.amp.GradScaler(device.type, enabled=dtype == torch.float16), start, tokens, flops,
                     peak * parallel.world if peak else None, parallel)
 
 
@@ -161,7 +163,7 @@ def train_step(t: Training, step: int) -> float:
                 for b in t.parallel.batch(t.data, "train", step * cfg.grad_accum + micro, cfg.batch_size))
         with t.parallel.no_sync(last=micro == cfg.grad_accum - 1):  # DDP: gradients all-reduced once per step
             with torch.autocast(t.device.type, dtype=t.dtype, enabled=t.dtype != torch.float32):
-                loss = t.parallel.loss(t.forward, x, y) / cfg.grad_accum
+                loss = t.parallel.loss(t.model, x, y) / cfg.grad_accum
             t.scaler.scale(loss).backward()
         loss_sum += loss.detach()
     loss_value = t.parallel.mean(loss_sum).item()  # under torchrun: the mean over every rank's tokens
@@ -193,6 +195,10 @@ def train_loop(t: Training, logger: Logger, summary: RunSummary, stop_requested:
                 torch.cuda.synchronize(t.device)
             dt = time.perf_counter() - t0
             times.append(dt)
+            if summary.compile and len(times) == 2:  # compilation happens in this process's first step
+                summary.compile_time_s = max(0.0, times[0] - times[1])
+                tqdm.write(f"compile: {summary.compile_time_s:.1f} s (the first step's time over the second's)",
+                           file=sys.stdout)
 
             done = step + 1
             alloc, reserved = peak_memory_gib(t.device)
