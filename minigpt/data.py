@@ -67,17 +67,28 @@ class PasskeyData:
         # The key sits just before the final '.', i.e. y[-1-KEY_DIGITS : -1] (y is the text shifted by one).
         self.answer = slice(self.seq_len - 1 - self.KEY_DIGITS, self.seq_len - 1)
 
-    def sample(self, rng: np.random.Generator) -> np.ndarray:
-        """One sequence of seq_len+1 byte tokens."""
+    def sample(self, rng: np.random.Generator, depth: float | None = None) -> np.ndarray:
+        """One sequence of seq_len+1 byte tokens, the needle at a random depth (training), or at `depth`: the
+        fraction of the filler before the needle (0 = first, 1 = just before the question), to the nearest byte
+        (the filler is cut mid-sentence, as in training). The random draws of training are unchanged."""
+        if depth is not None and not 0.0 <= depth <= 1.0:
+            raise DataError(f"depth={depth}: must be a fraction of the filler in [0, 1]")
         key = str(rng.integers(10 ** (self.KEY_DIGITS - 1), 10**self.KEY_DIGITS))
         needle, question = self.NEEDLE.format(key=key), self.QUESTION.format(key=key)
         n_filler = self.seq_len + 1 - len(needle) - len(question)
         offset = int(rng.integers(0, len(FILLER)))  # vary the filler phase too
         reps = (offset + n_filler) // len(FILLER) + 1
         filler = (FILLER * reps)[offset : offset + n_filler]
-        depth = int(rng.integers(0, n_filler + 1))
-        text = filler[:depth] + needle + filler[depth:] + question
+        cut = int(rng.integers(0, n_filler + 1)) if depth is None else round(depth * n_filler)
+        text = filler[:cut] + needle + filler[cut:] + question
         return np.frombuffer(text.encode("ascii"), dtype=np.uint8)
+
+    def prompt(self, rng: np.random.Generator, depth: float) -> tuple[np.ndarray, np.ndarray]:
+        """For generation: the seq_len - KEY_DIGITS tokens up to and including the question's "The pass key is ",
+        and the key's KEY_DIGITS tokens that should follow. The prompt holds the key only in the needle."""
+        tokens = self.sample(rng, depth)
+        start = self.answer.start + 1  # the answer slice indexes y, the tokens shifted by one
+        return tokens[:start], tokens[start : start + self.KEY_DIGITS]
 
     def batch(self, split: str, index: int, batch_size: int) -> tuple[Tensor, Tensor]:
         rng = _rng(self.seed, split, index)
