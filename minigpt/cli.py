@@ -150,6 +150,13 @@ def sweep_main(argv: list[str] | None = None) -> int:
     return main(argv)
 
 
+def eval_passkey_main(argv: list[str] | None = None) -> int:
+    """`minigpt-eval-passkey ...`: passkey accuracy by context length and key depth (minigpt/experiments/passkey_eval.py)."""
+    from minigpt.experiments.passkey_eval import main
+
+    return main(argv)
+
+
 def bench_main(argv: list[str] | None = None) -> int:
     """`minigpt-bench ...`: the attention benchmark (minigpt/experiments/bench.py)."""
     from minigpt.experiments.bench import main

@@ -191,6 +191,7 @@ class TrainConfig:
     max_steps: int = 500
     eval_every: int = 100  # 0 = only at the end
     eval_batches: int = 4  # 0 = no evaluation
+    passkey_grid: int = 0  # passkey data: at each eval, this many keys per key depth (0, ¼, ½, ¾, 1), greedy; 0 = off
     ckpt_every: int = 0  # 0 = only at the end (and when interrupted)
     save_checkpoints: bool = True  # false: never write checkpoints (sweep trials, benchmarks)
     seed: int = 1337
@@ -231,7 +232,7 @@ class TrainConfig:
         """Each section's own checks, then the ones that span sections."""
         for key in ("seq_len", "batch_size", "grad_accum", "max_steps"):
             _at_least(key, getattr(self, key))
-        for key in ("eval_every", "eval_batches", "ckpt_every", "warmup_steps"):
+        for key in ("eval_every", "eval_batches", "ckpt_every", "warmup_steps", "passkey_grid"):
             _at_least(key, getattr(self, key), low=0)
         if self.lr_decay_steps is not None:
             _at_least("lr_decay_steps", self.lr_decay_steps)

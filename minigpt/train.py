@@ -21,14 +21,16 @@ from tqdm import tqdm
 from minigpt.attention import get_attention
 from minigpt.checkpoint import CheckpointError, find_and_load, restore, save_checkpoint
 from minigpt.config import ConfigError, TrainConfig
-from minigpt.data import build_data
+from minigpt.data import PasskeyData, build_data
 from minigpt.files import WriteError
 from minigpt.loggers import Logger
 from minigpt.metrics import device_name, peak_memory_gib, peak_tflops, reset_peak_memory, train_step_flops
 from minigpt.model import GPT
+from minigpt.retrieval import passkey_grid
 from minigpt.parallel import Parallel
 from minigpt.summary import RunSummary
 
+GRID_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)  # key depths of the passkey grid logged at each eval (passkey_grid=k)
 WARMUP_STEPS_EXCLUDED = 2  # first steps (compilation, allocator growth) left out of the medians, if more ran
 
 
@@ -138,6 +140,11 @@ def evaluate(t: Training) -> dict[str, float]:
     out = {"eval/val_loss": statistics.fmean(losses)}
     if total:
         out["eval/passkey_acc"] = hits / total
+    if cfg.passkey_grid and isinstance(data, PasskeyData) and par.cp == 1:  # the ring needs split sequences
+        grid = passkey_grid(model, [cfg.seq_len], GRID_DEPTHS, cfg.passkey_grid, t.device, t.dtype, cfg.seed,
+                            cfg.batch_size, trained_length=cfg.seq_len)
+        out["eval/passkey_grid_acc"] = grid["mean_accuracy"]
+        out.update({f"eval/passkey_grid_depth_{float(d):.2f}": acc for d, acc in grid["by_depth"].items()})
     return out
 
 

@@ -16,8 +16,8 @@ from torch import nn
 from minigpt.attention import get_attention
 from minigpt.config import ModelConfig
 from minigpt.data import DataError, PasskeyData
-from minigpt.experiments.passkey_eval import (FILES, accuracy_matrix, cell_prompts, grid_table, greedy_decode, main,
-                                              passkey_grid, write_outputs)
+from minigpt.experiments.passkey_eval import FILES, accuracy_matrix, grid_table, main, write_outputs
+from minigpt.retrieval import cell_prompts, greedy_decode, passkey_grid
 from minigpt.model import GPT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -147,3 +147,13 @@ def test_bf16_checkpoints_round_the_stored_input_only(tiny_config):
     assert math.isclose(ref.item(), loss.item(), rel_tol=1e-6)
     for a, b in zip(grads, torch.autograd.grad(ref, params)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_eval_logs_the_passkey_grid(tiny_config):
+    logger = RecordingLogger()
+    cfg = tiny_config("max_steps=2", "eval_every=2", "passkey_grid=2")
+    assert run(cfg, logger=logger) == 0
+    (evals,) = [m for _, m in logger.metrics if "eval/passkey_grid_acc" in m]
+    depths = [k for k in evals if k.startswith("eval/passkey_grid_depth_")]
+    assert sorted(depths) == [f"eval/passkey_grid_depth_{d}" for d in ("0.00", "0.25", "0.50", "0.75", "1.00")]
+    assert 0.0 <= logger.series("eval/passkey_grid_acc")[-1] <= 1.0

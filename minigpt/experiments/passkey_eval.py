@@ -3,22 +3,8 @@
     minigpt-eval-passkey --checkpoint outputs/<run>                    # its newest intact checkpoint
     minigpt-eval-passkey --checkpoint run/checkpoints/ckpt_00003000.pt --lengths 2048 4096 8192 16384 --wandb
 
-(or `python scripts/eval_passkey.py ...`). A cell (length L, depth d) holds `keys_per_cell` passkey sequences of
-L tokens, each with its own key, the needle at depth d: the fraction of the filler before it (0 = first thing in
-the context, 1 = just before the question), to the nearest token. Keys are a pure function of (seed, L, d, index),
-so two checkpoints are scored on the same keys. The model reads the text up to and including the question's
-"The pass key is " and decodes the KEY_DIGITS digits greedily (argmax, each fed back); a cell's accuracy is the
-share of keys it reproduces exactly, its digit accuracy the share of digits right in place.
-
-Decoding writes into a fixed (B, L) buffer: the prompt, then KEY_DIGITS slots. Step i reads the logits at the
-position before slot i and writes their argmax into it. Attention is causal, so the slots not yet written cannot
-change that position's logits: this is exactly greedy decoding, and every forward has the shape of a training
-sequence of length L (one shape per length, so compiled regions are not recompiled at every step).
-
-For exact match, greedy decoding agrees with the argmax of one teacher-forced forward at the answer positions
-(what training's `eval/passkey_acc` measures): if every teacher-forced argmax is the key's digit, greedy sees the
-same inputs at every step, and the converse by the same induction; only ties and rounding can tell them apart.
-Greedy costs KEY_DIGITS forwards instead of one, and says what the model answered (`answers` in the JSON).
+(or `python scripts/eval_passkey.py ...`). The grid itself (key placement, greedy decoding, exact match) is minigpt/retrieval.py; this module scores a
+checkpoint with it and writes the table, the heatmap and the W&B run.
 
 Outputs (--out, default `passkey/` beside the checkpoint's run): passkey_grid.json, passkey_grid.md,
 passkey_heatmap.png; with --wandb also a W&B run holding the grid as a Table and the heatmap.
@@ -32,99 +18,24 @@ import json
 import sys
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from minigpt.attention import AttentionBackend, attention_names, get_attention
 from minigpt.checkpoint import CheckpointError, find_and_load, list_checkpoints
 from minigpt.config import AttentionConfig, ConfigError, ModelConfig
 from minigpt.data import DataError, PasskeyData
 from minigpt.files import WriteError, atomic_write_text, markdown_table
+from minigpt.retrieval import DEFAULT_DEPTHS, DEFAULT_KEYS_PER_CELL, passkey_grid
 
-DEFAULT_DEPTHS = tuple(i / 10 for i in range(11))
-DEFAULT_KEYS_PER_CELL = 20
 FILES = ("passkey_grid.json", "passkey_grid.md", "passkey_heatmap.png")
 
 
 # --------------------------------------------------------------------------------------------
-# the grid
+# the grid as a table
 # --------------------------------------------------------------------------------------------
-def cell_rng(seed: int, length: int, depth: float, index: int) -> np.random.Generator:
-    """The generator of one key: a pure function of (seed, length, depth, index); depth to a millionth."""
-    return np.random.default_rng([seed, length, round(depth * 1_000_000), index])
-
-
-def cell_prompts(length: int, depth: float, keys: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(keys, length - KEY_DIGITS) prompt tokens and the (keys, KEY_DIGITS) digit tokens that should follow."""
-    data = PasskeyData(seq_len=length, seed=seed)
-    pairs = [data.prompt(cell_rng(seed, length, depth, i), depth) for i in range(keys)]
-    return np.stack([p for p, _ in pairs]), np.stack([k for _, k in pairs])
-
-
-@torch.no_grad()
-def greedy_decode(model: torch.nn.Module, prompts: Tensor, n: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    """The n tokens greedy decoding appends to prompts (B, P), each forward over the fixed (B, P + n) buffer."""
-    B, P = prompts.shape
-    buf = torch.cat([prompts, prompts.new_zeros(B, n)], dim=1)  # slots: not seen by the positions before them
-    for i in range(n):
-        with torch.autocast(prompts.device.type, dtype=dtype, enabled=dtype != torch.float32):
-            logits = model.head(model.hidden(buf)[:, P - 1 + i])  # the LM head at one position: no N×vocab logits
-        buf[:, P + i] = logits.argmax(dim=-1)
-    return buf[:, P:]
-
-
-def _text(tokens: Sequence[int]) -> str:
-    return "".join(chr(t) if 32 <= t < 127 else "?" for t in tokens)
-
-
-def passkey_grid(model: torch.nn.Module, lengths: Sequence[int], depths: Sequence[float] = DEFAULT_DEPTHS,
-                 keys_per_cell: int = DEFAULT_KEYS_PER_CELL, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, seed: int = 0, batch_size: int = 8,
-                 trained_length: int | None = None, progress: Callable[[dict], None] | None = None) -> dict[str, Any]:
-    """Exact-match passkey accuracy of `model` (anything with `hidden(idx)` and `head(h)`) in every (length, depth)
-    cell; the model is left in the train/eval mode it came in. Returns a JSON-ready dict: `cells` (one per
-    length and depth: accuracy, digit_accuracy, hits, keys, the keys and the answers), `mean_accuracy` (over all
-    cells), `by_length` and `by_depth` means, and the grid's settings. Raises DataError for a length too short
-    to hold the task or a depth outside [0, 1]."""
-    if keys_per_cell < 1 or batch_size < 1 or not lengths or not depths:
-        raise ValueError(f"passkey_grid: keys_per_cell={keys_per_cell} and batch_size={batch_size} must be >= 1, "
-                         f"lengths and depths not empty")
-    lengths, depths = sorted(set(int(n) for n in lengths)), sorted(set(float(d) for d in depths))
-    device = torch.device(device)
-    was_training = model.training
-    model.eval()
-    cells = []
-    try:
-        for length in lengths:
-            # every prompt of a length has length - KEY_DIGITS tokens: batch them across depths
-            made = [cell_prompts(length, d, keys_per_cell, seed) for d in depths]
-            prompts, keys = np.concatenate([p for p, _ in made]), np.concatenate([k for _, k in made])
-            answers = np.concatenate([
-                greedy_decode(model, torch.from_numpy(prompts[i : i + batch_size].astype(np.int64)).to(device),
-                              PasskeyData.KEY_DIGITS, dtype).cpu().numpy()
-                for i in range(0, len(prompts), batch_size)])
-            for j, depth in enumerate(depths):
-                rows = slice(j * keys_per_cell, (j + 1) * keys_per_cell)
-                right = answers[rows] == keys[rows]
-                cell = {"length": length, "depth": depth, "accuracy": float(right.all(axis=1).mean()),
-                        "digit_accuracy": float(right.mean()), "hits": int(right.all(axis=1).sum()),
-                        "keys": keys_per_cell, "expected": [_text(k) for k in keys[rows]],
-                        "answers": [_text(a) for a in answers[rows]]}
-                cells.append(cell)
-                if progress:
-                    progress(cell)
-    finally:
-        model.train(was_training)
-    return {"lengths": lengths, "depths": depths, "keys_per_cell": keys_per_cell, "seed": seed,
-            "trained_length": trained_length, "cells": cells,
-            "mean_accuracy": float(np.mean([c["accuracy"] for c in cells])),
-            "by_length": {str(n): float(np.mean([c["accuracy"] for c in cells if c["length"] == n])) for n in lengths},
-            "by_depth": {str(d): float(np.mean([c["accuracy"] for c in cells if c["depth"] == d])) for d in depths}}
-
-
 def accuracy_matrix(result: dict[str, Any]) -> np.ndarray:
     """(depths, lengths) accuracies in the grid's sorted order."""
     acc = {(c["length"], c["depth"]): c["accuracy"] for c in result["cells"]}
