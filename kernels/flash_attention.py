@@ -386,7 +386,7 @@ _GPU_CONFIGS_FP32: dict[tuple[str, int], TileConfig] = {
     **{("dq", d): TileConfig(64, 32, 4, 2, tma=True) for d in (16, 32, 64, 128)},
     ("dq", 256): TileConfig(32, 16, 4, 1),
 }
-# Causal 2-byte inputs, by sequence length (`.scratch` benchmarks of issue 10, H200, bf16, 16K tokens per batch):
+# Causal 2-byte inputs, by sequence length (H200, bf16, 16K tokens per batch; kernels/NOTES.md section C):
 # (kernel, head_dim) -> (seq bound, config). The forward at D=128 takes 64×64 tiles up to 2K tokens (fwd TFLOP/s
 # 315–318 vs 275–277 at N=1K, 399 vs 373 at 2K; 128×64 wins from 4K: 439–441 vs 418–420, 483 vs 463 at 8K), where
 # more, shorter programs fill the GPU better. At D<=64 the forward takes 128×64 tiles with 8 warps from 16K

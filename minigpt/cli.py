@@ -15,14 +15,12 @@ workers' codes in its report).
 """
 from __future__ import annotations
 
-import contextlib
-import os
 import sys
 import time
 from pathlib import Path
 
 from minigpt.config import CONFIG_NAME, CPU_DEFAULTS, ConfigError, compose, config_dir, register_schema, to_train_config
-from minigpt.parallel import env_rank, start_distributed, stop_distributed
+from minigpt.parallel import TorchrunProcess, env_rank
 from minigpt.summary import ExitCode
 
 HYDRA_KEYS = ("hydra.", "+hydra.", "++hydra.")
@@ -78,16 +76,10 @@ def _with_cpu_defaults(overrides: list[str]) -> list[str]:
 
 def train_main(argv: list[str] | None = None) -> int:
     """`minigpt-train [overrides]`: returns the exit code (0 ok, 1 error, 2 bad setting, 3 OOM, 128+signal)."""
-    code = ExitCode.ERROR
-    try:
-        start_distributed()  # under torchrun: join its process group first, so the ranks can agree on things
-        with contextlib.ExitStack() as quiet:
-            if env_rank() != 0:  # under torchrun only rank 0 prints (the others' errors go to stderr)
-                quiet.enter_context(contextlib.redirect_stdout(quiet.enter_context(open(os.devnull, "w"))))
-            code = _train_main(argv)
+    with TorchrunProcess() as process:  # under torchrun: join its group first, so the ranks can agree on things
+        code = _train_main(argv)
+        process.ok = code == ExitCode.OK
         return code
-    finally:
-        stop_distributed(failed=code != ExitCode.OK)  # also after an error
 
 
 def _train_main(argv: list[str] | None) -> int:

@@ -88,6 +88,28 @@ def stop_distributed(failed: bool = False) -> None:
     dist.destroy_process_group()
 
 
+class TorchrunProcess(contextlib.AbstractContextManager):
+    """The process's part in a torchrun job, for the length of a `with`: joins the process group (if torchrun
+    started this process and nobody joined yet), sends stdout of ranks other than 0 to /dev/null (rank 0 speaks
+    for the job; errors still go to stderr), and leaves the group at the end. Set `ok = True` when the work
+    succeeded, so that a failing rank other than 0 waits for rank 0 to finish its files (stop_distributed)."""
+
+    def __init__(self) -> None:
+        self.ok, self.joined, self._quiet = False, False, contextlib.ExitStack()
+
+    def __enter__(self) -> TorchrunProcess:
+        self.joined = start_distributed()
+        rank = dist.get_rank() if dist.is_initialized() else env_rank()
+        if rank != 0:
+            self._quiet.enter_context(contextlib.redirect_stdout(self._quiet.enter_context(open(os.devnull, "w"))))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._quiet.close()
+        if self.joined:
+            stop_distributed(failed=not self.ok)
+
+
 # ------------------------------------------------------------------------------------------------
 # This rank's place in the job, and the few collectives the trainer needs
 # ------------------------------------------------------------------------------------------------

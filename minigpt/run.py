@@ -14,8 +14,6 @@ Nothing is lost:
 """
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import sys
 import threading
@@ -33,7 +31,7 @@ from minigpt.data import DataError
 from minigpt.files import WriteError
 from minigpt.loggers import Logger, NullLogger, build_logger
 from minigpt.metrics import git_commit, peak_memory_gib, versions
-from minigpt.parallel import AgreedStop, Parallel, start_distributed, stop_distributed
+from minigpt.parallel import AgreedStop, Parallel, TorchrunProcess
 from minigpt.summary import SUMMARY_FILE, ExitCode, RunSummary
 from minigpt.train import TrainingError, build, train_loop
 
@@ -170,17 +168,11 @@ def run(cfg: TrainConfig, logger: Logger | None = None, config_dict: dict[str, A
     process joins torchrun's process group (unless its caller did) and leaves it at the end, also on errors;
     rank 0 writes the files and the console lines, the other ranks print only their own errors.
     """
-    joined, code = start_distributed(), ExitCode.ERROR
-    try:
+    with TorchrunProcess() as process:
         parallel = Parallel.setup(cfg.parallel.context, cfg.seq_len, cfg.torch_device().type)
-        with contextlib.ExitStack() as quiet:
-            if not parallel.is_main:
-                quiet.enter_context(contextlib.redirect_stdout(quiet.enter_context(open(os.devnull, "w"))))
-            code = _run(cfg, logger, config_dict, parallel)
+        code = _run(cfg, logger, config_dict, parallel)
+        process.ok = code == ExitCode.OK
         return code
-    finally:
-        if joined:
-            stop_distributed(failed=code != ExitCode.OK)
 
 
 def _run(cfg: TrainConfig, logger: Logger | None, config_dict: dict[str, Any] | None, parallel: Parallel) -> int:
@@ -220,8 +212,7 @@ def _run(cfg: TrainConfig, logger: Logger | None, config_dict: dict[str, Any] | 
             else:
                 summary.status = "ok"
         except BaseException as e:  # noqa: BLE001 - every failure must still produce a summary and one line
-            stop.immediate = False
-            logger = logger or NullLogger()
+            stop.immediate = False  # failure handling must not be cut short by a signal
             code, line = _failure(e, cfg, summary)
         finally:
             stop.immediate = False
