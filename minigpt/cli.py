@@ -149,6 +149,13 @@ def eval_passkey_main(argv: list[str] | None = None) -> int:
     return main(argv)
 
 
+def memory_main(argv: list[str] | None = None) -> int:
+    """`minigpt-memory ...`: where a training step's GPU memory goes (minigpt/experiments/memory_profile.py)."""
+    from minigpt.experiments.memory_profile import main
+
+    return main(argv)
+
+
 def bench_main(argv: list[str] | None = None) -> int:
     """`minigpt-bench ...`: the attention benchmark (minigpt/experiments/bench.py)."""
     from minigpt.experiments.bench import main

@@ -1,4 +1,5 @@
-"""Where metrics go: Weights & Biases (`logger=wandb`) or nowhere but the console (`logger=none`).
+"""Where metrics go: Weights & Biases (`logger=wandb`) or nowhere but the console (`logger=none`), and always
+`metrics.jsonl` in the run directory (`MetricsHistory`: one JSON line per logged step, readable without W&B).
 
 One lifecycle for every W&B run minigpt makes (training runs, the sweep's summary run): `WandbLogger` opens
 the run, `log` adds a step, `finish` writes the summary and waits until the run is on disk. Metric keys are
@@ -8,6 +9,8 @@ otherwise (sync later with `wandb sync`), so a run never blocks on a login promp
 """
 from __future__ import annotations
 
+import json
+import math
 import netrc
 import os
 from pathlib import Path
@@ -31,6 +34,40 @@ class NullLogger:
 
     def finish(self, summary: dict[str, Any], exit_code: int) -> None:
         pass
+
+
+class MetricsHistory:
+    """Another logger's metrics, also appended to a local JSON-lines file (one line per step, flushed at once),
+    so a run's curves survive without W&B and a resumed run appends to the same file."""
+
+    FILE = "metrics.jsonl"
+
+    def __init__(self, inner: Logger, run_dir: str | Path):
+        self.inner, self.location = inner, inner.location
+        self.path = Path(run_dir) / self.FILE
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        row = {"step": step, **{k: (v if not isinstance(v, float) or math.isfinite(v) else None)
+                                for k, v in metrics.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        self.inner.log(metrics, step=step)
+
+    def finish(self, summary: dict[str, Any], exit_code: int) -> None:
+        self.inner.finish(summary, exit_code)
+
+
+def read_history(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl (a run directory or the file); a torn last line (a killed run) is skipped."""
+    path = Path(path)
+    path = path / MetricsHistory.FILE if path.is_dir() else path
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
 
 
 def has_wandb_credentials() -> bool:

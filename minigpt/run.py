@@ -29,7 +29,7 @@ from minigpt.checkpoint import CheckpointError, list_checkpoints, step_of
 from minigpt.config import ConfigError, TrainConfig
 from minigpt.data import DataError
 from minigpt.files import WriteError
-from minigpt.loggers import Logger, NullLogger, build_logger
+from minigpt.loggers import Logger, MetricsHistory, NullLogger, build_logger
 from minigpt.metrics import git_commit, peak_memory_gib, versions
 from minigpt.parallel import AgreedStop, Parallel, TorchrunProcess
 from minigpt.summary import SUMMARY_FILE, ExitCode, RunSummary
@@ -200,6 +200,8 @@ def _run(cfg: TrainConfig, logger: Logger | None, config_dict: dict[str, Any] | 
             logger = logger or (NullLogger() if not parallel.is_main else build_logger(
                 cfg.logger, f"{cfg.attention.name}-{cfg.model.name}-n{cfg.seq_len}", cfg.run_dir, config_dict))
             summary.wandb = logger.location
+            if parallel.is_main:  # the curves also as metrics.jsonl in the run directory
+                logger = MetricsHistory(logger, cfg.run_dir)
             training = build(cfg, config_dict, summary, parallel)
             stop.immediate = False  # from here a signal ends the current step
             train_loop(training, logger, summary, stop_requested)

@@ -1,0 +1,226 @@
+"""Where one training step's GPU memory goes: the peak of each phase and the tensors alive at the step's peak.
+
+    minigpt-memory --out results/memory/1m -- attention=flash seq_len=1048576 batch_size=1 \\
+        model.recompute_every=1 model.recompute_dtype=bfloat16 model.loss_chunk=16384 model.mlp_chunk=65536 \\
+        model.offload=true model.keep_attention=true
+    (= python -m minigpt.experiments.memory_profile ...; everything after `--` is a trainer override)
+
+It builds the run as the trainer does (same config, model, levers, compile), takes one warm-up step on the
+first --warmup-tokens tokens of a batch (so the optimizer state exists and the allocator has grown), then one
+step at the full length in three phases (forward + loss, backward, optimizer), with the CUDA caching
+allocator's history recorded (`torch.cuda.memory._record_memory_history`). Replaying that history gives the
+moment of the step's peak and every allocation alive then; they are grouped by where they were made (the
+innermost frame in minigpt/ or the kernel package, and the torch op when C++ stacks are recorded) and by their
+size per token, so "3.0 KB/token made in levers.py backward" reads as one fp32 768-wide tensor per token.
+
+Writes memory_profile.json and memory_profile.md to --out (and with --snapshot the raw allocator snapshot,
+for https://pytorch.org/memory_viz). The replay (`replay_peak`, `group_live`) is plain Python over the
+snapshot's event list, tested on CPU; recording needs a CUDA GPU.
+Exit codes: 0 done, 1 no GPU or a failure, 2 bad arguments or settings, 3 out of memory.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import re
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+GIB = float(1 << 30)
+OUR_CODE = ("/minigpt/", "/minigpt_kernels/", "/kernels/")  # frames that say where in our code a tensor was made
+# a torch op's name in a C++ frame: autograd nodes, ATen natives and ops
+CPP_OP = re.compile(r"torch::autograd::generated::(\w+)::apply|at::native::(?:\w+::)?(\w+)\(|at::_ops::(\w+)::")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the replay (pure Python: a snapshot's events in, the live allocations at the peak out)
+# ---------------------------------------------------------------------------------------------------------------
+def replay_peak(events: Sequence[dict[str, Any]], baseline: int) -> tuple[int, list[dict[str, Any]], int]:
+    """(peak bytes, allocations alive at the peak, bytes still alive from before the recording at the peak).
+
+    `events` are one device's trace entries in order ('alloc', 'free_completed', others ignored); `baseline` is
+    the memory allocated when recording began. A free of an address the trace never allocated releases memory
+    from before the recording (e.g. last step's gradients).
+    """
+    def walk(stop: int | None) -> tuple[int, int, dict[int, dict[str, Any]], int, int]:
+        live: dict[int, dict[str, Any]] = {}
+        old, current, peak, at = baseline, baseline, baseline, -1
+        for i, e in enumerate(events[:stop] if stop is not None else events):
+            if e["action"] == "alloc":
+                live[e["addr"]] = e
+                current += e["size"]
+            elif e["action"] == "free_completed":
+                if live.pop(e["addr"], None) is None:
+                    old -= e["size"]
+                current -= e["size"]
+            else:
+                continue
+            if current > peak:
+                peak, at = current, i
+        return peak, at, live, old, current
+
+    peak, at, _, _, _ = walk(None)
+    if at < 0:  # nothing in the trace went above the baseline
+        return baseline, [], baseline
+    _, _, live, old, current = walk(at + 1)
+    assert current == peak
+    return peak, list(live.values()), old
+
+
+def describe(frames: Iterable[dict[str, Any]]) -> tuple[str, str]:
+    """(where in our code, torch op) of an allocation's stack, innermost frame first; '' when not found."""
+    where, op = "", ""
+    for f in frames:
+        name, filename = f.get("name", ""), f.get("filename", "")
+        if not op and (m := CPP_OP.search(name)):
+            op = next(g for g in m.groups() if g)
+        if not where and any(root in filename for root in OUR_CODE):
+            where = f"{Path(filename).name}:{f.get('line', 0)} {name}"
+        if where:
+            break
+    return where or "(outside minigpt: torch internals)", op
+
+
+def group_live(live: Sequence[dict[str, Any]], tokens: int) -> list[dict[str, Any]]:
+    """The live allocations grouped by (where, op, KB per token), largest total first."""
+    groups: dict[tuple[str, str, float], list[int]] = defaultdict(list)
+    for e in live:
+        where, op = describe(e.get("frames", []))
+        groups[(where, op, round(e["size"] / tokens / 1024, 2))].append(e["size"])
+    rows = [{"where": w, "op": op, "kb_per_token_each": kb, "count": len(sizes), "gib": sum(sizes) / GIB,
+             "kb_per_token": sum(sizes) / tokens / 1024} for (w, op, kb), sizes in groups.items()]
+    return sorted(rows, key=lambda r: -r["gib"])
+
+
+def report_table(result: dict[str, Any]) -> str:
+    """Markdown: the phases, then the allocations alive at the peak."""
+    from minigpt.files import markdown_table
+
+    tokens = result["tokens"]
+    lines = [f"# GPU memory of one training step: {result['device']}, {tokens:,} tokens per step, commit "
+             f"{result['commit']}\n", f"overrides: `{' '.join(result['overrides'])}`\n",
+             markdown_table(["phase", "peak allocated GiB", "KB/token", "time s"],
+                            [[p["phase"], f"{p['peak_gib']:.2f}", f"{p['peak_gib'] * GIB / tokens / 1024:.2f}",
+                              f"{p['time_s']:.1f}"] for p in result["phases"]]),
+             f"\nAt the step's peak ({result['peak_gib']:.2f} GiB by the replay, "
+             f"{result['max_memory_allocated_gib']:.2f} GiB by torch.cuda.max_memory_allocated):\n",
+             markdown_table(["where it was made", "op", "KB/token each", "count", "GiB", "KB/token"],
+                            [["live before the step (parameters, optimizer state, ...)", "", "", "",
+                              f"{result['before_step_gib']:.2f}",
+                              f"{result['before_step_gib'] * GIB / tokens / 1024:.2f}"]] +
+                            [[g["where"], g["op"], f"{g['kb_per_token_each']:.2f}", g["count"], f"{g['gib']:.2f}",
+                              f"{g['kb_per_token']:.2f}"] for g in result["live_at_peak"]])]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the measurement (CUDA)
+# ---------------------------------------------------------------------------------------------------------------
+def _step(t: Any, x: Any, y: Any, phases: list[dict[str, Any]] | None) -> None:
+    """One training step on (x, y) as train_step takes it; with `phases`, each phase's peak and time appended."""
+    import torch
+
+    def mark(name: str, t0: float) -> float:
+        torch.cuda.synchronize()
+        if phases is not None:
+            phases.append({"phase": name, "peak_gib": torch.cuda.max_memory_allocated() / GIB,
+                           "time_s": time.perf_counter() - t0})
+        torch.cuda.reset_peak_memory_stats()
+        return time.perf_counter()
+
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    with torch.autocast("cuda", dtype=t.dtype, enabled=t.dtype != torch.float32):
+        loss = t.parallel.loss(t.model, x, y)
+    t0 = mark("forward + loss", t0)
+    t.scaler.scale(loss).backward()
+    t0 = mark("backward", t0)
+    t.scaler.step(t.optimizer)
+    t.scaler.update()
+    t.optimizer.zero_grad(set_to_none=True)
+    mark("optimizer", t0)
+
+
+def profile(overrides: list[str], warmup_tokens: int, cpp_stacks: bool, snapshot_path: Path | None
+            ) -> dict[str, Any]:
+    import torch
+
+    from minigpt.config import compose
+    from minigpt.metrics import git_commit
+    from minigpt.summary import RunSummary
+    from minigpt.train import build
+
+    cfg = compose([*overrides, "logger=none", "save_checkpoints=false", "eval_batches=0"], run_dir=".")
+    if cfg.torch_device().type != "cuda":
+        raise RuntimeError("the memory profile records the CUDA caching allocator: it needs a CUDA GPU")
+    t = build(cfg, {}, RunSummary(status="running"))
+    x, y = (b.to(t.device) for b in t.parallel.batch(t.data, "train", 0, cfg.batch_size))
+    _step(t, x[:, :warmup_tokens], y[:, :warmup_tokens], None)  # optimizer state, compiled regions, allocator
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="all" if cpp_stacks else "python")
+    phases: list[dict[str, Any]] = []
+    step_peak = 0.0
+    try:
+        _step(t, x, y, phases)
+        step_peak = max(p["peak_gib"] for p in phases)
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    if snapshot_path is not None:
+        snapshot_path.write_bytes(pickle.dumps(snap))
+    events = snap["device_traces"][torch.cuda.current_device()]
+    peak, live, old = replay_peak(events, baseline)
+    tokens = x.numel()
+    return {"device": torch.cuda.get_device_name(), "commit": git_commit(), "overrides": overrides,
+            "tokens": tokens, "phases": phases, "max_memory_allocated_gib": step_peak,
+            "peak_gib": peak / GIB, "before_step_gib": old / GIB, "trace_events": len(events),
+            "live_at_peak": group_live(live, tokens)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, overrides = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                usage="minigpt-memory --out DIR [options] -- <trainer overrides>")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--warmup-tokens", type=int, default=4096, help="the warm-up step's tokens per sequence")
+    p.add_argument("--cpp-stacks", action="store_true", help="also record C++ stacks (names the torch op; slower)")
+    p.add_argument("--snapshot", action="store_true", help="also write the raw snapshot (memory_snapshot.pickle)")
+    args = p.parse_args(own)
+    if args.warmup_tokens < 1:
+        p.error(f"--warmup-tokens={args.warmup_tokens}: must be >= 1")
+
+    import torch
+
+    from minigpt.config import ConfigError
+    from minigpt.files import WriteError, atomic_write_text
+
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+        result = profile(overrides, args.warmup_tokens, args.cpp_stacks,
+                         args.out / "memory_snapshot.pickle" if args.snapshot else None)
+        table = report_table(result)
+        atomic_write_text(args.out / "memory_profile.json", json.dumps(result, indent=1))
+        atomic_write_text(args.out / "memory_profile.md", table)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except torch.OutOfMemoryError:
+        print(f"error: out of memory at {' '.join(overrides)}: profile a shorter seq_len or add levers",
+              file=sys.stderr)
+        return 3
+    except (RuntimeError, OSError, WriteError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
