@@ -5,8 +5,8 @@
         model.offload=true model.keep_attention=true
     (= python -m minigpt.experiments.memory_profile ...; everything after `--` is a trainer override)
 
-It builds the run as the trainer does (same config, model, levers, compile), takes one warm-up step on the
-first --warmup-tokens tokens of a batch (so the optimizer state exists and the allocator has grown), then one
+It builds the run as the trainer does (same config, model, levers, compile), takes one warm-up step (so the
+optimizer state exists, the allocator has grown and the regions are compiled), then one
 step at the full length in three phases (forward + loss, backward, optimizer), with the CUDA caching
 allocator's history recorded (`torch.cuda.memory._record_memory_history`). Replaying that history gives the
 moment of the step's peak and every allocation alive then; they are grouped by where they were made (the
@@ -159,7 +159,11 @@ def profile(overrides: list[str], warmup_tokens: int, cpp_stacks: bool, snapshot
         raise RuntimeError("the memory profile records the CUDA caching allocator: it needs a CUDA GPU")
     t = build(cfg, {}, RunSummary(status="running"))
     x, y = (b.to(t.device) for b in t.parallel.batch(t.data, "train", 0, cfg.batch_size))
-    _step(t, x[:, :warmup_tokens], y[:, :warmup_tokens], None)  # optimizer state, compiled regions, allocator
+    # the warm-up makes the optimizer state, grows the allocator and compiles the regions for every shape the
+    # measured step uses (compiling while the allocator history is recorded failed on torch 2.11: a SystemError
+    # from the compiled loss inside a recomputed chunk), so by default it is a whole step at the full length
+    w = warmup_tokens or x.shape[1]
+    _step(t, x[:, :w], y[:, :w], None)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     baseline = torch.cuda.memory_allocated()
@@ -189,12 +193,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 usage="minigpt-memory --out DIR [options] -- <trainer overrides>")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--warmup-tokens", type=int, default=4096, help="the warm-up step's tokens per sequence")
+    p.add_argument("--warmup-tokens", type=int, default=0,
+                   help="the warm-up step's tokens per sequence (0 = the full length; fewer only with compile=false)")
     p.add_argument("--cpp-stacks", action="store_true", help="also record C++ stacks (names the torch op; slower)")
     p.add_argument("--snapshot", action="store_true", help="also write the raw snapshot (memory_snapshot.pickle)")
     args = p.parse_args(own)
-    if args.warmup_tokens < 1:
-        p.error(f"--warmup-tokens={args.warmup_tokens}: must be >= 1")
+    if args.warmup_tokens < 0:
+        p.error(f"--warmup-tokens={args.warmup_tokens}: must be >= 0")
 
     import torch
 
