@@ -32,8 +32,19 @@ def test_replay_counts_frees_of_memory_from_before_the_recording():
 
 
 def test_describe_names_our_frame_and_the_torch_op():
-    assert describe([CPP, TORCH, OURS, MODEL]) == ("levers.py:118 backward", "SliceBackward0")
-    assert describe([TORCH]) == ("(outside minigpt: torch internals)", "")
+    assert describe(ev("alloc", 1, 1, CPP, TORCH, OURS, MODEL)) == ("levers.py:118 backward", "SliceBackward0")
+    assert describe(ev("alloc", 1, 1, TORCH)) == ("(outside minigpt: torch internals)", "")
+    labelled = {**ev("alloc", 1, 1, TORCH), "user_metadata": "mm @ model.py:60 forward"}
+    assert describe(labelled) == ("model.py:60 forward", "mm")
+
+
+def test_our_frame_finds_the_innermost_minigpt_caller():
+    from minigpt.experiments.memory_profile import our_frame
+    from minigpt.levers import chunked
+
+    seen = []
+    chunked(lambda x: seen.append(our_frame()) or x, __import__("torch").zeros(1, 4, 2), 0)
+    assert seen[0].startswith("levers.py:") and seen[0].endswith(" chunked")
 
 
 def test_group_live_sums_by_place_and_size_per_token():

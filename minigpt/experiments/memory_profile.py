@@ -10,8 +10,8 @@ optimizer state exists, the allocator has grown and the regions are compiled), t
 step at the full length in three phases (forward + loss, backward, optimizer), with the CUDA caching
 allocator's history recorded (`torch.cuda.memory._record_memory_history`). Replaying that history gives the
 moment of the step's peak and every allocation alive then; they are grouped by where they were made (the
-innermost frame in minigpt/ or the kernel package, and the torch op when C++ stacks are recorded) and by their
-size per token, so "3.0 KB/token made in levers.py backward" reads as one fp32 768-wide tensor per token.
+op that made it and the innermost frame in minigpt/ or the kernel package calling it, attached to each
+allocation by a dispatch mode) and by their size per token, so "3.0 KB/token made in levers.py backward" reads as one fp32 768-wide tensor per token.
 
 Writes memory_profile.json and memory_profile.md to --out (and with --snapshot the raw allocator snapshot,
 for https://pytorch.org/memory_viz). The replay (`replay_peak`, `group_live`) is plain Python over the
@@ -21,6 +21,7 @@ Exit codes: 0 done, 1 no GPU or a failure, 2 bad arguments or settings, 3 out of
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pickle
 import re
@@ -71,10 +72,15 @@ def replay_peak(events: Sequence[dict[str, Any]], baseline: int) -> tuple[int, l
     return peak, list(live.values()), old
 
 
-def describe(frames: Iterable[dict[str, Any]]) -> tuple[str, str]:
-    """(where in our code, torch op) of an allocation's stack, innermost frame first; '' when not found."""
+def describe(entry: dict[str, Any]) -> tuple[str, str]:
+    """(where in our code, torch op) of one allocation: from the label OpLabels attached ('op @ where'), else
+    from its recorded stack (innermost frame first); '' when not found."""
+    label = entry.get("user_metadata") or ""
+    if " @ " in label:
+        op, _, where = label.partition(" @ ")
+        return where, op
     where, op = "", ""
-    for f in frames:
+    for f in entry.get("frames", []):
         name, filename = f.get("name", ""), f.get("filename", "")
         if not op and (m := CPP_OP.search(name)):
             op = next(g for g in m.groups() if g)
@@ -89,7 +95,7 @@ def group_live(live: Sequence[dict[str, Any]], tokens: int) -> list[dict[str, An
     """The live allocations grouped by (where, op, KB per token), largest total first."""
     groups: dict[tuple[str, str, float], list[int]] = defaultdict(list)
     for e in live:
-        where, op = describe(e.get("frames", []))
+        where, op = describe(e)
         groups[(where, op, round(e["size"] / tokens / 1024, 2))].append(e["size"])
     rows = [{"where": w, "op": op, "kb_per_token_each": kb, "count": len(sizes), "gib": sum(sizes) / GIB,
              "kb_per_token": sum(sizes) / tokens / 1024} for (w, op, kb), sizes in groups.items()]
@@ -120,6 +126,36 @@ def report_table(result: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # the measurement (CUDA)
 # ---------------------------------------------------------------------------------------------------------------
+def our_frame() -> str:
+    """'file:line function' of the innermost caller in minigpt/ or the kernel package (this file excluded)."""
+    f = sys._getframe(1)
+    while f is not None:
+        name = f.f_code.co_filename
+        if any(root in name for root in OUR_CODE) and not name.endswith("memory_profile.py"):
+            return f"{Path(name).name}:{f.f_lineno} {f.f_code.co_name}"
+        f = f.f_back
+    return "(autograd engine)"
+
+
+def op_labels() -> Any:
+    """A TorchDispatchMode that labels each allocation with the op making it and our code calling it ('op @
+    where', the allocator's per-allocation metadata). Used instead of recorded Python stacks: capturing those
+    inside torch.utils.checkpoint's recompute failed on torch 2.11 (SystemError from the op being recorded)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpLabels(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            previous = torch.cuda.memory._get_memory_metadata()
+            torch.cuda.memory._set_memory_metadata(f"{func.overloadpacket.__name__} @ {our_frame()}")
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                torch.cuda.memory._set_memory_metadata(previous)
+
+    return OpLabels()
+
+
 def _step(t: Any, x: Any, y: Any, phases: list[dict[str, Any]] | None) -> None:
     """One training step on (x, y) as train_step takes it; with `phases`, each phase's peak and time appended."""
     import torch
@@ -167,11 +203,14 @@ def profile(overrides: list[str], warmup_tokens: int, cpp_stacks: bool, snapshot
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     baseline = torch.cuda.memory_allocated()
-    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="all" if cpp_stacks else "python")
+    labels = not cpp_stacks and hasattr(torch.cuda.memory, "_set_memory_metadata")
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, context="all" if cpp_stacks else None,
+                                             stacks="all")
     phases: list[dict[str, Any]] = []
     step_peak = 0.0
     try:
-        _step(t, x, y, phases)
+        with op_labels() if labels else contextlib.nullcontext():
+            _step(t, x, y, phases)
         step_peak = max(p["peak_gib"] for p in phases)
         snap = torch.cuda.memory._snapshot()
     finally:
@@ -195,7 +234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--warmup-tokens", type=int, default=0,
                    help="the warm-up step's tokens per sequence (0 = the full length; fewer only with compile=false)")
-    p.add_argument("--cpp-stacks", action="store_true", help="also record C++ stacks (names the torch op; slower)")
+    p.add_argument("--cpp-stacks", action="store_true",
+                   help="record Python and C++ stacks instead of labelling allocations by op (failed on torch 2.11 "
+                        "inside recomputed chunks)")
     p.add_argument("--snapshot", action="store_true", help="also write the raw snapshot (memory_snapshot.pickle)")
     args = p.parse_args(own)
     if args.warmup_tokens < 0:
