@@ -3,9 +3,10 @@
 The model (minigpt/model.py) calls three things from here; each is off by default (ModelConfig) and, when off,
 costs nothing:
 
-- `chunked(fn, x, chunk)` (model.mlp_chunk): a token-local function over `chunk` tokens at a time, each chunk
-  recomputed in the backward, so its wide activations exist for one chunk only (the 4·C-wide MLP hidden).
-- `chunked_sum(fn, h, targets, chunk)` (model.loss_chunk): the same for the LM head + loss, whose N×vocab
+- `chunked(fn, x, chunk, params)` (model.mlp_chunk): a token-local function over `chunk` tokens at a time, each
+  chunk recomputed in the backward, so its wide activations exist for one chunk only (the 4·C-wide MLP hidden);
+  the input's gradient is written chunk by chunk into one buffer.
+- `chunked_sum(fn, h, targets, chunk, params)` (model.loss_chunk): the same for the LM head + loss, whose N×vocab
   logits then never exist at once.
 - `BlockRecompute` (model.recompute_every, recompute_dtype, offload, keep_attention): a block keeps only its
   input (optionally in bf16, optionally in pinned CPU memory) and is recomputed in the backward; with
@@ -16,39 +17,90 @@ costs nothing:
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn as nn
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from minigpt.attention import AttentionBackend
 from minigpt.config import ModelConfig
 
 
-def recomputed(fn: Callable[..., Tensor], *args: Tensor) -> Tensor:
-    """fn(*args), keeping none of its activations for the backward (recomputed there); plain fn under no_grad."""
-    if torch.is_grad_enabled():
-        return checkpoint(fn, *args, use_reentrant=False)
-    return fn(*args)
+class _Chunked(torch.autograd.Function):
+    """fn over sequence chunks of x, keeping only x; the backward recomputes one chunk at a time.
+
+    Gradients are written chunk by chunk into one buffer for x and one per parameter, and returned: so a
+    parameter gets one gradient per step from this node (DDP's hooks fire once, as without chunking), and no
+    full-size zero gradient is made per chunk, as slicing's backward does under torch.utils.checkpoint (for a
+    768-wide fp32 x that was 3 KB per token, once per chunk). `total=True` sums fn's (scalar) chunk results.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, fn: Callable[..., Tensor], chunk: int, total: bool, extra: Tensor | None,
+                *params: Tensor) -> Tensor:
+        ctx.fn, ctx.chunk, ctx.total = fn, chunk, total
+        ctx.autocast = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
+        ctx.save_for_backward(x, extra, *params)
+        out = None
+        with torch.no_grad():
+            for s in range(0, x.shape[1], chunk):
+                y = fn(*_chunk_args(x, extra, s, chunk))
+                if total:
+                    out = y.float() if out is None else out + y
+                    continue
+                if out is None:  # the output's dtype and width are the first chunk's
+                    out = y.new_empty((x.shape[0], x.shape[1], *y.shape[2:]))
+                out[:, s : s + chunk] = y
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        x, extra, *params = ctx.saved_tensors
+        trainable = [p for p in params if p.requires_grad]
+        dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        dparams: list[Tensor | None] = [None] * len(trainable)
+        enabled, dtype = ctx.autocast
+        for s in range(0, x.shape[1], ctx.chunk):
+            xc, *rest = _chunk_args(x.detach(), extra, s, ctx.chunk)
+            xc.requires_grad_(dx is not None)
+            with torch.enable_grad(), torch.autocast(x.device.type, dtype=dtype, enabled=enabled):
+                y = ctx.fn(xc, *rest)
+            wrt = ([xc] if dx is not None else []) + trainable
+            grads = torch.autograd.grad(y, wrt, grad_out if ctx.total else grad_out[:, s : s + ctx.chunk],
+                                        allow_unused=True)
+            if dx is not None:
+                dx[:, s : s + ctx.chunk] = grads[0]
+                grads = grads[1:]
+            for i, g in enumerate(grads):
+                if g is not None:
+                    dparams[i] = g if dparams[i] is None else dparams[i].add_(g)
+        found = iter(dparams)
+        return (dx, None, None, None, None, *(next(found) if p.requires_grad else None for p in params))
 
 
-def chunked(fn: Callable[[Tensor], Tensor], x: Tensor, chunk: int) -> Tensor:
-    """fn over x (B, N, C) in sequence chunks of `chunk` tokens, each recomputed in the backward; 0 = one piece."""
+def _chunk_args(x: Tensor, extra: Tensor | None, s: int, chunk: int) -> tuple[Tensor, ...]:
+    return (x[:, s : s + chunk],) if extra is None else (x[:, s : s + chunk], extra[:, s : s + chunk])
+
+
+def chunked(fn: Callable[[Tensor], Tensor], x: Tensor, chunk: int, params: Iterable[Tensor]) -> Tensor:
+    """fn over x (B, N, C) in sequence chunks of `chunk` tokens, each recomputed in the backward; 0 = one piece.
+    `params` are the parameters fn uses (their gradients are computed per chunk and summed)."""
     if not chunk or chunk >= x.shape[1]:
         return fn(x)
-    return torch.cat([recomputed(fn, x[:, s : s + chunk]) for s in range(0, x.shape[1], chunk)], dim=1)
+    if not torch.is_grad_enabled():
+        return torch.cat([fn(x[:, s : s + chunk]) for s in range(0, x.shape[1], chunk)], dim=1)
+    return _Chunked.apply(x, fn, chunk, False, None, *params)
 
 
-def chunked_sum(fn: Callable[[Tensor, Tensor], Tensor], h: Tensor, targets: Tensor, chunk: int) -> Tensor:
+def chunked_sum(fn: Callable[[Tensor, Tensor], Tensor], h: Tensor, targets: Tensor, chunk: int,
+                params: Iterable[Tensor]) -> Tensor:
     """sum of fn(h, targets) over sequence chunks, each recomputed in the backward; 0 = one piece."""
     if not chunk or chunk >= h.shape[1]:
         return fn(h, targets)
-    total = h.new_zeros((), dtype=torch.float32)
-    for s in range(0, h.shape[1], chunk):
-        total = total + recomputed(fn, h[:, s : s + chunk], targets[:, s : s + chunk])
-    return total
+    if not torch.is_grad_enabled():
+        return sum(fn(h[:, s : s + chunk], targets[:, s : s + chunk]).float() for s in range(0, h.shape[1], chunk))
+    return _Chunked.apply(h, fn, chunk, True, targets, *params)
 
 
 def to_host(t: Tensor) -> Tensor:
@@ -108,6 +160,10 @@ class _RecomputeFunction(torch.autograd.Function):
         enabled, dtype = ctx.autocast
         with torch.enable_grad(), torch.autocast(ctx.device.type, dtype=dtype, enabled=enabled):
             out = ctx.block(x, cos, sin, attend=ctx.attend)
+        # the backward needs out's graph, not its values (its last op, the residual add, saves nothing):
+        # free them now rather than after the block's backward (3 KB per token for an fp32 768-wide stream)
+        if out._base is None and type(out.grad_fn).__name__ == "AddBackward0":
+            out.untyped_storage().resize_(0)
         torch.autograd.backward(out, grad_out)
         return x.grad, None, None, None, None, None, None
 

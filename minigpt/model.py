@@ -98,7 +98,11 @@ class Block(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: AttentionFn | None = None) -> Tensor:
         x = x + self.attn(self.ln_1(x), cos, sin, attend)
         # token-local, so it can run a chunk of tokens at a time (model.mlp_chunk; one piece when 0)
-        return x + chunked(self.norm_mlp, x, self.mlp_chunk)
+        return x + chunked(self.norm_mlp, x, self.mlp_chunk, self.mlp_params)
+
+    @property
+    def mlp_params(self) -> list[nn.Parameter]:
+        return [*self.ln_2.parameters(), *self.mlp.parameters()]
 
     def norm_mlp(self, x: Tensor) -> Tensor:
         return self.mlp(self.ln_2(x))
@@ -148,8 +152,13 @@ class GPT(nn.Module):
 
     def loss(self, h: Tensor, targets: Tensor) -> Tensor:
         """Mean cross-entropy of the LM head on residual states h (B, N, C) against targets (B, N)."""
-        # with model.loss_chunk, each chunk's logits are made, reduced and dropped (recomputed in the backward)
-        return chunked_sum(self.loss_sum, h, targets, self.cfg.loss_chunk) / targets.numel()
+        return self.summed_loss(h, targets) / targets.numel()
+
+    def summed_loss(self, h: Tensor, targets: Tensor) -> Tensor:
+        """Summed cross-entropy, model.loss_chunk tokens at a time (the chunks' logits are made, reduced and
+        dropped, and remade in the backward)."""
+        head_params = [*self.ln_f.parameters(), self.lm_head.weight]
+        return chunked_sum(self.loss_sum, h, targets, self.cfg.loss_chunk, head_params)
 
     def loss_sum(self, h: Tensor, targets: Tensor) -> Tensor:
         """Summed cross-entropy, logits in fp32."""

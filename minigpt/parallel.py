@@ -33,7 +33,6 @@ from torch import Tensor
 
 from minigpt.attention import AttentionBackend
 from minigpt.config import ConfigError
-from minigpt.levers import chunked_sum
 from minigpt.ring_attention import RingFlashAttention, padded_len, zigzag_positions, zigzag_shard
 
 IGNORE = -100  # target of a padding token: F.cross_entropy's default ignore_index
@@ -277,7 +276,7 @@ class Parallel:
 
 def loss_sum(model: nn.Module, h: Tensor, y: Tensor) -> Tensor:
     """The summed cross-entropy of h against y (padding targets ignored), model.loss_chunk tokens at a time."""
-    return chunked_sum(model.loss_sum, h, y, model.cfg.loss_chunk)
+    return model.summed_loss(h, y)
 
 
 class ShardedLoss(nn.Module):

@@ -3,14 +3,16 @@
 # length, each resuming the previous stage's checkpoint on one cosine schedule; then the depth x length grid of
 # the 8K and the 32K checkpoints, and the training curve. A stage that finished is skipped, an interrupted one
 # continues (resume=auto), so the script can be run again after a stop.
-#   bash scripts/passkey_recipe.sh            # RUNS=runs/passkey RESULTS=results/passkey by default
+#   bash scripts/passkey_recipe.sh            # RUNS=runs/passkey RESULTS=results/passkey STAGES="512 2k 8k 32k"
 set -uo pipefail
-RUNS=${RUNS:-runs/passkey}; RESULTS=${RESULTS:-results/passkey}; mkdir -p "$RUNS" "$RESULTS"
+RUNS=${RUNS:-runs/passkey}; RESULTS=${RESULTS:-results/passkey}; STAGES=${STAGES:-"512 2k 8k 32k"}
+mkdir -p "$RUNS" "$RESULTS"
 A="model=small-6l attention=flash lr=1e-3 min_lr=1e-4 warmup_steps=100 lr_decay_steps=4000 eval_every=250 passkey_grid=4"
 prev=""
 #        name  seq_len batch max_steps
 for stage in "512 512 128 1500" "2k 2048 32 2500" "8k 8192 16 4000" "32k 32768 4 4500"; do
   set -- $stage
+  [[ " $STAGES " == *" $1 "* ]] || continue
   dir=$RUNS/$1
   if grep -qs '"status": "ok"' "$dir/summary.json"; then echo "stage $1: done before"; prev=$dir; continue; fi
   if [ -d "$dir/checkpoints" ]; then from=auto; elif [ -n "$prev" ]; then from=$prev/checkpoints; else from=none; fi
@@ -20,7 +22,10 @@ for stage in "512 512 128 1500" "2k 2048 32 2500" "8k 8192 16 4000" "32k 32768 4
   [ "${PIPESTATUS[0]}" = 0 ] || { echo "stage $1 failed: see $RUNS/$1.log"; exit 1; }
   prev=$dir
 done
-python3 -m minigpt.experiments.curves "$RUNS"/{512,2k,8k,32k} --out "$RESULTS/passkey_curve" \
+python3 -m minigpt.experiments.curves $(for s in $STAGES; do echo "$RUNS/$s"; done) --out "$RESULTS/passkey_curve" \
   --metrics eval/passkey_acc eval/passkey_grid_acc eval/val_loss --title "small-6l passkey recipe (attention=flash)"
-minigpt-eval-passkey --checkpoint "$RUNS/8k" --lengths 2048 4096 8192 16384 32768 --out "$RESULTS/grid_8k" --wandb
-minigpt-eval-passkey --checkpoint "$RUNS/32k" --lengths 8192 16384 32768 65536 131072 --out "$RESULTS/grid_32k" --wandb
+[[ " $STAGES " == *" 8k "* ]] && minigpt-eval-passkey --checkpoint "$RUNS/8k" --lengths 2048 4096 8192 16384 32768 \
+  --out "$RESULTS/grid_8k" --wandb
+[[ " $STAGES " == *" 32k "* ]] && minigpt-eval-passkey --checkpoint "$RUNS/32k" \
+  --lengths 8192 16384 32768 65536 131072 --out "$RESULTS/grid_32k" --wandb
+exit 0

@@ -43,7 +43,7 @@ def test_our_frame_finds_the_innermost_minigpt_caller():
     from minigpt.levers import chunked
 
     seen = []
-    chunked(lambda x: seen.append(our_frame()) or x, __import__("torch").zeros(1, 4, 2), 0)
+    chunked(lambda x: seen.append(our_frame()) or x, __import__("torch").zeros(1, 4, 2), 0, [])
     assert seen[0].startswith("levers.py:") and seen[0].endswith(" chunked")
 
 

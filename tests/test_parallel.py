@@ -253,7 +253,7 @@ def test_cli_under_torchrun_writes_one_run_dir(tmp_path):
     assert len(runs) == 1, runs
     s = RunSummary.read(runs[0] / "summary.json")
     assert (s.status, s.steps, s.world_size, s.context_parallel) == ("ok", 2, 2, 2)
-    assert sorted(p.name for p in runs[0].iterdir()) == [".hydra", "checkpoints", "cli.log", "summary.json"]
+    assert sorted(p.name for p in runs[0].iterdir()) == [".hydra", "checkpoints", "cli.log", "metrics.jsonl", "summary.json"]
     assert done.stdout.count("done: 2 steps") == 1  # rank 0 alone prints
 
 

@@ -119,6 +119,32 @@ def test_memory_levers_give_the_same_loss_and_gradients(tiny_config, loss_chunk,
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("every", [0, 1])
+def test_chunking_gives_each_parameter_one_gradient_and_no_full_size_slice_gradients(tiny_config, every):
+    """DDP's hooks must fire once per parameter and step, so the chunks' parameter gradients are summed inside
+    the chunked node; and the input gradient is one buffer, not a full-size zero gradient per chunk."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    cfg = tiny_config("model.loss_chunk=16", "model.mlp_chunk=12", f"model.recompute_every={every}").model
+    model = GPT(cfg, 256, get_attention("sdpa"))
+    x, y = torch.randint(0, 256, (2, 50)), torch.randint(0, 256, (2, 50))
+    calls = {name: 0 for name, _ in model.named_parameters()}
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _, name=name: calls.__setitem__(name, calls[name] + 1))
+
+    class Ops(TorchDispatchMode):
+        seen: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:
+        model(x, y).backward()
+    assert set(calls.values()) == {1}, calls
+    assert "slice_backward" not in ops.seen
+
+
 def test_bf16_checkpoints_round_the_stored_input_only(tiny_config):
     """bfloat16 block checkpoints: close to the fp32 model, and the gradient is exact for the rounded forward."""
     cfg = tiny_config().model
