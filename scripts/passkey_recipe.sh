@@ -7,7 +7,7 @@
 set -uo pipefail
 RUNS=${RUNS:-runs/passkey}; RESULTS=${RESULTS:-results/passkey}; STAGES=${STAGES:-"512 2k 8k 32k"}
 mkdir -p "$RUNS" "$RESULTS"
-A="model=small-6l attention=flash lr=1e-3 min_lr=1e-4 warmup_steps=100 lr_decay_steps=4000 eval_every=250 passkey_grid=4"
+A="+recipe=passkey"   # configs/recipe/passkey.yaml: small-6l, attention=flash, lr and schedule, passkey grid
 prev=""
 #        name  seq_len batch max_steps
 for stage in "512 512 128 1500" "2k 2048 32 2500" "8k 8192 16 4000" "32k 32768 4 4500"; do

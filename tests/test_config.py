@@ -24,6 +24,14 @@ def test_every_group_option_composes(group, option):
     assert getattr(cfg, group).name == option
 
 
+def test_the_passkey_recipe_preset_sets_its_keys_and_the_command_line_wins():
+    cfg = compose(["+recipe=passkey", "seq_len=2048", "batch_size=32"])  # flash: the interpreter on CPU (conftest)
+    assert (cfg.model.name, cfg.attention.name, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.lr_decay_steps,
+            cfg.eval_every, cfg.passkey_grid, cfg.seq_len) == ("small-6l", "flash", 1e-3, 1e-4, 100, 4000, 250, 4, 2048)
+    assert compose(["+recipe=passkey", "lr=3e-4", "attention=sdpa"]).lr == 3e-4
+    assert compose(["+recipe=passkey", "attention=sdpa"]).attention.name == "sdpa"
+
+
 @pytest.mark.parametrize("override,expected", [
     ("seq_len=-5", "seq_len=-5"),
     ("attention=bogus", "attention=bogus"),
