@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (../shared/GPU.md): GPU tests, kernel benchmark, training runs, a 1M-token step.
-#   source scripts/gpu_env.sh; bash scripts/gpu_checks.sh tests|explore|tiles|bench|train|long ...
+#   source scripts/gpu_env.sh; bash scripts/gpu_checks.sh tests|explore|tiles|bench|train|long|memory|scaling ...
 # Logs and results go under $OUT (default ./gpu_out); the last lines printed are a short table.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -17,6 +17,21 @@ for step in "$@"; do
       minigpt-sweep --variants flash+levers+offload+keepattn --default-start 1048576 \
         --max-seq-len 1048576 --steps 1 --out "${LONG_OUT:-results/sweeps/long}" > "$OUT/long.log" 2>&1
       tail -6 "$OUT/long.log" ;;
+    memory)  # where a step's memory goes at 256K (eager), then the README's 1M recipe for real (2 steps, compiled)
+      L="attention=flash batch_size=1 model.recompute_every=1 model.recompute_dtype=bfloat16 model.mlp_chunk=65536 model.offload=true model.keep_attention=true"
+      minigpt-memory --out "$OUT/memory_256k" -- $L seq_len=262144 compile=false model.loss_chunk=4096 > "$OUT/memory_256k.log" 2>&1
+      minigpt-train $L seq_len=${LONG_SEQ:-1048576} model.loss_chunk=16384 max_steps=2 eval_batches=0 logger=none \
+        save_checkpoints=false hydra.run.dir=runs/gpu_long_${LONG_SEQ:-1048576} > "$OUT/long.log" 2>&1; echo "long exit $?"
+      grep -A12 "At the step" "$OUT/memory_256k/memory_profile.md"
+      python3 -m minigpt.experiments.training_table runs/gpu_long_* | tee "$OUT/long.md" ;;
+    scaling) # one sequence over 1, 2, 4 GPUs (context parallel) with every lever: "GPUS seq_len" pairs, 2 steps each
+      L="attention=flash batch_size=1 model.recompute_every=1 model.recompute_dtype=bfloat16 model.loss_chunk=16384 model.mlp_chunk=65536 model.offload=true model.keep_attention=true"
+      for spec in ${SCALING:-"1:1048576 2:1048576 4:1048576 4:2097152"}; do
+        n=${spec%%:*}; len=${spec##*:}; dir=runs/gpu_scale_n${n}_$len
+        torchrun --standalone --nproc_per_node=$n -m minigpt $L parallel.context=$n seq_len=$len max_steps=2 eval_batches=0 \
+          logger=none save_checkpoints=false hydra.run.dir=$dir > "$OUT/scale_n${n}_$len.log" 2>&1; echo "scale $n GPUs $len exit $?"
+      done
+      python3 -m minigpt.experiments.training_table runs/gpu_scale_* | tee "$OUT/scaling.md" ;;
     bench)   minigpt-bench --out results 2>&1 | tee "$OUT/bench.log" | tail -16; cp results/attention_* "$OUT/" ;;
     train)   # flash next to sdpa, eager and compiled, back to back in one job: "attention seq_len batch compile steps"
       SPECS=${TRAIN_SPECS:-"sdpa 8192 4 false 20;flash 8192 4 false 20;sdpa 8192 4 true 20;flash 8192 4 true 20;sdpa 32768 1 false 20;flash 32768 1 false 20;sdpa 32768 1 true 20;flash 32768 1 true 20;sdpa 131072 1 false 8;flash 131072 1 false 8;sdpa 131072 1 true 8;flash 131072 1 true 8"}

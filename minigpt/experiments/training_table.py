@@ -14,21 +14,22 @@ from minigpt.summary import SUMMARY_FILE, RunSummary
 def training_table(summaries: list[RunSummary]) -> str:
     """One row per run (setting, attention); tokens/s, step time, MFU, memory, and flash / sdpa at that setting."""
     def setting(s: RunSummary) -> tuple:
-        return s.seq_len, s.batch_size, s.compile, tuple(sorted(s.levers.items()))
+        return s.seq_len, s.batch_size, s.world_size, s.context_parallel, s.compile, tuple(sorted(s.levers.items()))
 
     tokens = {(setting(s), s.attention): s.tokens_per_s for s in summaries}
     rows = []
     for s in sorted(summaries, key=lambda s: (setting(s), s.attention)):
         sdpa, flash = tokens.get((setting(s), "sdpa")), tokens.get((setting(s), "flash"))
         ratio = f"{flash / sdpa:.3f}" if s.attention == "flash" and flash and sdpa else None
-        rows.append([s.attention, f"{s.seq_len:,}", s.batch_size, "on" if s.compile else "off", s.status,
+        gpus = f"{s.world_size} (cp {s.context_parallel})" if s.world_size > 1 else "1"
+        rows.append([s.attention, f"{s.seq_len:,}", s.batch_size, gpus, "on" if s.compile else "off", s.status,
                      None if s.tokens_per_s is None else f"{s.tokens_per_s:,.0f}",
                      None if s.step_time_s is None else f"{s.step_time_s:.3f} s",
                      None if s.mfu is None else f"{100 * s.mfu:.1f}%", f"{s.peak_allocated_gib:.1f} GiB",
                      None if s.compile_time_s is None else f"{s.compile_time_s:.0f} s", ratio])
     first = summaries[0] if summaries else None
     head = (f"{first.device}, torch {first.torch}, triton {first.triton}, commit {first.commit}\n\n" if first else "")
-    return head + markdown_table(["attention", "seq_len", "batch", "compile", "status", "tokens/s", "step time", "MFU",
+    return head + markdown_table(["attention", "seq_len", "batch", "GPUs", "compile", "status", "tokens/s", "step time", "MFU",
                                   "peak allocated", "compile time", "flash/sdpa"], rows)
 
 
