@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from minigpt.config import ConfigError, LoggerConfig
+from minigpt.files import WriteError, os_error_reason
 
 
 class Logger(Protocol):
@@ -45,13 +46,21 @@ class MetricsHistory:
     def __init__(self, inner: Logger, run_dir: str | Path):
         self.inner, self.location = inner, inner.location
         self.path = Path(run_dir) / self.FILE
+        self.failed = False  # after a failed write (disk full) the file is left alone; the run stops with one line
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
+        self.inner.log(metrics, step=step)
+        if self.failed:
+            return
         row = {"step": step, **{k: (v if not isinstance(v, float) or math.isfinite(v) else None)
                                 for k, v in metrics.items()}}
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        self.inner.log(metrics, step=step)
+        try:
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        except OSError as e:
+            self.failed = True
+            raise WriteError(f"cannot write {self.path}: {os_error_reason(e)}; free space (or move that path aside), "
+                             f"then continue with resume=auto") from e
 
     def finish(self, summary: dict[str, Any], exit_code: int) -> None:
         self.inner.finish(summary, exit_code)

@@ -38,3 +38,13 @@ def test_curves_of_two_stages(tiny_config, tmp_path):
     assert [line.split("|")[3].strip() for line in table.splitlines()[2:]] == ["1", "2", "3", "4"]
     assert "| stage2 | 256 | 3 |" in table
     assert curves_main([str(tmp_path / "nothing"), "--out", str(out)]) == 1
+
+
+def test_a_metrics_file_that_cannot_be_written_stops_the_run_with_one_line(tiny_config, capsys):
+    cfg = tiny_config("max_steps=3")
+    (Path(cfg.run_dir) / "metrics.jsonl").mkdir(parents=True)  # appending to it fails like a full disk would
+    assert run(cfg) == 1
+    err = capsys.readouterr().err
+    assert "cannot write" in err and "metrics.jsonl" in err and "Traceback" not in err
+    summary = json.loads((Path(cfg.run_dir) / "summary.json").read_text())
+    assert summary["status"] == "error" and summary["steps"] == 1 and "metrics.jsonl" in summary["error"]

@@ -140,7 +140,8 @@ def our_frame() -> str:
 def op_labels() -> Any:
     """A TorchDispatchMode that labels each allocation with the op making it and our code calling it ('op @
     where', the allocator's per-allocation metadata). Used instead of recorded Python stacks: capturing those
-    inside torch.utils.checkpoint's recompute failed on torch 2.11 (SystemError from the op being recorded)."""
+    inside torch.utils.checkpoint's recompute failed on torch 2.11 (SystemError from the op being recorded; the
+    chunked levers used it until 93f305c)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 

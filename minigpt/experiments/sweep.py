@@ -162,24 +162,21 @@ def run_sweep(cfg: SweepConfig, runner: TrialRunner | None = None, log: Callable
 # ------------------------------------------------------------------------------------------------
 # Command line: every argument is checked here, so a bad one ends with usage, one line and exit code 2
 # ------------------------------------------------------------------------------------------------
-def positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {n}")
-    return n
+def _positive(parse: Callable[[str], float], what: str) -> Callable[[str], float]:
+    """An argparse type: `parse` the text and require a value > 0."""
+    def check(text: str) -> float:
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {what}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    return check
 
 
-def positive_float(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return x
+positive_int = _positive(int, "whole number")
+positive_float = _positive(float, "number")
 
 
 def variant_arg(text: str) -> str:
