@@ -131,41 +131,164 @@ class KeptAttention:
         return self.backend.attend_saved(q, k, v, o, lse, causal=causal)
 
 
+def _spans(n: int, chunk: int) -> list[tuple[int, int]]:
+    """[start, end) token ranges of `chunk` tokens (one range when chunk is 0)."""
+    step = chunk or n
+    return [(s, min(s + step, n)) for s in range(0, n, step)]
+
+
 class _RecomputeFunction(torch.autograd.Function):
     """Run `block` keeping only its input (in `store_dtype`, on the GPU or in pinned CPU memory); recompute it in
-    the backward.
+    the backward, piece by piece, so that the block's backward holds little more than attention's own tensors.
 
-    The forward runs on the stored (possibly rounded) input too, so the recomputed block is exactly the one
-    that ran and the gradients are exact for it. Like torch.utils.checkpoint's reentrant mode, the backward
-    re-runs the block with autograd on and backpropagates through it, which also accumulates the block's
-    parameter gradients (so, as there, use loss.backward(), not torch.autograd.grad).
+    Autograd over the whole recomputed block would keep, next to attention's q, k, v, o and their gradients, the
+    fp32 block input, its LayerNorm, the fp32 stream after attention, and one more fp32 gradient for every
+    residual add (≈ 22 KB per token for gpt2-small). Here the block runs as its pieces (`_BlockPieces`), and
+    the backward walks them in the order that frees memory soonest, each token-local piece `chunk` tokens at a
+    time (model.mlp_chunk):
+
+    1. q, k, v of the stored input, without autograd; attention on them with autograd (with kept attention its
+       forward is not run again).
+    2. Per chunk, backward of out = x1 + mlp(ln_2(x1)), x1 = x + c_proj(o): the gradient of the block's input
+       along the residual (written into the incoming gradient's buffer, which is ours) and of o (dO).
+    3. Attention's backward: dq, dk, dv; then q, k, v, o and dO are dropped.
+    4. Per chunk, backward of q, k, v = heads(ln_1(x)), added into the input's gradient.
+
+    The forward runs the same pieces on the same chunks of the stored (possibly rounded) input, so the
+    recomputed block is exactly the one that ran and its gradients are exact. The parameters' gradients are
+    summed over the chunks and returned (one gradient per parameter and step, as DDP's hooks expect).
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, block: nn.Module, store_dtype: torch.dtype, offload: bool,
-                attend: KeptAttention | None) -> Tensor:
+                attend: KeptAttention | None, chunk: int, *params: Tensor) -> Tensor:
         stored = x.detach().to(store_dtype)
-        ctx.stored = to_host(stored) if offload else stored
-        ctx.block, ctx.attend, ctx.dtype, ctx.device = block, attend, x.dtype, x.device
-        ctx.save_for_backward(cos, sin)
-        ctx.autocast = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
+        pieces = _BlockPieces(block, cos, sin, chunk, x.dtype, x.device, attend)
         with torch.no_grad():
-            return block(stored.to(x.dtype), cos, sin, attend=attend)
+            q, k, v = pieces.heads(stored)
+            out = pieces.mlp_out(stored, pieces.attend(q, k, v))
+        ctx.stored = to_host(stored) if offload else stored
+        ctx.pieces, ctx.params = pieces, params
+        ctx.autocast = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        cos, sin = ctx.saved_tensors
-        x = ctx.stored.to(ctx.device, non_blocking=True).to(ctx.dtype).requires_grad_()
-        ctx.stored = None
+        pieces, stored, params = ctx.pieces, ctx.stored, ctx.params
+        ctx.stored = ctx.pieces = None
+        grads: dict[int, Tensor] = {}
         enabled, dtype = ctx.autocast
-        with torch.enable_grad(), torch.autocast(ctx.device.type, dtype=dtype, enabled=enabled):
-            out = ctx.block(x, cos, sin, attend=ctx.attend)
-        # the backward needs out's graph, not its values (its last op, the residual add, saves nothing):
-        # free them now rather than after the block's backward (3 KB per token for an fp32 768-wide stream)
-        if out._base is None and type(out.grad_fn).__name__ == "AddBackward0":
-            out.untyped_storage().resize_(0)
-        torch.autograd.backward(out, grad_out)
-        return x.grad, None, None, None, None, None, None
+        with torch.autocast(pieces.device.type, dtype=dtype, enabled=enabled):
+            with torch.no_grad():
+                q, k, v = pieces.heads(stored)
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            with torch.enable_grad():
+                o = pieces.attend(q, k, v)  # (B, H, N, D) with autograd back to the q, k, v leaves
+            g = _own(grad_out)  # the gradient of the block's output, then of its input: one buffer throughout
+            do = pieces.mlp_backward(stored, o.detach(), g, grads)
+            dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
+            del q, k, v, o, do
+            pieces.heads_backward(stored, (dq, dk, dv), g, grads)
+        return (g, None, None, None, None, None, None, None,
+                *(grads.get(id(p)) if p.requires_grad else None for p in params))
+
+
+class _BlockPieces:
+    """A transformer block (minigpt/model.py's Block) as the pieces the recompute runs: q, k, v of the block's
+    input, attention, and the rest (c_proj, residual, LayerNorm + MLP, residual), each token-local piece over
+    `chunk` tokens at a time. Inputs are the stored (B, N, C) block input and, for the rest, attention's output."""
+
+    def __init__(self, block: nn.Module, cos: Tensor, sin: Tensor, chunk: int, dtype: torch.dtype,
+                 device: torch.device, attend: KeptAttention | None):
+        self.block, self.cos, self.sin, self.chunk = block, cos, sin, chunk
+        self.dtype, self.device, self.attend_fn = dtype, device, attend or block.attn.attend
+
+    def x(self, stored: Tensor, s: int, e: int) -> Tensor:
+        """Tokens s:e of the block input in the compute dtype (from host memory when offloaded)."""
+        return stored[:, s:e].to(self.device, non_blocking=True).to(self.dtype).detach()
+
+    def _heads(self, x: Tensor, s: int, e: int) -> tuple[Tensor, Tensor, Tensor]:
+        return self.block.attn.heads(self.block.ln_1(x), self.cos[s:e], self.sin[s:e])
+
+    def heads(self, stored: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v (B, N, H, D) of the block input, chunk by chunk into three buffers (call without autograd)."""
+        qkv: list[Tensor] = []
+        for s, e in _spans(stored.shape[1], self.chunk):
+            parts = self._heads(self.x(stored, s, e), s, e)
+            if not qkv:
+                qkv = [p.new_empty((p.shape[0], stored.shape[1], *p.shape[2:])) for p in parts]
+            for buf, p in zip(qkv, parts):
+                buf[:, s:e] = p
+        return qkv[0], qkv[1], qkv[2]
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Attention over (B, N, H, D) q, k, v; the output is (B, H, N, D) as the backends return it."""
+        return self.attend_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+
+    def _rest(self, x: Tensor, o: Tensor) -> Tensor:
+        x1 = x + self.block.attn.c_proj(o)
+        return x1 + self.block.norm_mlp(x1)
+
+    @staticmethod
+    def _tokens(o: Tensor) -> Tensor:
+        """Attention's (B, H, N, D) output as (B, N, H·D) (a view: the backends lay it out token-major)."""
+        B, H, N, D = o.shape
+        return o.transpose(1, 2).reshape(B, N, H * D)
+
+    def mlp_out(self, stored: Tensor, o: Tensor) -> Tensor:
+        """The block's output, x1 + mlp(ln_2(x1)) with x1 = x + c_proj(o), chunk by chunk (without autograd)."""
+        o = self._tokens(o)
+        out = None
+        for s, e in _spans(stored.shape[1], self.chunk):
+            y = self._rest(self.x(stored, s, e), o[:, s:e])
+            if out is None:
+                out = y.new_empty((y.shape[0], stored.shape[1], *y.shape[2:]))
+            out[:, s:e] = y
+        return out
+
+    def mlp_backward(self, stored: Tensor, o: Tensor, g: Tensor, grads: dict[int, Tensor]) -> Tensor:
+        """Backpropagate g (the output's gradient) through the rest of the block, chunk by chunk: g becomes the
+        gradient along the residual, in place; returns dO in o's layout."""
+        shape = o.shape
+        o = self._tokens(o)
+        do = torch.empty_like(o)
+        params = [self.block.attn.c_proj.weight, *self.block.mlp_params]
+        for s, e in _spans(stored.shape[1], self.chunk):
+            x = self.x(stored, s, e).requires_grad_()
+            oc = o[:, s:e].detach().requires_grad_()
+            with torch.enable_grad():
+                y = self._rest(x, oc)
+            dx, doc, *dparams = torch.autograd.grad(y, (x, oc, *params), g[:, s:e])
+            g[:, s:e] = dx
+            do[:, s:e] = doc
+            _accumulate(grads, params, dparams)
+        B, H, N, D = shape
+        return do.view(B, N, H, D).transpose(1, 2)
+
+    def heads_backward(self, stored: Tensor, dqkv: tuple[Tensor, Tensor, Tensor], g: Tensor,
+                       grads: dict[int, Tensor]) -> None:
+        """Add the gradient through ln_1 and the q, k, v projection (dq, dk, dv as (B, N, H, D)) into g."""
+        params = [*self.block.ln_1.parameters(), self.block.attn.c_attn.weight]
+        for s, e in _spans(stored.shape[1], self.chunk):
+            x = self.x(stored, s, e).requires_grad_()
+            with torch.enable_grad():
+                qkv = self._heads(x, s, e)
+            dx, *dparams = torch.autograd.grad(qkv, (x, *params), tuple(d[:, s:e] for d in dqkv))
+            g[:, s:e] += dx
+            _accumulate(grads, params, dparams)
+
+
+def _own(grad: Tensor) -> Tensor:
+    """The incoming gradient as a buffer this backward may overwrite. Autograd hands a node its own gradient
+    buffer, except that an add passes one tensor to both its inputs; the model adds a block's output only to
+    what was computed from it (the next block's residual), whose backward has run by then. A broadcast or
+    strided gradient (e.g. from a sum) is copied."""
+    return grad if grad._base is None and grad.is_contiguous() else grad.contiguous().clone()
+
+
+def _accumulate(grads: dict[int, Tensor], params: list[Tensor], new: list[Tensor]) -> None:
+    for p, d in zip(params, new):
+        grads[id(p)] = d if id(p) not in grads else grads[id(p)].add_(d)
 
 
 class BlockRecompute:
@@ -175,6 +298,7 @@ class BlockRecompute:
     def __init__(self, cfg: ModelConfig, attention: AttentionBackend):
         self.every, self.offload, self.keep_attention = cfg.recompute_every, cfg.offload, cfg.keep_attention
         self.store_dtype = getattr(torch, cfg.recompute_dtype)
+        self.chunk = cfg.mlp_chunk  # the recompute runs a block's token-local pieces this many tokens at a time
         self.attention = attention
 
     def applies(self, index: int) -> bool:
@@ -183,4 +307,5 @@ class BlockRecompute:
 
     def __call__(self, block: nn.Module, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         attend = KeptAttention(self.attention, self.offload) if self.keep_attention else None
-        return _RecomputeFunction.apply(x, cos, sin, block, self.store_dtype, self.offload, attend)
+        return _RecomputeFunction.apply(x, cos, sin, block, self.store_dtype, self.offload, attend, self.chunk,
+                                        *block.parameters())
