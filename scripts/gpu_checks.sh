@@ -20,12 +20,12 @@ for step in "$@"; do
     memory)  # where a step's memory goes at 256K (eager), then the README's 1M recipe for real (2 steps, compiled)
       L="attention=flash batch_size=1 model.recompute_every=1 model.recompute_dtype=bfloat16 model.mlp_chunk=65536 model.offload=true model.keep_attention=true"
       minigpt-memory --out "$OUT/memory_256k" -- $L seq_len=262144 compile=false model.loss_chunk=4096 > "$OUT/memory_256k.log" 2>&1
-      minigpt-train $L seq_len=${LONG_SEQ:-1048576} model.loss_chunk=16384 max_steps=2 eval_batches=0 logger=none \
+      minigpt-train $L seq_len=${LONG_SEQ:-1048576} model.loss_chunk=4096 max_steps=2 eval_batches=0 logger=none \
         save_checkpoints=false hydra.run.dir=runs/gpu_long_${LONG_SEQ:-1048576} > "$OUT/long.log" 2>&1; echo "long exit $?"
       grep -A12 "At the step" "$OUT/memory_256k/memory_profile.md"
       python3 -m minigpt.experiments.training_table runs/gpu_long_* | tee "$OUT/long.md" ;;
     scaling) # one sequence over 1, 2, 4 GPUs (context parallel) with every lever: "GPUS seq_len" pairs, 2 steps each
-      L="attention=flash batch_size=1 model.recompute_every=1 model.recompute_dtype=bfloat16 model.loss_chunk=16384 model.mlp_chunk=65536 model.offload=true model.keep_attention=true"
+      L="attention=flash batch_size=1 model.recompute_every=1 model.recompute_dtype=bfloat16 model.loss_chunk=4096 model.mlp_chunk=65536 model.offload=true model.keep_attention=true"
       for spec in ${SCALING:-"1:1048576 2:1048576 4:1048576 4:2097152"}; do
         n=${spec%%:*}; len=${spec##*:}; dir=runs/gpu_scale_n${n}_$len
         torchrun --standalone --nproc_per_node=$n -m minigpt $L parallel.context=$n seq_len=$len max_steps=2 eval_batches=0 \

@@ -432,3 +432,17 @@ def test_real_cpu_sweep_from_another_directory(tmp_path):
 
     p = sweep_cli(*bad, cwd=tmp_path)
     assert p.returncode == 1 and [t["status"] for t in lines(out / "trials.jsonl")[2:]] == ["error", "error"]
+
+
+def test_probes_of_one_depth_each_into_one_out_derive_the_full_model(tmp_path):
+    """Two calls (e.g. on two GPUs at once), each probing one depth into the same --out: the second derives."""
+    def probe(layers):
+        cfg = SweepConfig(variants=["flash+levers"], out_dir=tmp_path / "p", search=False, logger="none",
+                          probe_seq_lens=[2_000_000], probe_layers=layers)
+        fake = FakeRunner(limit=10**9)
+        result = run_sweep(cfg, runner=fake, **QUIET)
+        return fake.calls, result.report.read_text()
+    calls, text = probe((1,))
+    assert calls == [2_000_000] and "**derived**" not in text
+    calls, text = probe((2,))
+    assert calls == [2_000_000] and "| 2,000,000 | 24.0 GiB |" in text and "**derived**" in text

@@ -1,7 +1,7 @@
 """Where one training step's GPU memory goes: the peak of each phase and the tensors alive at the step's peak.
 
     minigpt-memory --out results/memory/1m -- attention=flash seq_len=1048576 batch_size=1 \\
-        model.recompute_every=1 model.recompute_dtype=bfloat16 model.loss_chunk=16384 model.mlp_chunk=65536 \\
+        model.recompute_every=1 model.recompute_dtype=bfloat16 model.loss_chunk=4096 model.mlp_chunk=65536 \\
         model.offload=true model.keep_attention=true
     (= python -m minigpt.experiments.memory_profile ...; everything after `--` is a trainer override)
 

@@ -23,7 +23,7 @@ PROBE_MARK = "@L"
 LEVERS: dict[str, list[str]] = {
     "ckpt": ["model.recompute_every=1"],
     "bf16ckpt": ["model.recompute_every=1", "model.recompute_dtype=bfloat16"],
-    "losschunk": ["model.loss_chunk=16384"],
+    "losschunk": ["model.loss_chunk=4096"],
     "mlpchunk": ["model.mlp_chunk=65536"],
     "offload": ["model.recompute_every=1", "model.offload=true"],
     "keepattn": ["model.recompute_every=1", "model.keep_attention=true"],

@@ -64,7 +64,7 @@ class SweepConfig:
     logger: str = "wandb"
     project: str = "minigpt"
     probe_seq_lens: list[int] = field(default_factory=list)  # probe mode: these lengths with fewer layers
-    probe_layers: tuple[int, int] = (1, 2)
+    probe_layers: tuple[int, ...] = (1, 2)
     full_n_layer: int = 12  # the layers of the model the probes stand for
     search: bool = True  # False: only the probes
     nproc: int = 1  # processes per trial (torchrun); global batch = nproc / context sequences
@@ -229,7 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--project", default="minigpt", help="W&B project")
     p.add_argument("--probe-seq-lens", type=positive_int, nargs="*", default=[], metavar="N",
                    help="probe these lengths with models of --probe-layers layers, to derive the full model's")
-    p.add_argument("--probe-layers", type=positive_int, nargs=2, default=[1, 2], metavar=("L1", "L2"))
+    p.add_argument("--probe-layers", type=positive_int, nargs="+", default=[1, 2], metavar="L",
+                   help="layer counts of the probes (1 2). A derivation needs two depths: one call may run one depth "
+                        "and another call into the same --out the other (e.g. two GPUs at once)")
     p.add_argument("--full-layers", metavar="N", type=positive_int,
                    help="layers of the model the probes stand for (12, gpt2-small; --cpu: 2, tiny)")
     p.add_argument("--no-search", action="store_true", help="skip the search, run only the probes")
@@ -266,8 +268,8 @@ def sweep_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> S
             n, name = (start[variant], "--start") if variant in start else (given("default_start"), "--default-start")
             if n > args.max_seq_len:
                 parser.error(f"argument {name}: {variant} would start at {n}, above --max-seq-len {args.max_seq_len}")
-    if len(set(args.probe_layers)) < 2:
-        parser.error(f"argument --probe-layers: needs two different layer counts, got {args.probe_layers}")
+    if len(set(args.probe_layers)) < len(args.probe_layers):
+        parser.error(f"argument --probe-layers: each layer count once, got {args.probe_layers}")
     if args.nproc % args.context:
         parser.error(f"argument --context: {args.context} must divide --nproc {args.nproc}")
     if args.no_search and not args.probe_seq_lens:
