@@ -211,12 +211,15 @@ class _BlockPieces:
         return self.block.attn.heads(self.block.ln_1(x), self.cos[s:e], self.sin[s:e])
 
     def heads(self, stored: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k, v (B, N, H, D) of the block input, chunk by chunk into three buffers (call without autograd)."""
+        """q, k, v (B, N, H, D) of the block input, chunk by chunk (call without autograd). k and v are the two
+        halves of one buffer, so ring attention can send them as one message without copying them."""
         qkv: list[Tensor] = []
         for s, e in _spans(stored.shape[1], self.chunk):
             parts = self._heads(self.x(stored, s, e), s, e)
             if not qkv:
-                qkv = [p.new_empty((p.shape[0], stored.shape[1], *p.shape[2:])) for p in parts]
+                shape = (parts[0].shape[0], stored.shape[1], *parts[0].shape[2:])
+                kv = parts[1].new_empty((2, *shape))
+                qkv = [parts[0].new_empty(shape), kv[0], kv[1]]
             for buf, p in zip(qkv, parts):
                 buf[:, s:e] = p
         return qkv[0], qkv[1], qkv[2]

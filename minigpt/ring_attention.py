@@ -106,9 +106,11 @@ def _twice(x: Tensor) -> Tensor:
     return x.unsqueeze(1).expand(x.shape[0], 2, *x.shape[1:]).flatten(0, 1)
 
 
-def _pair_sum(x: Tensor) -> Tensor:
-    """(2B, ...) -> (B, ...): the sum over the two stacked entries of each batch entry (the reverse of _twice)."""
-    return x.unflatten(0, (x.shape[0] // 2, 2)).sum(1)
+def _pairs(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(2B, ...) -> two (B, ...) views: the two stacked entries of each batch entry (the reverse of _twice). The
+    caller adds both into its fp32 accumulator, so no fp32 copy of x is made."""
+    x = x.unflatten(0, (x.shape[0] // 2, 2))
+    return x[:, 0], x[:, 1]
 
 
 def _first(x: Tensor) -> Tensor:
@@ -151,26 +153,28 @@ def _block_forward(q: Tensor, k: Tensor, v: Tensor, src: int, rank: int, sm_scal
 
 
 def _block_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, src: int, rank: int,
-                    sm_scale: float, dq: Tensor) -> tuple[slice, Tensor, Tensor]:
-    """Add block src's share of dQ into dq (fp32) and return its share of dK, dV: (key rows, dk_i, dv_i). Uses the
-    final (merged) o and lse: P = exp2(s − lse) and delta = rowsum(dO ∘ O) are those of the whole row."""
+                    sm_scale: float, dq: Tensor) -> tuple[slice, tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """Add block src's share of dQ into dq (fp32) and return its share of dK, dV: (key rows, dk parts, dv parts),
+    the parts to be summed. Uses the final (merged) o and lse: P = exp2(s − lse) and delta = rowsum(dO ∘ O) are
+    those of the whole row."""
     from minigpt_kernels.flash_attention import launch_backward
 
     n = q.shape[2]
     if src == rank:
         dq_i, dk_i, dv_i = launch_backward(do, q, k, v, o, lse, True, sm_scale)
         dq.add_(dq_i)
-        return slice(0, n), dk_i, dv_i
-    if src < rank:  # all queries against k_a: dQ for every row, dK/dV for chunk a (summed over both pairs)
+        return slice(0, n), (dk_i,), (dv_i,)
+    if src < rank:  # all queries against k_a: dQ for every row, dK/dV for chunk a (two pairs, summed by the caller)
         dq_i, dk_i, dv_i = launch_backward(_halves(do), _halves(q), _twice(_first(k)), _twice(_first(v)),
                                            _halves(o), _halves(lse).contiguous(), False, sm_scale)
         dq.add_(_unhalves(dq_i))
-        return slice(0, n // 2), _pair_sum(dk_i.float()), _pair_sum(dv_i.float())
+        return slice(0, n // 2), _pairs(dk_i), _pairs(dv_i)
     # q_b against both key chunks: dQ for rows b (summed over both pairs), dK/dV for the whole block
     dq_i, dk_i, dv_i = launch_backward(_twice(_second(do)), _twice(_second(q)), _halves(k), _halves(v),
                                        _twice(_second(o)), _twice(_second(lse)).contiguous(), False, sm_scale)
-    _second(dq).add_(_pair_sum(dq_i.float()))
-    return slice(0, n), _unhalves(dk_i), _unhalves(dv_i)
+    for pair in _pairs(dq_i):
+        _second(dq).add_(pair)
+    return slice(0, n), (_unhalves(dk_i),), (_unhalves(dv_i),)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -200,8 +204,16 @@ class Ring:
 
 
 def _stack_kv(k: Tensor, v: Tensor) -> Tensor:
-    """k and v in one contiguous message (2, B, N, H, D): the model's layout, in which _halves are views."""
-    return torch.stack((k.transpose(1, 2), v.transpose(1, 2)))
+    """k and v in one contiguous message (2, B, N, H, D): the model's layout, in which _halves are views. When k
+    and v already are the two halves of such a buffer (the block recompute makes them so), that buffer is the
+    message and nothing is copied."""
+    kt, vt = k.transpose(1, 2), v.transpose(1, 2)
+    base = kt._base
+    if (base is not None and base is vt._base and base.shape == (2, *kt.shape) and base.is_contiguous()
+            and kt.data_ptr() == base[0].data_ptr() and vt.data_ptr() == base[1].data_ptr()
+            and kt.stride() == base[0].stride() and vt.stride() == base[1].stride()):
+        return base
+    return torch.stack((kt, vt))
 
 
 def _unstack_kv(kv: Tensor) -> tuple[Tensor, Tensor]:
@@ -252,17 +264,36 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
         src = (ring.rank - step) % ring.size
         kv_incoming = ring.pass_on(kv) if step + 1 < ring.size else None
         # this block's share, computed while the next block and this block's accumulator are in flight
-        rows, dk_i, dv_i = _block_backward(do, q, *_unstack_kv(kv), o, lse, src, ring.rank, sm_scale, dq)
+        rows, dk_parts, dv_parts = _block_backward(do, q, *_unstack_kv(kv), o, lse, src, ring.rank, sm_scale, dq)
         dkv = dkv_incoming() if dkv_incoming is not None else torch.zeros((2, *k.shape), dtype=torch.float32,
                                                                              device=k.device)
-        dkv[0][:, :, rows] += dk_i
-        dkv[1][:, :, rows] += dv_i
+        for acc, parts in ((dkv[0][:, :, rows], dk_parts), (dkv[1][:, :, rows], dv_parts)):
+            for part in parts:
+                acc += part
+        del dk_parts, dv_parts
         # hand the accumulator on with its block; after the K-th hop each one is back at its owner
         dkv_incoming = ring.pass_on(dkv)
+        if dkv.numel() * dkv.element_size() >= SERIAL_HOP_BYTES:
+            dkv_incoming = _settled(dkv_incoming)  # a long shard: one accumulator in flight, not two
+        del dkv
         if kv_incoming is not None:
             kv = kv_incoming()
+    del kv
+    dq = dq.to(q.dtype)  # before the last hop arrives: the fp32 dq goes first
     dkv = dkv_incoming()
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+# An accumulator hop of at least this size is waited for at once instead of while the next block computes: two
+# fp32 (dK, dV) accumulators in flight take 12 KB per local token (for 768 channels), and at such sizes the hop
+# (~4 ms per GiB over NVLink) is small beside a block's compute.
+SERIAL_HOP_BYTES = 256 << 20
+
+
+def _settled(wait: Callable[[], Tensor]) -> Callable[[], Tensor]:
+    """Wait for a transfer now; the returned function gives its result."""
+    received = wait()
+    return lambda: received
 
 
 class RingAttentionFunction(torch.autograd.Function):

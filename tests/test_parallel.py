@@ -125,7 +125,10 @@ def _ring_worker(rank, n, out):
     shard = [zigzag_shard(t, world, rank, dim=1).requires_grad_() for t in (q, k, v)]
     o = ring_attention(*(t.transpose(1, 2) for t in shard), group=None)  # (B, H, N_local, D) views, as in the model
     o.transpose(1, 2).backward(zigzag_shard(do, world, rank, dim=1))
-    # kept attention: forward_with_lse, then the saved forward made differentiable
+    # kept attention: forward_with_lse, then the saved forward made differentiable; and every accumulator hop
+    # waited for at once (as for long shards), where above each one overlapped the next block's compute
+    import minigpt.ring_attention as ring_module
+    ring_module.SERIAL_HOP_BYTES = 0
     kept = [t.detach().clone().requires_grad_() for t in shard]
     backend = RingFlashAttention(None)
     o2, lse = backend.forward_with_lse(*(t.transpose(1, 2) for t in kept))
@@ -172,6 +175,30 @@ def test_zigzag_layout():
     with pytest.raises(ValueError, match="two chunks"):
         ring_attention(q, q, q, group=None)
 
+
+
+def test_a_recomputed_blocks_k_and_v_travel_the_ring_without_a_copy(tiny_config):
+    """The block recompute makes k and v the halves of one buffer; the ring sends that buffer as it is."""
+    from minigpt.attention import get_attention
+    from minigpt.levers import _BlockPieces
+    from minigpt.model import GPT
+    from minigpt.ring_attention import _stack_kv
+
+    cfg = tiny_config().model
+    model = GPT(cfg, 256, get_attention("sdpa"))
+    x = torch.randn(2, 40, cfg.n_embd).to(torch.bfloat16)
+    cos, sin = model.rotary(40)
+    pieces = _BlockPieces(model.blocks[0], cos, sin, 16, torch.float32, x.device, None)
+    with torch.no_grad():
+        q, k, v = pieces.heads(x)
+        ref = model.blocks[0].attn.heads(model.blocks[0].ln_1(x.float()), cos, sin)
+    for got, want in zip((q, k, v), ref):
+        torch.testing.assert_close(got, want)
+    k, v = k.requires_grad_(), v.requires_grad_()  # as the recompute's backward makes them
+    message = _stack_kv(k.transpose(1, 2), v.transpose(1, 2))
+    assert message.data_ptr() == k.data_ptr() and message[1].data_ptr() == v.data_ptr()
+    separate = _stack_kv(k.detach().clone().transpose(1, 2), v.detach().clone().transpose(1, 2))
+    assert separate.data_ptr() != k.data_ptr() and torch.equal(separate, message)
 
 # ------------------------------------------------------------------------------------------------
 # 2-3. Training under context and data parallelism equals one process
