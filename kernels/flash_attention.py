@@ -519,28 +519,53 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
 def launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, sm_scale: float,
                     dkdv_cfg: TileConfig | None = None, dq_cfg: TileConfig | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Run the backward kernels (delta, dK/dV, dQ): (dq, dk, dv). The cfgs override the tile table."""
-    B, H, N, D = q.shape
+    do, delta = launch_backward_delta(do, o, lse)
+    dk, dv = launch_backward_dkdv(do, q, k, v, lse, delta, causal, sm_scale, dkdv_cfg)
+    dq = launch_backward_dq(do, q, k, v, lse, delta, causal, sm_scale, dq_cfg)
+    return dq, dk, dv
+
+
+# The backward's three kernels are also launched one by one: ring attention runs a block's dQ and dK/dV kernels at
+# different times, to overlap different transfers.
+def launch_backward_delta(do: Tensor, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """(do with a contiguous last dimension, delta = rowsum(dO ∘ O) as (B, H, N) fp32)."""
+    B, H, N, D = o.shape
     if do.stride(-1) != 1:
         do = do.contiguous()
     delta = torch.empty_like(lse)
     _bwd_delta_kernel[(triton.cdiv(N, 128), B * H)](o, do, delta, *_strides3(o), *_strides3(do), H, N,
                                                     HEAD_DIM=D, BLOCK_M=128, num_warps=4)
-    dq, dk, dv = _empty_in_layout_of(q), _empty_in_layout_of(k), _empty_in_layout_of(v)
-    common = (*_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do))
-    int64 = _needs_int64(N, q, k, v, do)
-    c = dkdv_cfg or tile_config("dkdv", D, causal, q.dtype, N)
+    return do, delta
+
+
+def launch_backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, causal: bool,
+                         sm_scale: float, cfg: TileConfig | None = None) -> tuple[Tensor, Tensor]:
+    """(dk, dv), in the memory layouts of k and v."""
+    B, H, N, D = q.shape
+    dk, dv = _empty_in_layout_of(k), _empty_in_layout_of(v)
+    c = cfg or tile_config("dkdv", D, causal, q.dtype, N)
     _bwd_dkdv_kernel[(triton.cdiv(N, c.block_n), B * H)](
-        q, k, v, do, lse, delta, dk, dv, *common, *_strides3(dk), H, N, sm_scale * LOG2E, sm_scale,
-        CAUSAL=causal, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, INT64_OFFSETS=int64,
+        q, k, v, do, lse, delta, dk, dv, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do),
+        *_strides3(dk), H, N, sm_scale * LOG2E, sm_scale,
+        CAUSAL=causal, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, INT64_OFFSETS=_needs_int64(N, q, k, v, do),
         TMA=_use_tma(c, q, do),
         num_warps=c.num_warps, num_stages=c.num_stages)
-    c = dq_cfg or tile_config("dq", D, causal, q.dtype, N)
+    return dk, dv
+
+
+def launch_backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, causal: bool,
+                       sm_scale: float, cfg: TileConfig | None = None) -> Tensor:
+    """dq, in the memory layout of q."""
+    B, H, N, D = q.shape
+    dq = _empty_in_layout_of(q)
+    c = cfg or tile_config("dq", D, causal, q.dtype, N)
     _bwd_dq_kernel[(triton.cdiv(N, c.block_m), B * H)](
-        q, k, v, do, lse, delta, dq, *common, *_strides3(dq), H, N, sm_scale * LOG2E, sm_scale,
-        CAUSAL=causal, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, INT64_OFFSETS=int64,
+        q, k, v, do, lse, delta, dq, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do),
+        *_strides3(dq), H, N, sm_scale * LOG2E, sm_scale,
+        CAUSAL=causal, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, INT64_OFFSETS=_needs_int64(N, q, k, v, do),
         TMA=_use_tma(c, k, v),
         num_warps=c.num_warps, num_stages=c.num_stages)
-    return dq, dk, dv
+    return dq
 
 
 # ------------------------------------------------------------------------------------------------

@@ -82,7 +82,8 @@ class ModelConfig:
     recompute_dtype: str = "float32"  # float32 | bfloat16: dtype of those stored block inputs
     offload: bool = False  # keep the stored block inputs in pinned CPU memory instead of on the GPU
     keep_attention: bool = False  # recomputed blocks reuse their forward's attention output + LSE (flash)
-    mlp_chunk: int = 0  # LayerNorm + MLP over this many tokens at a time, recomputed in the backward; 0 = off
+    mlp_chunk: int = 0  # LayerNorm + MLP over this many tokens at a time, recomputed in the backward (in a
+    #                     recomputed block every token-local piece: LN + qkv + RoPE, c_proj + LN + MLP); 0 = off
     loss_chunk: int = 0  # final norm + LM head + loss over this many tokens at a time (no N×vocab logits); 0 = off
 
     @property

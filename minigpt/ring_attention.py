@@ -26,8 +26,9 @@ in base 2 because the kernel's LSE is log2 Σ_j exp2(scale·log2(e)·q·k_j), th
 
 Backward (FlashAttention-2): a block's dQ, dK, dV need only the final o, the final lse and
 delta = rowsum(dO ∘ O), so each step reruns our backward kernel (`launch_backward`) on the same pairs with
-the merged (o, lse). dQ stays local; each block's dK/dV accumulator (fp32) travels around the ring with
-the block and, after the K-th hop, arrives back at the block's owner.
+the merged (o, lse). dQ stays local; each block's dK/dV accumulator (fp32) starts at the first other rank
+that holds the block, travels around the ring with it and comes back to the block's owner, which adds its
+own share, computed last, while that hop is under way.
 
 Communication is `torch.distributed.batch_isend_irecv` on the context-parallel group, posted before the
 step's compute so the transfer overlaps it. Every rank issues the same sends and receives in the same
@@ -154,16 +155,12 @@ def _block_forward(q: Tensor, k: Tensor, v: Tensor, src: int, rank: int, sm_scal
 
 def _block_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, src: int, rank: int,
                     sm_scale: float, dq: Tensor) -> tuple[slice, tuple[Tensor, ...], tuple[Tensor, ...]]:
-    """Add block src's share of dQ into dq (fp32) and return its share of dK, dV: (key rows, dk parts, dv parts),
-    the parts to be summed. Uses the final (merged) o and lse: P = exp2(s − lse) and delta = rowsum(dO ∘ O) are
-    those of the whole row."""
+    """Add another rank's block src's share of dQ into dq (fp32) and return its share of dK, dV: (key rows, dk
+    parts, dv parts), the parts to be summed. Uses the final (merged) o and lse: P = exp2(s − lse) and
+    delta = rowsum(dO ∘ O) are those of the whole row. (The local block is ring_backward's own.)"""
     from minigpt_kernels.flash_attention import launch_backward
 
     n = q.shape[2]
-    if src == rank:
-        dq_i, dk_i, dv_i = launch_backward(do, q, k, v, o, lse, True, sm_scale)
-        dq.add_(dq_i)
-        return slice(0, n), (dk_i,), (dv_i,)
     if src < rank:  # all queries against k_a: dQ for every row, dK/dV for chunk a (two pairs, summed by the caller)
         dq_i, dk_i, dv_i = launch_backward(_halves(do), _halves(q), _twice(_first(k)), _twice(_first(v)),
                                            _halves(o), _halves(lse).contiguous(), False, sm_scale)
@@ -253,15 +250,22 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | Non
 
 def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
                   group: dist.ProcessGroup | None, sm_scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv of ring attention, from the final o and lse of ring_forward."""
+    """dq, dk, dv of ring attention, from the final o and lse of ring_forward.
+
+    The local block comes first and last: its dQ kernel runs while the first other block arrives, and its dK/dV
+    kernel while the accumulator of the other ranks' dK/dV for it makes its last hop home, so neither transfer
+    waits alone. In between, each other rank's block is processed as it arrives."""
+    from minigpt_kernels.flash_attention import launch_backward_delta, launch_backward_dkdv, launch_backward_dq
+
     ring = Ring(group)
-    if do.stride(-1) != 1:
-        do = do.contiguous()
     kv = _stack_kv(k, v)
-    dq = torch.zeros_like(q, dtype=torch.float32)
+    kv_incoming = ring.pass_on(kv) if ring.size > 1 else None
+    do, delta = launch_backward_delta(do, o, lse)
+    dq = launch_backward_dq(do, q, k, v, lse, delta, True, sm_scale).float()
     dkv_incoming = None  # the (dK, dV) accumulator (fp32) of the block we hold: it travels with the block
-    for step in range(ring.size):
-        src = (ring.rank - step) % ring.size
+    for step in range(1, ring.size):
+        src = (ring.rank - step) % ring.size  # whose block arrives now
+        kv = kv_incoming()
         kv_incoming = ring.pass_on(kv) if step + 1 < ring.size else None
         # this block's share, computed while the next block and this block's accumulator are in flight
         rows, dk_parts, dv_parts = _block_backward(do, q, *_unstack_kv(kv), o, lse, src, ring.rank, sm_scale, dq)
@@ -271,16 +275,19 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
             for part in parts:
                 acc += part
         del dk_parts, dv_parts
-        # hand the accumulator on with its block; after the K-th hop each one is back at its owner
+        # hand the accumulator on with its block; after the last hop each one is back at its owner
         dkv_incoming = ring.pass_on(dkv)
         if dkv.numel() * dkv.element_size() >= SERIAL_HOP_BYTES:
             dkv_incoming = _settled(dkv_incoming)  # a long shard: one accumulator in flight, not two
         del dkv
-        if kv_incoming is not None:
-            kv = kv_incoming()
     del kv
-    dq = dq.to(q.dtype)  # before the last hop arrives: the fp32 dq goes first
+    dq = dq.to(q.dtype)
+    dk, dv = launch_backward_dkdv(do, q, k, v, lse, delta, True, sm_scale)  # the local block, during the last hop
+    if dkv_incoming is None:  # a ring of one
+        return dq, dk, dv
     dkv = dkv_incoming()
+    dkv[0] += dk
+    dkv[1] += dv
     return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (../shared/GPU.md): GPU tests, kernel benchmark, training runs, a 1M-token step.
-#   source scripts/gpu_env.sh; bash scripts/gpu_checks.sh tests|explore|tiles|bench|train|long|memory|scaling ...
+#   source scripts/gpu_env.sh; bash scripts/gpu_checks.sh tests|explore|tiles|bench|train|long|memory|frontier|compile|scaling ...
 # Logs and results go under $OUT (default ./gpu_out); the last lines printed are a short table.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -17,13 +17,20 @@ for step in "$@"; do
       minigpt-sweep --variants flash+levers+offload+keepattn --default-start 1048576 \
         --max-seq-len 1048576 --steps 1 --out "${LONG_OUT:-results/sweeps/long}" > "$OUT/long.log" 2>&1
       tail -6 "$OUT/long.log" ;;
-    memory)  # where a step's memory goes at 256K (eager), then the README's 1M recipe for real (2 steps, compiled)
-      L="attention=flash batch_size=1 model.recompute_every=1 model.recompute_dtype=bfloat16 model.mlp_chunk=65536 model.offload=true model.keep_attention=true"
-      minigpt-memory --out "$OUT/memory_256k" -- $L seq_len=262144 compile=false model.loss_chunk=4096 > "$OUT/memory_256k.log" 2>&1
-      minigpt-train $L seq_len=${LONG_SEQ:-1048576} model.loss_chunk=4096 max_steps=2 eval_batches=0 logger=none \
+    memory)  # where a 1M step's memory goes (eager profile), then the README's 1M recipe for real (2 steps, compiled)
+      L="attention=flash batch_size=1 model.recompute_every=1 model.recompute_dtype=bfloat16 model.loss_chunk=4096 model.mlp_chunk=65536 model.offload=true model.keep_attention=true"
+      minigpt-memory --warmup-tokens 65536 --out "$OUT/memory_1m" -- $L seq_len=1048576 compile=false > "$OUT/memory_1m.log" 2>&1
+      minigpt-train $L seq_len=${LONG_SEQ:-1048576} max_steps=2 eval_batches=0 logger=none \
         save_checkpoints=false hydra.run.dir=runs/gpu_long_${LONG_SEQ:-1048576} > "$OUT/long.log" 2>&1; echo "long exit $?"
-      grep -A12 "At the step" "$OUT/memory_256k/memory_profile.md"
+      grep -A14 "At the step" "$OUT/memory_1m/memory_profile.md"
       python3 -m minigpt.experiments.training_table runs/gpu_long_* | tee "$OUT/long.md" ;;
+    frontier) # the one-GPU frontier: 1- and 2-layer probes at 4M tokens, the 12-layer model derived (~14 min)
+      minigpt-sweep --variants flash+levers+offload+keepattn --no-search --probe-seq-lens 4194304 --steps 1 \
+        --trial-time-limit 1200 --out "${FRONTIER_OUT:-runs/probe4m}" > "$OUT/frontier.log" 2>&1; tail -4 "$OUT/frontier.log" ;;
+    compile) # the sweep's +compile rows (the eager rows are the default sweep's)
+      minigpt-sweep --variants naive+compile --default-start 8192 --granularity 2048 --out runs/sweep_compile > "$OUT/compile.log" 2>&1
+      minigpt-sweep --variants sdpa+compile flash+compile --default-start 262144 --granularity 131072 --max-seq-len 524288 \
+        --out runs/sweep_compile >> "$OUT/compile.log" 2>&1; tail -8 "$OUT/compile.log" ;;
     scaling) # one sequence over 1, 2, 4 GPUs (context parallel) with every lever: "GPUS seq_len" pairs, 2 steps each
       L="attention=flash batch_size=1 model.recompute_every=1 model.recompute_dtype=bfloat16 model.loss_chunk=4096 model.mlp_chunk=65536 model.offload=true model.keep_attention=true"
       for spec in ${SCALING:-"1:1048576 2:1048576 4:1048576 4:2097152"}; do
