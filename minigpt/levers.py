@@ -17,6 +17,8 @@ costs nothing:
 """
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Callable, Iterable
 
 import torch
@@ -103,10 +105,43 @@ def chunked_sum(fn: Callable[[Tensor, Tensor], Tensor], h: Tensor, targets: Tens
     return _Chunked.apply(h, fn, chunk, True, targets, *params)
 
 
+class HostMemory:
+    """Bytes of host memory held by offloaded tensors (`to_host`): now, and the peak since `reset_peak`. Counted
+    when a copy is made and when its tensor is freed, so a run can report what offloading took of the host's RAM.
+    Thread-safe: the backward frees copies on autograd's thread."""
+
+    _lock = threading.Lock()
+    live = 0
+    peak = 0
+
+    @classmethod
+    def add(cls, host: Tensor) -> None:
+        n = host.untyped_storage().nbytes()
+        with cls._lock:
+            cls.live += n
+            cls.peak = max(cls.peak, cls.live)
+        weakref.finalize(host, cls._release, n)
+
+    @classmethod
+    def _release(cls, n: int) -> None:
+        with cls._lock:
+            cls.live -= n
+
+    @classmethod
+    def reset_peak(cls) -> None:
+        with cls._lock:
+            cls.peak = cls.live
+
+    @classmethod
+    def peak_gib(cls) -> float:
+        return cls.peak / float(1 << 30)
+
+
 def to_host(t: Tensor) -> Tensor:
     """An asynchronous copy of t into CPU memory (pinned when t is on a GPU, so the copy overlaps compute),
     with t's memory layout."""
     host = torch.empty_like(t, device="cpu", pin_memory=t.is_cuda)
+    HostMemory.add(host)
     return host.copy_(t, non_blocking=True)
 
 

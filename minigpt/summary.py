@@ -51,6 +51,7 @@ class RunSummary:
     mfu: float | None = None
     peak_allocated_gib: float = 0.0
     peak_reserved_gib: float = 0.0
+    peak_host_offload_gib: float = 0.0  # host RAM (pinned on a GPU) held by offloaded activations (model.offload)
     compile_time_s: float | None = None
     # under torchrun (world_size > 1): tokens_per_s and mfu are of all ranks together, the peaks above rank 0's;
     # per rank (tokens/s from its median step time, peak GiB over the run) the max and the sum over ranks

@@ -23,6 +23,7 @@ from minigpt.checkpoint import CheckpointError, find_and_load, restore, save_che
 from minigpt.config import ConfigError, TrainConfig
 from minigpt.data import PasskeyData, build_data
 from minigpt.files import WriteError
+from minigpt.levers import HostMemory
 from minigpt.loggers import Logger
 from minigpt.metrics import device_name, peak_memory_gib, peak_tflops, reset_peak_memory, train_step_flops
 from minigpt.model import GPT
@@ -196,6 +197,7 @@ def train_loop(t: Training, logger: Logger, summary: RunSummary, stop_requested:
     try:
         for step in bar:
             reset_peak_memory(t.device)
+            HostMemory.reset_peak()
             t0 = time.perf_counter()
             loss = train_step(t, step)
             if t.device.type == "cuda":
@@ -211,13 +213,15 @@ def train_loop(t: Training, logger: Logger, summary: RunSummary, stop_requested:
             alloc, reserved = peak_memory_gib(t.device)
             metrics = {"train/loss": loss, "train/lr": lr_at(step, cfg), "perf/step_time_s": dt,
                        "perf/tokens_per_s": t.tokens_per_step / dt,
-                       "memory/peak_allocated_gib": alloc, "memory/peak_reserved_gib": reserved}
+                       "memory/peak_allocated_gib": alloc, "memory/peak_reserved_gib": reserved,
+                       "memory/peak_host_offload_gib": HostMemory.peak_gib()}
             if t.peak_tflops:
                 metrics["perf/mfu"] = t.flops_per_step / dt / (t.peak_tflops * 1e12)
             metrics.update(ranks.step(dt, alloc, reserved))
             summary.steps, summary.final_train_loss = done, loss
             summary.peak_allocated_gib = max(summary.peak_allocated_gib, alloc)
             summary.peak_reserved_gib = max(summary.peak_reserved_gib, reserved)
+            summary.peak_host_offload_gib = max(summary.peak_host_offload_gib, HostMemory.peak_gib())
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{t.tokens_per_step / dt:,.0f}", mem=f"{alloc:.1f}GiB", refresh=False)
 
             last = done == cfg.max_steps

@@ -183,3 +183,31 @@ def test_eval_logs_the_passkey_grid(tiny_config):
     depths = [k for k in evals if k.startswith("eval/passkey_grid_depth_")]
     assert sorted(depths) == [f"eval/passkey_grid_depth_{d}" for d in ("0.00", "0.25", "0.50", "0.75", "1.00")]
     assert 0.0 <= logger.series("eval/passkey_grid_acc")[-1] <= 1.0
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_offloaded_host_memory_is_counted_and_released(tiny_config, keep):
+    """HostMemory counts what offloading holds: each recomputed block's bf16 input (and with kept attention its
+    output and fp32 LSE) until the backward frees it; summary.json reports the peak."""
+    from minigpt.levers import HostMemory
+
+    cfg = tiny_config("attention=flash" if keep else "attention=sdpa").model
+    cfg.recompute_every, cfg.recompute_dtype, cfg.offload, cfg.keep_attention = 1, "bfloat16", True, keep
+    model = GPT(cfg, 256, get_attention("flash" if keep else "sdpa"))
+    B, N, C, H = 2, 48, cfg.n_embd, cfg.n_head
+    x, y = torch.randint(0, 256, (B, N)), torch.randint(0, 256, (B, N))
+    before = HostMemory.live
+    HostMemory.reset_peak()
+    loss = model(x, y)
+    per_block = B * N * C * 2 + (B * N * C * 4 + B * H * N * 4 if keep else 0)  # fp32 compute: o is fp32 on CPU
+    assert HostMemory.live - before == cfg.n_layer * per_block
+    loss.backward()
+    assert HostMemory.live == before and HostMemory.peak - before == cfg.n_layer * per_block
+
+
+def test_summary_reports_the_offloaded_host_memory(tiny_config):
+    cfg = tiny_config("model.recompute_every=1", "model.offload=true", "max_steps=2", "eval_batches=0")
+    assert run(cfg) == 0
+    summary = json.loads((Path(cfg.run_dir) / "summary.json").read_text())
+    expected = cfg.model.n_layer * cfg.batch_size * cfg.seq_len * cfg.model.n_embd * 4 / 2**30  # fp32 inputs
+    assert summary["peak_host_offload_gib"] == pytest.approx(expected)
