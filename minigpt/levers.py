@@ -290,7 +290,7 @@ class _BlockPieces:
         shape = o.shape
         o = self._tokens(o)
         do = torch.empty_like(o)
-        params = [self.block.attn.c_proj.weight, *self.block.mlp_params]
+        params = [p for p in (self.block.attn.c_proj.weight, *self.block.mlp_params) if p.requires_grad]
         for s, e in _spans(stored.shape[1], self.chunk):
             x = self.x(stored, s, e).requires_grad_()
             oc = o[:, s:e].detach().requires_grad_()
@@ -306,7 +306,7 @@ class _BlockPieces:
     def heads_backward(self, stored: Tensor, dqkv: tuple[Tensor, Tensor, Tensor], g: Tensor,
                        grads: dict[int, Tensor]) -> None:
         """Add the gradient through ln_1 and the q, k, v projection (dq, dk, dv as (B, N, H, D)) into g."""
-        params = [*self.block.ln_1.parameters(), self.block.attn.c_attn.weight]
+        params = [p for p in (*self.block.ln_1.parameters(), self.block.attn.c_attn.weight) if p.requires_grad]
         for s, e in _spans(stored.shape[1], self.chunk):
             x = self.x(stored, s, e).requires_grad_()
             with torch.enable_grad():
@@ -320,7 +320,8 @@ def _own(grad: Tensor) -> Tensor:
     """The incoming gradient as a buffer this backward may overwrite. Autograd hands a node its own gradient
     buffer, except that an add passes one tensor to both its inputs; the model adds a block's output only to
     what was computed from it (the next block's residual), whose backward has run by then. A broadcast or
-    strided gradient (e.g. from a sum) is copied."""
+    strided gradient (e.g. from a sum) is copied. A gradient passed in by hand to a recomputed block's output
+    (`model.hidden(x).backward(g)`) is overwritten: pass a copy if you need it afterwards."""
     return grad if grad._base is None and grad.is_contiguous() else grad.contiguous().clone()
 
 

@@ -174,6 +174,10 @@ class GPT(nn.Module):
         them per chunk. Shapes repeat from step to step, so each piece compiles once (once more for a ragged
         last chunk, and for the no-grad forward of a recomputed block) and never again.
         """
+        # each region meets a handful of shapes and strides (chunks and a ragged last chunk, grad and no-grad,
+        # recomputed or not, eval): room for all of them, where Dynamo's default (8) would fall back to eager
+        limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+        setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 32))
         for block in self.blocks:
             block.attn.heads = torch.compile(block.attn.heads, backend=backend, dynamic=False)
             block.norm_mlp = torch.compile(block.norm_mlp, backend=backend, dynamic=False)

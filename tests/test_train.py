@@ -211,3 +211,21 @@ def test_summary_reports_the_offloaded_host_memory(tiny_config):
     summary = json.loads((Path(cfg.run_dir) / "summary.json").read_text())
     expected = cfg.model.n_layer * cfg.batch_size * cfg.seq_len * cfg.model.n_embd * 4 / 2**30  # fp32 inputs
     assert summary["peak_host_offload_gib"] == pytest.approx(expected)
+
+
+def test_a_recomputed_block_with_frozen_parameters_trains_the_others(tiny_config):
+    cfg = tiny_config("model.mlp_chunk=7").model
+    x, y = torch.randint(0, 256, (2, 30)), torch.randint(0, 256, (2, 30))
+    grads = []
+    for every in (0, 1):
+        cfg.recompute_every = every
+        torch.manual_seed(0)
+        model = GPT(cfg, 256, get_attention("sdpa"))
+        model.blocks[0].ln_1.weight.requires_grad_(False)
+        model.blocks[-1].mlp.c_fc.weight.requires_grad_(False)
+        model(x, y).backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
