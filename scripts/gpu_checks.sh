@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (../shared/GPU.md): GPU tests, kernel benchmark, training runs, a 1M-token step.
-#   source scripts/gpu_env.sh; bash scripts/gpu_checks.sh tests|explore|tiles|bench|train|long|memory|frontier|compile|scaling ...
+#   source scripts/gpu_env.sh; bash scripts/gpu_checks.sh tests|explore|tiles|bench|train|long|memory|frontier|compile|scaling|ring|probe4 ...
 # Logs and results go under $OUT (default ./gpu_out); the last lines printed are a short table.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -39,6 +39,12 @@ for step in "$@"; do
           logger=none save_checkpoints=false hydra.run.dir=$dir > "$OUT/scale_n${n}_$len.log" 2>&1; echo "scale $n GPUs $len exit $?"
       done
       python3 -m minigpt.experiments.training_table runs/gpu_scale_* | tee "$OUT/scaling.md" ;;
+    ring)    # ring attention against the single-GPU kernel, NGPU GPUs (set NCCL_NVLS_ENABLE=0 etc., ../shared/GPU.md)
+      torchrun --standalone --nproc_per_node=${NGPU:-4} scripts/bench_ring.py --out "$OUT" > "$OUT/ring.log" 2>&1
+      tail -10 "$OUT/ring.log" ;;
+    probe4)  # 4M tokens over 4 GPUs (context 4) by the probe method: 1- and 2-layer models, 12 layers derived
+      minigpt-sweep --variants flash+levers+offload+keepattn --no-search --probe-seq-lens 4194304 --steps 1 \
+        --nproc 4 --context 4 --trial-time-limit 1200 --out runs/probe4m_x4 > "$OUT/probe4.log" 2>&1; tail -4 "$OUT/probe4.log" ;;
     bench)   minigpt-bench --out results 2>&1 | tee "$OUT/bench.log" | tail -16; cp results/attention_* "$OUT/" ;;
     train)   # flash next to sdpa, eager and compiled, back to back in one job: "attention seq_len batch compile steps"
       SPECS=${TRAIN_SPECS:-"sdpa 8192 4 false 20;flash 8192 4 false 20;sdpa 8192 4 true 20;flash 8192 4 true 20;sdpa 32768 1 false 20;flash 32768 1 false 20;sdpa 32768 1 true 20;flash 32768 1 true 20;sdpa 131072 1 false 8;flash 131072 1 false 8;sdpa 131072 1 true 8;flash 131072 1 true 8"}
