@@ -184,10 +184,11 @@ class _RecomputeFunction(torch.autograd.Function):
 
     1. q, k, v of the stored input, without autograd; attention on them with autograd (with kept attention its
        forward is not run again).
-    2. Per chunk, backward of out = x1 + mlp(ln_2(x1)), x1 = x + c_proj(o): the gradient of the block's input
-       along the residual (written into the incoming gradient's buffer, which is ours) and of o (dO).
+    2. Per chunk, backward of `Block.after_attention` (x1 = x + c_proj(o), out = x1 + mlp(ln_2(x1))): the
+       gradient of the block's input along the residual (written into the incoming gradient's buffer, which is
+       ours) and of o (dO).
     3. Attention's backward: dq, dk, dv; then q, k, v, o and dO are dropped.
-    4. Per chunk, backward of q, k, v = heads(ln_1(x)), added into the input's gradient.
+    4. Per chunk, backward of `Block.qkv` (ln_1, qkv projection, RoPE), added into the input's gradient.
 
     The forward runs the same pieces on the same chunks of the stored (possibly rounded) input, so the
     recomputed block is exactly the one that ran and its gradients are exact. The parameters' gradients are
@@ -229,28 +230,28 @@ class _RecomputeFunction(torch.autograd.Function):
 
 
 class _BlockPieces:
-    """A transformer block (minigpt/model.py's Block) as the pieces the recompute runs: q, k, v of the block's
-    input, attention, and the rest (c_proj, residual, LayerNorm + MLP, residual), each token-local piece over
-    `chunk` tokens at a time. Inputs are the stored (B, N, C) block input and, for the rest, attention's output."""
+    """A transformer block (minigpt/model.py's Block) run as its pieces: `Block.qkv`, attention and
+    `Block.after_attention`, the token-local ones over `chunk` tokens at a time. Inputs are the stored (B, N, C)
+    block input and, after attention, its output (B, H, N, D)."""
 
     def __init__(self, block: nn.Module, cos: Tensor, sin: Tensor, chunk: int, dtype: torch.dtype,
                  device: torch.device, attend: KeptAttention | None):
         self.block, self.cos, self.sin, self.chunk = block, cos, sin, chunk
-        self.dtype, self.device, self.attend_fn = dtype, device, attend or block.attn.attend
+        self.dtype, self.device, self.attend_fn = dtype, device, attend
 
     def x(self, stored: Tensor, s: int, e: int) -> Tensor:
         """Tokens s:e of the block input in the compute dtype (from host memory when offloaded)."""
         return stored[:, s:e].to(self.device, non_blocking=True).to(self.dtype).detach()
 
-    def _heads(self, x: Tensor, s: int, e: int) -> tuple[Tensor, Tensor, Tensor]:
-        return self.block.attn.heads(self.block.ln_1(x), self.cos[s:e], self.sin[s:e])
+    def _qkv(self, x: Tensor, s: int, e: int) -> tuple[Tensor, Tensor, Tensor]:
+        return self.block.qkv(x, self.cos[s:e], self.sin[s:e])
 
     def heads(self, stored: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v (B, N, H, D) of the block input, chunk by chunk (call without autograd). k and v are the two
         halves of one buffer, so ring attention can send them as one message without copying them."""
         qkv: list[Tensor] = []
         for s, e in _spans(stored.shape[1], self.chunk):
-            parts = self._heads(self.x(stored, s, e), s, e)
+            parts = self._qkv(self.x(stored, s, e), s, e)
             if not qkv:
                 shape = (parts[0].shape[0], stored.shape[1], *parts[0].shape[2:])
                 kv = parts[1].new_empty((2, *shape))
@@ -260,25 +261,16 @@ class _BlockPieces:
         return qkv[0], qkv[1], qkv[2]
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Attention over (B, N, H, D) q, k, v; the output is (B, H, N, D) as the backends return it."""
+        """Attention over (B, N, H, D) q, k, v (kept attention if given); the output is (B, H, N, D)."""
+        if self.attend_fn is None:
+            return self.block.attn.attend_heads(q, k, v)
         return self.attend_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
 
-    def _rest(self, x: Tensor, o: Tensor) -> Tensor:
-        x1 = x + self.block.attn.c_proj(o)
-        return x1 + self.block.norm_mlp(x1)
-
-    @staticmethod
-    def _tokens(o: Tensor) -> Tensor:
-        """Attention's (B, H, N, D) output as (B, N, H·D) (a view: the backends lay it out token-major)."""
-        B, H, N, D = o.shape
-        return o.transpose(1, 2).reshape(B, N, H * D)
-
     def mlp_out(self, stored: Tensor, o: Tensor) -> Tensor:
-        """The block's output, x1 + mlp(ln_2(x1)) with x1 = x + c_proj(o), chunk by chunk (without autograd)."""
-        o = self._tokens(o)
+        """The block's output (`Block.after_attention`) chunk by chunk (without autograd)."""
         out = None
         for s, e in _spans(stored.shape[1], self.chunk):
-            y = self._rest(self.x(stored, s, e), o[:, s:e])
+            y = self.block.after_attention(self.x(stored, s, e), o[:, :, s:e])
             if out is None:
                 out = y.new_empty((y.shape[0], stored.shape[1], *y.shape[2:]))
             out[:, s:e] = y
@@ -287,21 +279,18 @@ class _BlockPieces:
     def mlp_backward(self, stored: Tensor, o: Tensor, g: Tensor, grads: dict[int, Tensor]) -> Tensor:
         """Backpropagate g (the output's gradient) through the rest of the block, chunk by chunk: g becomes the
         gradient along the residual, in place; returns dO in o's layout."""
-        shape = o.shape
-        o = self._tokens(o)
-        do = torch.empty_like(o)
+        do = torch.empty_like(o)  # o's memory layout
         params = [p for p in (self.block.attn.c_proj.weight, *self.block.mlp_params) if p.requires_grad]
         for s, e in _spans(stored.shape[1], self.chunk):
             x = self.x(stored, s, e).requires_grad_()
-            oc = o[:, s:e].detach().requires_grad_()
+            oc = o[:, :, s:e].detach().requires_grad_()
             with torch.enable_grad():
-                y = self._rest(x, oc)
+                y = self.block.after_attention(x, oc)
             dx, doc, *dparams = torch.autograd.grad(y, (x, oc, *params), g[:, s:e])
             g[:, s:e] = dx
-            do[:, s:e] = doc
+            do[:, :, s:e] = doc
             _accumulate(grads, params, dparams)
-        B, H, N, D = shape
-        return do.view(B, N, H, D).transpose(1, 2)
+        return do
 
     def heads_backward(self, stored: Tensor, dqkv: tuple[Tensor, Tensor, Tensor], g: Tensor,
                        grads: dict[int, Tensor]) -> None:
@@ -310,7 +299,7 @@ class _BlockPieces:
         for s, e in _spans(stored.shape[1], self.chunk):
             x = self.x(stored, s, e).requires_grad_()
             with torch.enable_grad():
-                qkv = self._heads(x, s, e)
+                qkv = self._qkv(x, s, e)
             dx, *dparams = torch.autograd.grad(qkv, (x, *params), tuple(d[:, s:e] for d in dqkv))
             g[:, s:e] += dx
             _accumulate(grads, params, dparams)

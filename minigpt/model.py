@@ -47,22 +47,15 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention in three steps, heads -> attend_heads -> project; Block calls them in turn
+    (so a recomputed block can run the token-local ones in chunks)."""
+
     def __init__(self, cfg: ModelConfig, attend: AttentionFn):
         super().__init__()
         self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.attend = attend
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: AttentionFn | None = None) -> Tensor:
-        """`attend` overrides the model's attention for this call (kept attention in a recomputed block)."""
-        B, N, C = x.shape
-        q, k, v = self.heads(x, cos, sin)
-        attend = attend or self.attend
-        y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)  # (B, H, N, D)
-        # flash and SDPA's fused kernels return y laid out as (B, N, H, D) like q, so this reshape is a view
-        # (naive's y is contiguous (B, H, N, D): a copy)
-        return self.c_proj(y.transpose(1, 2).reshape(B, N, C))
 
     def heads(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q, k (rotated) and v as (B, N, H, D), each in its own buffer: the attention keeps all three for its
@@ -72,6 +65,16 @@ class CausalSelfAttention(nn.Module):
         qkv = self.c_attn(x).view(B, N, 3, self.n_head, self.head_dim)
         q, k = apply_rotary(qkv[:, :, 0], cos, sin), apply_rotary(qkv[:, :, 1], cos, sin)
         return q, k, qkv[:, :, 2].contiguous()
+
+    def attend_heads(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Attention over (B, N, H, D) q, k, v; the output y is (B, H, N, D), as the backends return it."""
+        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+
+    def project(self, y: Tensor) -> Tensor:
+        """c_proj of the heads' outputs y (B, H, N, D) joined per token. flash and SDPA's fused kernels lay y out
+        as (B, N, H, D) like q, so the join is a view (naive's y is contiguous (B, H, N, D): a copy)."""
+        B, H, N, D = y.shape
+        return self.c_proj(y.transpose(1, 2).reshape(B, N, H * D))
 
 
 class MLP(nn.Module):
@@ -95,8 +98,18 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.mlp_chunk = cfg.mlp_chunk
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: AttentionFn | None = None) -> Tensor:
-        x = x + self.attn(self.ln_1(x), cos, sin, attend)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return self.after_attention(x, self.attn.attend_heads(*self.qkv(x, cos, sin)))
+
+    # The two token-local halves of forward, around the attention call. A recomputed block (minigpt/levers.py)
+    # runs each of them a chunk of tokens at a time.
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v (B, N, H, D) of the block input x."""
+        return self.attn.heads(self.ln_1(x), cos, sin)
+
+    def after_attention(self, x: Tensor, y: Tensor) -> Tensor:
+        """The block's output from its input x and the attention's output y (B, H, N, D)."""
+        x = x + self.attn.project(y)
         # token-local, so it can run a chunk of tokens at a time (model.mlp_chunk; one piece when 0)
         return x + chunked(self.norm_mlp, x, self.mlp_chunk, self.mlp_params)
 
