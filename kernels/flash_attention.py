@@ -20,6 +20,13 @@ the mask. Sequence tails (seq not a multiple of the tile) are handled with maske
 Offsets that can exceed 2³¹ (batch/head bases; tile starts on inputs where seq × row stride passes 2³¹,
 e.g. a million tokens in the model's qkv layout) are int64; offsets inside a tile stay int32.
 
+Queries and keys of different lengths (Nq query rows against Nk key rows) are supported for non-causal attention
+through the launchers (ring attention uses them; `flash_attention` itself takes q, k, v of one shape). For the
+same user, the launchers can also fold new keys into a partial result instead of starting afresh: the forward
+continues from an fp32 (o, lse) state, which it reads as its initial online-softmax state and overwrites with
+the attention over both key sets, and the backward kernels add their dQ or dK/dV into fp32 buffers. Both only
+touch a program's prologue and epilogue (constexpr flags): the inner loops are those of the plain kernels.
+
 Precision: fp16/bf16 inputs use tensor-core dots with fp32 accumulation and an fp32 softmax; fp32 inputs
 are accepted and run the same kernels with TF32 dots (about 1e-3 relative error; exact fp32 under
 Triton's CPU interpreter).
@@ -89,20 +96,21 @@ def _next_tile(src, BLOCK: tl.constexpr, stride_n, TMA: tl.constexpr):
 # Forward
 # ------------------------------------------------------------------------------------------------
 @triton.jit
-def _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, lo, hi, N, qk_scale,
+def _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, lo, hi, N_K, qk_scale,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr):
     """Fold key tiles [lo, hi) into the running (acc, l, m) of one query tile.
 
     MASKED tiles (the causal diagonal, or the ragged last tile) apply the causal/bounds mask; the rest
-    are known to be fully visible and skip it. k_src/v_src are TMA descriptors (TMA) or pointer tiles.
+    are known to be fully visible and skip it. k_src/v_src are TMA descriptors (TMA) or pointer tiles over the
+    N_K keys.
     """
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     k_src = _tile_start(k_src, lo, stride_kn, INT64_OFFSETS, TMA)
     v_src = _tile_start(v_src, lo, stride_vn, INT64_OFFSETS, TMA)
     for start_n in range(lo, hi, BLOCK_N):
-        in_bounds = (start_n + offs_n) < N
+        in_bounds = (start_n + offs_n) < N_K
         k = _load_tile(k_src, start_n, in_bounds, MASKED, TMA)
         v = _load_tile(v_src, start_n, in_bounds, MASKED, TMA)
         qk = tl.dot(q, tl.trans(k))
@@ -129,10 +137,12 @@ def _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, lo
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE,
                 stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-                H, N, qk_scale,
-                CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr):
+                stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on, stride_lse,
+                H, N_Q, N_K, qk_scale,
+                CAUSAL: tl.constexpr, CONTINUE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr):
+    """One query tile of N_Q rows against N_K keys (N_Q == N_K when CAUSAL). LSE rows are stride_lse apart.
+    CONTINUE: (O, LSE) hold an fp32 partial result over other keys, continued here and overwritten."""
     pid_m = tl.program_id(0)
     if CAUSAL:  # longest rows first: the last query tiles see the most keys
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -145,29 +155,41 @@ def _fwd_kernel(Q, K, V, O, LSE,
 
     q_ptrs = Q + b * stride_qb + h * stride_qh + start_m.to(tl.int64) * stride_qn \
         + offs_m[:, None] * stride_qn + offs_d[None, :]
-    row_ok = (start_m + offs_m) < N
+    row_ok = (start_m + offs_m) < N_Q
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-    k_src = _tile_source(K + b * stride_kb + h * stride_kh, N, stride_kn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
-    v_src = _tile_source(V + b * stride_vb + h * stride_vh, N, stride_vn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
+    k_src = _tile_source(K + b * stride_kb + h * stride_kh, N_K, stride_kn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
+    v_src = _tile_source(V + b * stride_vb + h * stride_vh, N_K, stride_vn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max (base-2 units)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s − m)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # running unnormalized output
+    if CONTINUE:
+        # the state of a softmax over earlier keys, (o, lse) = (Σ 2^s v / Σ 2^s, log2 Σ 2^s), as a running
+        # (m, l, acc): m = lse, l = Σ 2^(s − m) = 1, acc = o·l = o. The loop's rescaling then folds the new keys in.
+        m_i = tl.load(LSE + bh.to(tl.int64) * stride_lse + start_m + offs_m, mask=row_ok, other=float("-inf"))
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        # a row with lse = −inf holds nothing yet: acc = 0 whatever its o says. Its first tile has a visible key
+        # (key 0 in a causal launch; any key of a non-causal one), so m becomes finite there and α = exp2(−inf) = 0
+        # wipes l = 1: no exp2(−inf − (−inf)) is ever taken.
+        o_ptrs = O + b * stride_ob + h * stride_oh + start_m.to(tl.int64) * stride_on \
+            + offs_m[:, None] * stride_on + offs_d[None, :]
+        acc = tl.load(o_ptrs, mask=row_ok[:, None] & (m_i > float("-inf"))[:, None], other=0.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max (base-2 units)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s − m)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # running unnormalized output
 
     if CAUSAL:  # keys before the tile are fully visible; the diagonal tiles get the mask
         full_hi = start_m
-        diag_hi = tl.minimum(start_m + BLOCK_M, N)
+        diag_hi = tl.minimum(start_m + BLOCK_M, N_K)
     else:  # all keys visible; only the ragged last tile is masked
-        full_hi = (N // BLOCK_N) * BLOCK_N
-        diag_hi = N
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, 0, full_hi, N,
+        full_hi = (N_K // BLOCK_N) * BLOCK_N
+        diag_hi = N_K
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, 0, full_hi, N_K,
                                qk_scale, False, CAUSAL, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, full_hi, diag_hi, N,
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, full_hi, diag_hi, N_K,
                                qk_scale, True, CAUSAL, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
 
     # o = acc / l;  LSE = m + log2(l) (base 2), what the backward needs to rebuild P = exp2(s − LSE)
     o = acc / l_i[:, None]
-    lse_ptrs = LSE + bh.to(tl.int64) * N + start_m + offs_m
+    lse_ptrs = LSE + bh.to(tl.int64) * stride_lse + start_m + offs_m
     tl.store(lse_ptrs, m_i + tl.math.log2(l_i), mask=row_ok)
     o_ptrs = O + b * stride_ob + h * stride_oh + start_m.to(tl.int64) * stride_on \
         + offs_m[:, None] * stride_on + offs_d[None, :]
@@ -198,17 +220,18 @@ def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_dob,
 
 @triton.jit
 def _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, stride_qn, stride_don,
-                    start_n, lo, hi, N, qk_scale,
+                    start_n, lo, hi, N_Q, qk_scale,
                     MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr,
                     TMA: tl.constexpr):
-    """Accumulate dK, dV of one key tile over query tiles [lo, hi). Works on transposed tiles (keys × queries)."""
+    """Accumulate dK, dV of one key tile over query tiles [lo, hi) of the N_Q queries. Works on transposed tiles
+    (keys × queries)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     q_src = _tile_start(q_src, lo, stride_qn, INT64_OFFSETS, TMA)
     do_src = _tile_start(do_src, lo, stride_don, INT64_OFFSETS, TMA)
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
-        row_ok = rows < N
+        row_ok = rows < N_Q
         q = _load_tile(q_src, start_m, row_ok, True, TMA)
         do = _load_tile(do_src, start_m, row_ok, True, TMA)
         # rows past the end get LSE = +inf, so their probabilities are exactly 0
@@ -233,57 +256,64 @@ def _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, stride_qn
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                      stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                      stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
-                     stride_dkb, stride_dkh, stride_dkn,
-                     H, N, qk_scale, sm_scale,
-                     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr):
+                     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lse, stride_delta,
+                     H, N_Q, N_K, qk_scale, sm_scale,
+                     CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr):
+    """dK, dV of one tile of the N_K keys over the N_Q queries (N_Q == N_K when CAUSAL). ACCUMULATE: add them to
+    what DK, DV hold (fp32) instead of overwriting it."""
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
     b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    col_ok = (start_n + offs_n) < N
+    col_ok = (start_n + offs_n) < N_K
     rows_n = start_n.to(tl.int64) + offs_n
     k = tl.load(K + b * stride_kb + h * stride_kh + rows_n[:, None] * stride_kn + offs_d[None, :],
                 mask=col_ok[:, None], other=0.0)
     v = tl.load(V + b * stride_vb + h * stride_vh + rows_n[:, None] * stride_vn + offs_d[None, :],
                 mask=col_ok[:, None], other=0.0)
-    q_src = _tile_source(Q + b * stride_qb + h * stride_qh, N, stride_qn, offs_m, offs_d, BLOCK_M, HEAD_DIM, TMA)
-    do_src = _tile_source(DO + b * stride_dob + h * stride_doh, N, stride_don, offs_m, offs_d, BLOCK_M, HEAD_DIM, TMA)
-    lse_ptrs = LSE + bh.to(tl.int64) * N
-    delta_ptrs = DELTA + bh.to(tl.int64) * N
+    q_src = _tile_source(Q + b * stride_qb + h * stride_qh, N_Q, stride_qn, offs_m, offs_d, BLOCK_M, HEAD_DIM, TMA)
+    do_src = _tile_source(DO + b * stride_dob + h * stride_doh, N_Q, stride_don, offs_m, offs_d, BLOCK_M, HEAD_DIM,
+                          TMA)
+    lse_ptrs = LSE + bh.to(tl.int64) * stride_lse
+    delta_ptrs = DELTA + bh.to(tl.int64) * stride_delta
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     if CAUSAL:  # queries before this key tile cannot see it; the diagonal tiles get the mask
-        diag_hi = tl.minimum(start_n + BLOCK_N, N)
+        diag_hi = tl.minimum(start_n + BLOCK_N, N_Q)
         dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, stride_qn, stride_don,
-                                 start_n, start_n, diag_hi, N, qk_scale, True, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
+                                 start_n, start_n, diag_hi, N_Q, qk_scale, True, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
         dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, stride_qn, stride_don,
-                                 start_n, diag_hi, N, N, qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
+                                 start_n, diag_hi, N_Q, N_Q, qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
     else:
         dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, stride_qn, stride_don,
-                                 start_n, 0, N, N, qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
+                                 start_n, 0, N_Q, N_Q, qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
 
     dk *= sm_scale  # dS was taken w.r.t. the scaled scores
-    out = b * stride_dkb + h * stride_dkh + rows_n[:, None] * stride_dkn + offs_d[None, :]
-    tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
-    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+    dk_ptrs = DK + b * stride_dkb + h * stride_dkh + rows_n[:, None] * stride_dkn + offs_d[None, :]
+    dv_ptrs = DV + b * stride_dvb + h * stride_dvh + rows_n[:, None] * stride_dvn + offs_d[None, :]
+    if ACCUMULATE:  # dK = dK_before + this launch's share (scaled above, alone); this program is the tile's only writer
+        dk += tl.load(dk_ptrs, mask=col_ok[:, None], other=0.0)
+        dv += tl.load(dv_ptrs, mask=col_ok[:, None], other=0.0)
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
 
 
 @triton.jit
-def _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, lo, hi, N, qk_scale,
+def _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, lo, hi, N_K, qk_scale,
                   MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr,
                   TMA: tl.constexpr):
-    """Accumulate dQ of one query tile over key tiles [lo, hi)."""
+    """Accumulate dQ of one query tile over key tiles [lo, hi) of the N_K keys."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     k_src = _tile_start(k_src, lo, stride_kn, INT64_OFFSETS, TMA)
     v_src = _tile_start(v_src, lo, stride_vn, INT64_OFFSETS, TMA)
     for start_n in range(lo, hi, BLOCK_N):
         # keys past the end load as zeros: they add exactly 0 to dQ (dQ += dS K), so no score mask is needed
-        col_ok = (start_n + offs_n) < N
+        col_ok = (start_n + offs_n) < N_K
         k = _load_tile(k_src, start_n, col_ok, True, TMA)
         v = _load_tile(v_src, start_n, col_ok, True, TMA)
         # P = exp2(Q Kᵀ · scale·log2e − LSE)
@@ -302,10 +332,12 @@ def _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, sta
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
-                   stride_dqb, stride_dqh, stride_dqn,
-                   H, N, qk_scale, sm_scale,
-                   CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr):
+                   stride_dqb, stride_dqh, stride_dqn, stride_lse, stride_delta,
+                   H, N_Q, N_K, qk_scale, sm_scale,
+                   CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr):
+    """dQ of one tile of the N_Q queries over the N_K keys (N_Q == N_K when CAUSAL). ACCUMULATE: add it to what DQ
+    holds (fp32) instead of overwriting it."""
     pid_m = tl.program_id(0)
     if CAUSAL:  # longest rows first
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -315,29 +347,32 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = (start_m + offs_m) < N
+    row_ok = (start_m + offs_m) < N_Q
     rows = start_m.to(tl.int64) + offs_m
     q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + offs_d[None, :],
                 mask=row_ok[:, None], other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_don + offs_d[None, :],
                  mask=row_ok[:, None], other=0.0)
-    lse = tl.load(LSE + bh.to(tl.int64) * N + rows, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + bh.to(tl.int64) * N + rows, mask=row_ok, other=0.0)
-    k_src = _tile_source(K + b * stride_kb + h * stride_kh, N, stride_kn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
-    v_src = _tile_source(V + b * stride_vb + h * stride_vh, N, stride_vn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
+    lse = tl.load(LSE + bh.to(tl.int64) * stride_lse + rows, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + bh.to(tl.int64) * stride_delta + rows, mask=row_ok, other=0.0)
+    k_src = _tile_source(K + b * stride_kb + h * stride_kh, N_K, stride_kn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
+    v_src = _tile_source(V + b * stride_vb + h * stride_vh, N_K, stride_vn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     if CAUSAL:
-        dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, 0, start_m, N,
+        dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, 0, start_m, N_K,
                            qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
         dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, start_m,
-                           tl.minimum(start_m + BLOCK_M, N), N, qk_scale, True, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
+                           tl.minimum(start_m + BLOCK_M, N_K), N_K, qk_scale, True, BLOCK_M, BLOCK_N, INT64_OFFSETS,
+                           TMA)
     else:
-        dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, 0, N, N,
+        dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, 0, N_K, N_K,
                            qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
     dq *= sm_scale
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn + offs_d[None, :]
+    if ACCUMULATE:  # dQ = dQ_before + this launch's share (scaled above, alone); this program is the tile's only writer
+        dq += tl.load(dq_ptrs, mask=row_ok[:, None], other=0.0)
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -491,28 +526,83 @@ def _needs_int64(n: int, *tensors: Tensor) -> bool:
     return any(n * t.stride(2) >= 2**31 for t in tensors)
 
 
-def _empty_in_layout_of(t: Tensor) -> Tensor:
-    """An uninitialized (B, H, N, D) tensor laid out in memory like t: as (B, N, H, D) rows when t is a
-    head-transposed view of a (B, N, ...) buffer (the model's q/k/v), so that the model's transpose +
-    reshape back to (B, N, H·D) is a free view; plain (B, H, N, D) otherwise."""
+def _empty_in_layout_of(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """An uninitialized (B, H, N, D) tensor (of t's dtype unless given) laid out in memory like t: as (B, N, H, D)
+    rows when t is a head-transposed view of a (B, N, ...) buffer (the model's q/k/v), so that the model's
+    transpose + reshape back to (B, N, H·D) is a free view; plain (B, H, N, D) otherwise."""
     B, H, N, D = t.shape
+    dtype = t.dtype if dtype is None else dtype
     if t.stride(1) < t.stride(2):  # heads vary faster than positions: rows of (H, D)
-        return torch.empty((B, N, H, D), dtype=t.dtype, device=t.device).transpose(1, 2)
-    return torch.empty((B, H, N, D), dtype=t.dtype, device=t.device)
+        return torch.empty((B, N, H, D), dtype=dtype, device=t.device).transpose(1, 2)
+    return torch.empty((B, H, N, D), dtype=dtype, device=t.device)
 
 
-def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float,
-                   cfg: TileConfig | None = None) -> tuple[Tensor, Tensor]:
-    """Run the forward kernel: (o, lse). `cfg` overrides the tile table (the benchmark's tile exploration)."""
-    B, H, N, D = q.shape
-    cfg = cfg or tile_config("fwd", D, causal, q.dtype, N)
-    o = _empty_in_layout_of(q)
-    lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(N, cfg.block_m), B * H)
-    _fwd_kernel[grid](q, k, v, o, lse, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(o),
-                      H, N, sm_scale * LOG2E, CAUSAL=causal, HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                      INT64_OFFSETS=_needs_int64(N, q, k, v), TMA=_use_tma(cfg, k, v),
-                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+def _check_lengths(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
+    """The launchers take Nq query rows against Nk key rows; a causal mask is the diagonal of a square, so causal
+    launches need Nq == Nk. (flash_attention's own check, _check_inputs, keeps one shape for q, k, v.)"""
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3] or k.shape[2] < 1:
+        raise ValueError(f"flash_attention: q (B, H, Nq, D) and k, v (B, H, Nk, D) with Nk >= 1 expected, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError(f"flash_attention: causal attention needs as many queries as keys, got Nq={q.shape[2]}, "
+                         f"Nk={k.shape[2]} (different lengths only without the causal mask)")
+
+
+def _row_stride(t: Tensor) -> int | None:
+    """The distance between the (batch, head) rows of a (B, H, N) tensor that the kernels address as
+    t + (b·H + h)·stride + n (LSE, delta): a contiguous tensor or a slice of one along N. None if t is not such."""
+    B, H, N = t.shape
+    stride = t.stride(1) if H > 1 else t.stride(0)
+    if (N > 1 and t.stride(2) != 1) or (B > 1 and H > 1 and t.stride(0) != H * stride):
+        return None
+    return stride
+
+
+def _rows_in(t: Tensor) -> tuple[Tensor, int]:
+    """A (B, H, N) kernel input and its row stride; copied to contiguous memory only if its rows do not fit."""
+    stride = _row_stride(t)
+    if stride is None:
+        t = t.contiguous()
+        stride = _row_stride(t)
+    return t, stride
+
+
+def _check_out(name: str, t: Tensor, shape: torch.Size | tuple[int, ...], accumulate: bool) -> None:
+    """An output buffer given by the caller: its shape, a contiguous last dimension, fp32 when accumulated into."""
+    if t.shape != shape or t.stride(-1) != 1 or (accumulate and t.dtype != torch.float32):
+        raise ValueError(f"flash_attention: out {name} must be {tuple(shape)}{', fp32,' if accumulate else ''} with a "
+                         f"contiguous last dimension, got {tuple(t.shape)} {t.dtype} with strides {t.stride()}")
+
+
+def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float, cfg: TileConfig | None = None,
+                   out: tuple[Tensor, Tensor] | None = None, accumulate: bool = False) -> tuple[Tensor, Tensor]:
+    """Run the forward kernel: (o, lse) of the Nq rows of q against the Nk keys of k, v (Nq == Nk when causal).
+    `cfg` overrides the tile table (the benchmark's tile exploration).
+
+    out=(o, lse): write the result there instead of into new tensors: o (B, H, Nq, D), any dtype, any strides with
+    a contiguous last dimension; lse (B, H, Nq) fp32, a contiguous tensor or a slice of one along Nq.
+    accumulate=True: out holds, in fp32, the attention of these rows over other keys (o normalized, lse base 2; a
+    row with lse = -inf holds nothing yet, whatever its o) and is overwritten with the attention over both key
+    sets. Ring attention folds each arriving block into its running output this way, without a merge pass."""
+    _check_lengths(q, k, v, causal)
+    B, H, N_Q, D = q.shape
+    N_K = k.shape[2]
+    cfg = cfg or tile_config("fwd", D, causal, q.dtype, N_Q)
+    if out is None:
+        if accumulate:
+            raise ValueError("flash_attention: accumulate=True continues the state in `out`; none given")
+        o, lse = _empty_in_layout_of(q), torch.empty((B, H, N_Q), dtype=torch.float32, device=q.device)
+    else:
+        o, lse = out
+        _check_out("o", o, q.shape, accumulate)
+        if lse.shape != (B, H, N_Q) or lse.dtype != torch.float32 or _row_stride(lse) is None:
+            raise ValueError(f"flash_attention: out lse must be ({B}, {H}, {N_Q}) fp32 with contiguous rows, got "
+                             f"{tuple(lse.shape)} {lse.dtype} with strides {lse.stride()}")
+    grid = (triton.cdiv(N_Q, cfg.block_m), B * H)
+    _fwd_kernel[grid](q, k, v, o, lse, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(o), _row_stride(lse),
+                      H, N_Q, N_K, sm_scale * LOG2E, CAUSAL=causal, CONTINUE=accumulate, HEAD_DIM=D,
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v),
+                      TMA=_use_tma(cfg, k, v), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return o, lse
 
 
@@ -526,44 +616,69 @@ def launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse:
 
 
 # The backward's three kernels are also launched one by one: ring attention runs a block's dQ and dK/dV kernels at
-# different times, to overlap different transfers.
+# different times, to overlap different transfers, and has them add into its fp32 accumulators (`accumulate`).
+# lse and delta are those of the whole softmax row (the final o, lse), whatever part of its keys a launch sees.
 def launch_backward_delta(do: Tensor, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
     """(do with a contiguous last dimension, delta = rowsum(dO ∘ O) as (B, H, N) fp32)."""
     B, H, N, D = o.shape
     if do.stride(-1) != 1:
         do = do.contiguous()
-    delta = torch.empty_like(lse)
+    delta = torch.empty_like(lse, memory_format=torch.contiguous_format)
     _bwd_delta_kernel[(triton.cdiv(N, 128), B * H)](o, do, delta, *_strides3(o), *_strides3(do), H, N,
                                                     HEAD_DIM=D, BLOCK_M=128, num_warps=4)
     return do, delta
 
 
 def launch_backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, causal: bool,
-                         sm_scale: float, cfg: TileConfig | None = None) -> tuple[Tensor, Tensor]:
-    """(dk, dv), in the memory layouts of k and v."""
-    B, H, N, D = q.shape
-    dk, dv = _empty_in_layout_of(k), _empty_in_layout_of(v)
-    c = cfg or tile_config("dkdv", D, causal, q.dtype, N)
-    _bwd_dkdv_kernel[(triton.cdiv(N, c.block_n), B * H)](
+                         sm_scale: float, cfg: TileConfig | None = None, out: tuple[Tensor, Tensor] | None = None,
+                         accumulate: bool = False) -> tuple[Tensor, Tensor]:
+    """(dk, dv) of the Nk keys over the Nq queries (Nq == Nk when causal), in the memory layouts of k and v, or
+    written into out=(dk, dv) (k's shape, contiguous last dimension); accumulate=True adds them to what out holds
+    (fp32): ring attention's travelling dK/dV accumulator."""
+    _check_lengths(q, k, v, causal)
+    B, H, N_Q, D = q.shape
+    N_K = k.shape[2]
+    if out is None:
+        if accumulate:
+            raise ValueError("flash_attention: accumulate=True adds into `out`; none given")
+        dk, dv = _empty_in_layout_of(k), _empty_in_layout_of(v)
+    else:
+        dk, dv = out
+        _check_out("dk", dk, k.shape, accumulate)
+        _check_out("dv", dv, v.shape, accumulate)
+    (lse, stride_lse), (delta, stride_delta) = _rows_in(lse), _rows_in(delta)
+    c = cfg or tile_config("dkdv", D, causal, q.dtype, N_Q)
+    _bwd_dkdv_kernel[(triton.cdiv(N_K, c.block_n), B * H)](
         q, k, v, do, lse, delta, dk, dv, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do),
-        *_strides3(dk), H, N, sm_scale * LOG2E, sm_scale,
-        CAUSAL=causal, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, INT64_OFFSETS=_needs_int64(N, q, k, v, do),
-        TMA=_use_tma(c, q, do),
+        *_strides3(dk), *_strides3(dv), stride_lse, stride_delta, H, N_Q, N_K, sm_scale * LOG2E, sm_scale,
+        CAUSAL=causal, ACCUMULATE=accumulate, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+        INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v, do), TMA=_use_tma(c, q, do),
         num_warps=c.num_warps, num_stages=c.num_stages)
     return dk, dv
 
 
 def launch_backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, causal: bool,
-                       sm_scale: float, cfg: TileConfig | None = None) -> Tensor:
-    """dq, in the memory layout of q."""
-    B, H, N, D = q.shape
-    dq = _empty_in_layout_of(q)
-    c = cfg or tile_config("dq", D, causal, q.dtype, N)
-    _bwd_dq_kernel[(triton.cdiv(N, c.block_m), B * H)](
+                       sm_scale: float, cfg: TileConfig | None = None, out: Tensor | None = None,
+                       accumulate: bool = False) -> Tensor:
+    """dq of the Nq queries over the Nk keys (Nq == Nk when causal), in the memory layout of q, or written into
+    `out` (q's shape, contiguous last dimension); accumulate=True adds it to what out holds (fp32)."""
+    _check_lengths(q, k, v, causal)
+    B, H, N_Q, D = q.shape
+    N_K = k.shape[2]
+    if out is None:
+        if accumulate:
+            raise ValueError("flash_attention: accumulate=True adds into `out`; none given")
+        dq = _empty_in_layout_of(q)
+    else:
+        dq = out
+        _check_out("dq", dq, q.shape, accumulate)
+    (lse, stride_lse), (delta, stride_delta) = _rows_in(lse), _rows_in(delta)
+    c = cfg or tile_config("dq", D, causal, q.dtype, N_Q)
+    _bwd_dq_kernel[(triton.cdiv(N_Q, c.block_m), B * H)](
         q, k, v, do, lse, delta, dq, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do),
-        *_strides3(dq), H, N, sm_scale * LOG2E, sm_scale,
-        CAUSAL=causal, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n, INT64_OFFSETS=_needs_int64(N, q, k, v, do),
-        TMA=_use_tma(c, k, v),
+        *_strides3(dq), stride_lse, stride_delta, H, N_Q, N_K, sm_scale * LOG2E, sm_scale,
+        CAUSAL=causal, ACCUMULATE=accumulate, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+        INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v, do), TMA=_use_tma(c, k, v),
         num_warps=c.num_warps, num_stages=c.num_stages)
     return dq
 

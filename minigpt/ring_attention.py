@@ -17,18 +17,24 @@ each other follows from the chunk order alone:
     src >  r:  both key chunks precede chunk 2K-1-r and follow chunk r: q_b attends to all 2c keys in full,
                q_a to none.
 
-Each step is one kernel launch on c-token pairs stacked along the batch dimension (the kernel takes q and k
-of one length), giving a partial output o_i and its row log-sum-exp lse_i. Partials are merged in fp32:
+So every step other than the local one is plain (non-causal) attention of a contiguous run of query rows
+against a contiguous run of keys: rows [0, 2c) against keys [0, c), or rows [c, 2c) against keys [0, 2c).
+Each step is one launch of our kernel on those rows and keys (it takes Nq queries against Nk keys without the
+mask), and the kernel itself folds them into the rows' running result: the output (o, lse) lives in fp32
+buffers, which the local causal step writes and each later step continues from (`accumulate`). With base-2
+LSEs (the kernel's LSE is log2 Σ_j exp2(scale·log2(e)·q·k_j), the softmax scale folded in), continuing from
+(o, lse) means starting the online softmax at m = lse, l = 1, acc = o, which after the new keys gives
 
-    lse = log2(Σ_i 2^lse_i),     o = Σ_i 2^(lse_i − lse) · o_i
+    lse' = log2(2^lse + Σ_j 2^s_j),     o' = (2^lse · o + Σ_j 2^s_j v_j) / 2^lse'
 
-in base 2 because the kernel's LSE is log2 Σ_j exp2(scale·log2(e)·q·k_j), the softmax scale folded in.
+the softmax over both key sets, with no merge pass between the steps.
 
 Backward (FlashAttention-2): a block's dQ, dK, dV need only the final o, the final lse and
-delta = rowsum(dO ∘ O), so each step reruns our backward kernel (`launch_backward`) on the same pairs with
-the merged (o, lse). dQ stays local; each block's dK/dV accumulator (fp32) starts at the first other rank
-that holds the block, travels around the ring with it and comes back to the block's owner, which adds its
-own share, computed last, while that hop is under way.
+delta = rowsum(dO ∘ O), so each step reruns our backward kernels on the same rows and keys with the final
+(o, lse): dQ_rows += dS K_keys and dK_keys += dSᵀ Q_rows, dV_keys += Pᵀ dO_rows, each added by the kernel into
+an fp32 buffer. dQ stays local; each block's dK/dV accumulator (fp32) starts at the first other rank that
+holds the block, travels around the ring with it and comes back to the block's owner, which adds its own
+share, computed last, while that hop is under way.
 
 Communication is `torch.distributed.batch_isend_irecv` on the context-parallel group, posted before the
 step's compute so the transfer overlaps it. Every rank issues the same sends and receives in the same
@@ -88,90 +94,51 @@ def zigzag_unshard(shards: list[Tensor], dim: int = 1, n: int | None = None) -> 
 
 
 # ------------------------------------------------------------------------------------------------
-# Pair stacking: one kernel launch over c-token (query chunk, key chunk) pairs
+# One block: which local query rows see which of its keys
 # ------------------------------------------------------------------------------------------------
-def _halves(x: Tensor) -> Tensor:
-    """(B, H, 2c, ...) -> (2B, H, c, ...): each sequence's two chunks as two batch entries (b, half) -> 2b+half.
-    A view for the model's (B, N, H, D)-laid-out tensors, a copy otherwise."""
-    b, h, n = x.shape[:3]
-    return x.unflatten(2, (2, n // 2)).transpose(1, 2).flatten(0, 1)
+def _visible(src: int, rank: int, c: int) -> tuple[slice, slice]:
+    """(query rows, key rows) of the local queries and another rank's block src (chunks src and 2K-1-src) that
+    see each other, in full: all 2c rows see k_a if src < rank; q_b sees all 2c keys if src > rank."""
+    if src < rank:
+        return slice(0, 2 * c), slice(0, c)
+    return slice(c, 2 * c), slice(0, 2 * c)
 
 
-def _unhalves(x: Tensor) -> Tensor:
-    """Inverse of _halves: (2B, H, c, ...) -> (B, H, 2c, ...)."""
-    return x.unflatten(0, (x.shape[0] // 2, 2)).transpose(1, 2).flatten(2, 3)
+def _rows(t: Tensor, rows: slice) -> Tensor:
+    """Rows of a (B, H, N, ...) tensor: a view."""
+    return t[:, :, rows]
 
 
-def _twice(x: Tensor) -> Tensor:
-    """(B, H, c, ...) -> (2B, H, c, ...): each batch entry repeated, so one chunk meets both chunks of the other side."""
-    return x.unsqueeze(1).expand(x.shape[0], 2, *x.shape[1:]).flatten(0, 1)
-
-
-def _pairs(x: Tensor) -> tuple[Tensor, Tensor]:
-    """(2B, ...) -> two (B, ...) views: the two stacked entries of each batch entry (the reverse of _twice). The
-    caller adds both into its fp32 accumulator, so no fp32 copy of x is made."""
-    x = x.unflatten(0, (x.shape[0] // 2, 2))
-    return x[:, 0], x[:, 1]
-
-
-def _first(x: Tensor) -> Tensor:
-    return x[:, :, : x.shape[2] // 2]
-
-
-def _second(x: Tensor) -> Tensor:
-    return x[:, :, x.shape[2] // 2 :]
-
-
-def _merge_(o: Tensor, lse: Tensor, o_i: Tensor, lse_i: Tensor) -> None:
-    """In place, fp32: (o, lse) <- the softmax over the union of both key sets (base-2 LSEs):
-    lse' = log2(2^lse + 2^lse_i);  o' = 2^(lse − lse') o + 2^(lse_i − lse') o_i."""
-    new = torch.logaddexp2(lse, lse_i)
-    o.mul_(torch.exp2(lse - new).unsqueeze(-1)).add_(o_i.float() * torch.exp2(lse_i - new).unsqueeze(-1))
-    lse.copy_(new)
-
-
-# ------------------------------------------------------------------------------------------------
-# One block: the partial forward and backward of the local queries against one key/value block
-# ------------------------------------------------------------------------------------------------
-def _block_forward(q: Tensor, k: Tensor, v: Tensor, src: int, rank: int, sm_scale: float
-                   ) -> tuple[Tensor, Tensor, slice]:
-    """(o_i, lse_i, rows): the partial attention of the query rows `rows` against block src's keys."""
+def _block_forward(q: Tensor, k: Tensor, v: Tensor, src: int, rank: int, sm_scale: float, o: Tensor,
+                   lse: Tensor) -> None:
+    """Fold block src's keys into the running fp32 (o, lse) of the local rows that see them: one kernel launch."""
     from minigpt_kernels.flash_attention import launch_forward
 
-    n = q.shape[2]
-    if src == rank:  # the local block: causal over the local order
-        o, lse = launch_forward(q, k, v, True, sm_scale)
-        return o, lse, slice(0, n)
-    if src < rank:  # [q_a | q_b] against k_a: the pairs (q_a, k_a), (q_b, k_a), full
-        o, lse = launch_forward(_halves(q), _twice(_first(k)), _twice(_first(v)), False, sm_scale)
-        return _unhalves(o), _unhalves(lse), slice(0, n)
-    # src > rank: q_b against [k_a | k_b]: the pairs (q_b, k_a), (q_b, k_b), full; merge the two
-    o, lse = launch_forward(_twice(_second(q)), _halves(k), _halves(v), False, sm_scale)
-    o, lse = o.unflatten(0, (q.shape[0], 2)), lse.unflatten(0, (q.shape[0], 2))
-    o_b, lse_b = o[:, 0].float(), lse[:, 0].clone()
-    _merge_(o_b, lse_b, o[:, 1], lse[:, 1])
-    return o_b, lse_b, slice(n // 2, n)
+    if src == rank:  # the local block: causal over the local order; it writes every row's first state
+        launch_forward(q, k, v, True, sm_scale, out=(o, lse))
+        return
+    rows, keys = _visible(src, rank, q.shape[2] // 2)
+    launch_forward(_rows(q, rows), _rows(k, keys), _rows(v, keys), False, sm_scale,
+                   out=(_rows(o, rows), _rows(lse, rows)), accumulate=True)
 
 
-def _block_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, src: int, rank: int,
-                    sm_scale: float, dq: Tensor) -> tuple[slice, tuple[Tensor, ...], tuple[Tensor, ...]]:
-    """Add another rank's block src's share of dQ into dq (fp32) and return its share of dK, dV: (key rows, dk
-    parts, dv parts), the parts to be summed. Uses the final (merged) o and lse: P = exp2(s − lse) and
-    delta = rowsum(dO ∘ O) are those of the whole row. (The local block is ring_backward's own.)"""
-    from minigpt_kernels.flash_attention import launch_backward
+def _block_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, src: int, rank: int,
+                    sm_scale: float, dq: Tensor, accumulator: Callable[[], Tensor]) -> Tensor:
+    """Another rank's block src's share of the backward, added by the kernels into fp32 buffers: dQ into dq, then
+    dK/dV into the block's travelling accumulator (laid out as a _stack_kv message), which `accumulator()` gives.
+    It is asked for only once the dQ kernel is launched, so its hop overlaps that kernel. Returns it.
+    lse and delta are the final ones: P = exp2(s − lse) and delta = rowsum(dO ∘ O) are those of the whole row."""
+    from minigpt_kernels.flash_attention import launch_backward_dkdv, launch_backward_dq
 
-    n = q.shape[2]
-    if src < rank:  # all queries against k_a: dQ for every row, dK/dV for chunk a (two pairs, summed by the caller)
-        dq_i, dk_i, dv_i = launch_backward(_halves(do), _halves(q), _twice(_first(k)), _twice(_first(v)),
-                                           _halves(o), _halves(lse).contiguous(), False, sm_scale)
-        dq.add_(_unhalves(dq_i))
-        return slice(0, n // 2), _pairs(dk_i), _pairs(dv_i)
-    # q_b against both key chunks: dQ for rows b (summed over both pairs), dK/dV for the whole block
-    dq_i, dk_i, dv_i = launch_backward(_twice(_second(do)), _twice(_second(q)), _halves(k), _halves(v),
-                                       _twice(_second(o)), _twice(_second(lse)).contiguous(), False, sm_scale)
-    for pair in _pairs(dq_i):
-        _second(dq).add_(pair)
-    return slice(0, n), (_unhalves(dk_i),), (_unhalves(dv_i),)
+    rows, keys = _visible(src, rank, q.shape[2] // 2)
+    mine = [_rows(t, rows) for t in (do, q)]
+    theirs = [_rows(t, keys) for t in (k, v)]
+    stats = [_rows(t, rows) for t in (lse, delta)]
+    launch_backward_dq(*mine, *theirs, *stats, False, sm_scale, out=_rows(dq, rows), accumulate=True)
+    dkv = accumulator()
+    launch_backward_dkdv(*mine, *theirs, *stats, False, sm_scale,
+                         out=tuple(_rows(t, keys) for t in _unstack_kv(dkv)), accumulate=True)
+    return dkv
 
 
 # ------------------------------------------------------------------------------------------------
@@ -201,9 +168,9 @@ class Ring:
 
 
 def _stack_kv(k: Tensor, v: Tensor) -> Tensor:
-    """k and v in one contiguous message (2, B, N, H, D): the model's layout, in which _halves are views. When k
-    and v already are the two halves of such a buffer (the block recompute makes them so), that buffer is the
-    message and nothing is copied."""
+    """k and v in one contiguous message (2, B, N, H, D): the model's layout, which the kernels read as strided
+    (B, H, N, D) views (and the dK/dV accumulator's layout). When k and v already are the two halves of such a
+    buffer (the block recompute makes them so), that buffer is the message and nothing is copied."""
     kt, vt = k.transpose(1, 2), v.transpose(1, 2)
     base = kt._base
     if (base is not None and base is vt._base and base.shape == (2, *kt.shape) and base.is_contiguous()
@@ -231,21 +198,20 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | Non
                  ) -> tuple[Tensor, Tensor]:
     """(o, lse) of causal attention of the local zigzag queries against the whole sequence's keys; no autograd.
     o has q's dtype and memory layout; lse is the base-2 row log-sum-exp, fp32 (B, H, N_local)."""
+    from minigpt_kernels.flash_attention import _empty_in_layout_of
+
     ring = Ring(group)
     kv = _stack_kv(k, v)
-    o_acc = lse_acc = None
+    # the running result, fp32: written by the local block (step 0, every row sees its diagonal), then continued
+    o, lse = _empty_in_layout_of(q, torch.float32), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     for step in range(ring.size):
         src = (ring.rank - step) % ring.size  # whose block we hold now
         # post the next block's transfer first, so it overlaps this block's compute
         incoming = ring.pass_on(kv) if step + 1 < ring.size else None
-        o_i, lse_i, rows = _block_forward(q, *_unstack_kv(kv), src, ring.rank, sm_scale)
-        if o_acc is None:  # step 0, the local causal block, covers every row
-            o_acc, lse_acc = o_i.float(), lse_i
-        else:
-            _merge_(o_acc[:, :, rows], lse_acc[:, :, rows], o_i, lse_i)
+        _block_forward(q, *_unstack_kv(kv), src, ring.rank, sm_scale, o, lse)
         if incoming is not None:
             kv = incoming()
-    return o_acc.to(q.dtype), lse_acc
+    return o.to(q.dtype), lse
 
 
 def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
@@ -254,27 +220,24 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
 
     The local block comes first and last: its dQ kernel runs while the first other block arrives, and its dK/dV
     kernel while the accumulator of the other ranks' dK/dV for it makes its last hop home, so neither transfer
-    waits alone. In between, each other rank's block is processed as it arrives."""
-    from minigpt_kernels.flash_attention import launch_backward_delta, launch_backward_dkdv, launch_backward_dq
+    waits alone. In between, each other rank's block is processed as it arrives: its dQ kernel first, while the
+    block's accumulator is still arriving, then its dK/dV kernel adding into that accumulator."""
+    from minigpt_kernels.flash_attention import (_empty_in_layout_of, launch_backward_delta, launch_backward_dkdv,
+                                                 launch_backward_dq)
 
     ring = Ring(group)
     kv = _stack_kv(k, v)
     kv_incoming = ring.pass_on(kv) if ring.size > 1 else None
     do, delta = launch_backward_delta(do, o, lse)
-    dq = launch_backward_dq(do, q, k, v, lse, delta, True, sm_scale).float()
-    dkv_incoming = None  # the (dK, dV) accumulator (fp32) of the block we hold: it travels with the block
+    dq = launch_backward_dq(do, q, k, v, lse, delta, True, sm_scale, out=_empty_in_layout_of(q, torch.float32))
+    dkv_incoming = None  # the (dK, dV) accumulator (fp32, laid out as kv) of the block we hold: it travels with it
     for step in range(1, ring.size):
         src = (ring.rank - step) % ring.size  # whose block arrives now
         kv = kv_incoming()
         kv_incoming = ring.pass_on(kv) if step + 1 < ring.size else None
-        # this block's share, computed while the next block and this block's accumulator are in flight
-        rows, dk_parts, dv_parts = _block_backward(do, q, *_unstack_kv(kv), o, lse, src, ring.rank, sm_scale, dq)
-        dkv = dkv_incoming() if dkv_incoming is not None else torch.zeros((2, *k.shape), dtype=torch.float32,
-                                                                             device=k.device)
-        for acc, parts in ((dkv[0][:, :, rows], dk_parts), (dkv[1][:, :, rows], dv_parts)):
-            for part in parts:
-                acc += part
-        del dk_parts, dv_parts
+        # this block's share, computed while the next block (and, during its dQ kernel, its accumulator) is in flight
+        accumulator = dkv_incoming or _new_accumulator(kv)
+        dkv = _block_backward(do, q, *_unstack_kv(kv), lse, delta, src, ring.rank, sm_scale, dq, accumulator)
         # hand the accumulator on with its block; after the last hop each one is back at its owner
         dkv_incoming = ring.pass_on(dkv)
         if dkv.numel() * dkv.element_size() >= SERIAL_HOP_BYTES:
@@ -285,16 +248,21 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     dk, dv = launch_backward_dkdv(do, q, k, v, lse, delta, True, sm_scale)  # the local block, during the last hop
     if dkv_incoming is None:  # a ring of one
         return dq, dk, dv
-    dkv = dkv_incoming()
-    dkv[0] += dk
-    dkv[1] += dv
-    return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    # dK = mine + the other ranks' (fp32), added in fp32 and cast into mine in one pass
+    theirs_k, theirs_v = _unstack_kv(dkv_incoming())
+    return dq, dk.add_(theirs_k), dv.add_(theirs_v)
 
 
-# An accumulator hop of at least this size is waited for at once instead of while the next block computes: two
+# An accumulator hop of at least this size is waited for at once instead of during the next block's dQ kernel: two
 # fp32 (dK, dV) accumulators in flight take 12 KB per local token (for 768 channels), and at such sizes the hop
 # (~4 ms per GiB over NVLink) is small beside a block's compute.
 SERIAL_HOP_BYTES = 256 << 20
+
+
+def _new_accumulator(kv: Tensor) -> Callable[[], Tensor]:
+    """A block's (dK, dV) accumulator as the first rank after its owner starts it: fp32 zeros laid out as kv."""
+    zeros = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    return lambda: zeros
 
 
 def _settled(wait: Callable[[], Tensor]) -> Callable[[], Tensor]:

@@ -191,3 +191,235 @@ def test_flash_backend_trains_the_model(tiny_config):
         assert run(cfg) == 0
         losses[name] = json.loads((Path(cfg.run_dir) / "summary.json").read_text())["final_train_loss"]
     assert math.isclose(losses["flash"], losses["sdpa"], rel_tol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------
+# The launchers' modes for ring attention: Nq queries against Nk keys (non-causal), a forward that continues
+# from a partial (o, lse) state, backward kernels that add into fp32 buffers
+# ------------------------------------------------------------------------------------------------
+LN2 = math.log(2.0)
+
+
+def model_rows(B, N, H, D, dtype, g, parts=1):
+    """`parts` (B, H, N, D) views of one (B, N, parts, H, D) buffer, as the model lays out q/k/v."""
+    x = torch.randn(B, N, parts, H, D, generator=g).to(dtype)
+    return [t.transpose(1, 2) for t in x.unbind(2)]
+
+
+def fp32_rows(B, N, H, D, parts=1):
+    """(B, H, N, D) fp32 views of one uninitialized (NaN, under poison_outputs) (parts, B, N, H, D) buffer."""
+    x = torch.empty(parts, B, N, H, D)
+    return [t.transpose(1, 2) for t in x.unbind(0)]
+
+
+def masked_reference(q, k, v, visible, scale):
+    """float64 softmax(scale · q kᵀ, keys where `visible` (Nq, Nk) is False left out) v and its base-2 row LSE."""
+    s = (q.double() @ k.double().transpose(-2, -1)) * scale
+    s = s.masked_fill(~visible, float("-inf"))
+    return s.softmax(-1) @ v.double(), torch.logsumexp(s, -1) / LN2
+
+
+def everything(nq, nk):
+    return torch.ones(nq, nk, dtype=torch.bool)
+
+
+def diagonal(n):
+    return torch.ones(n, n, dtype=torch.bool).tril()
+
+
+def grads_of_reference(q, k, v, do, visible, scale):
+    """dq, dk, dv of masked_reference in float64."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    o, _ = masked_reference(*leaves, visible, scale)
+    return torch.autograd.grad(o, leaves, do.double())
+
+
+def lse_err(lse, ref) -> float:
+    return (lse.double() - ref).abs().max().item()
+
+
+LSE_TOL = {torch.float32: 1e-5, torch.float16: 5e-3}
+UNEQUAL = [(37, 53, 16, torch.float32), (53, 37, 32, torch.float32), (37, 53, 64, torch.float32),
+           (1, 70, 32, torch.float32), (70, 1, 16, torch.float32), (37, 53, 32, torch.float16),
+           (53, 37, 64, torch.float16)]
+
+
+@pytest.mark.parametrize("loads", ["tma", "pointers"])
+@pytest.mark.parametrize("nq,nk,head_dim,dtype", UNEQUAL,
+                         ids=[f"q{a}-k{b}-d{d}-{str(t)[6:]}" for a, b, d, t in UNEQUAL])
+def test_queries_and_keys_of_different_lengths(request, loads, nq, nk, head_dim, dtype):
+    """Non-causal attention of Nq queries against Nk keys: query-side bounds use Nq, key-side ones Nk."""
+    if loads == "pointers":
+        request.getfixturevalue("pointer_loads")
+    g = torch.Generator().manual_seed(nq * 7 + nk + head_dim)
+    (q,), (k, v) = model_rows(2, nq, 2, head_dim, dtype, g), model_rows(2, nk, 2, head_dim, dtype, g, parts=2)
+    scale = head_dim ** -0.5
+    o, lse = fa.launch_forward(q, k, v, False, scale)
+    o_ref, lse_ref = masked_reference(q, k, v, everything(nq, nk), scale)
+    assert o.shape == q.shape and lse.shape == (2, 2, nq)
+    assert rel_err(o, o_ref) < TOL[dtype] and lse_err(lse, lse_ref) < LSE_TOL[dtype]
+
+    do = torch.randn(o.shape, generator=g).to(dtype)
+    grads = fa.launch_backward(do, q, k, v, o, lse, False, scale)
+    for name, got, ref in zip("qkv", grads, grads_of_reference(q, k, v, do, everything(nq, nk), scale)):
+        assert got.shape == ref.shape and rel_err(got, ref) < 2 * TOL[dtype], f"d{name}"
+
+
+def test_a_causal_launch_needs_as_many_queries_as_keys():
+    q, k, v = (torch.randn(1, 2, n, 16) for n in (8, 9, 9))
+    lse = delta = torch.zeros(1, 2, 8)
+    with pytest.raises(ValueError, match="causal attention needs as many queries as keys"):
+        fa.launch_forward(q, k, v, True, 0.25)
+    for launch in (fa.launch_backward_dq, fa.launch_backward_dkdv):
+        with pytest.raises(ValueError, match="causal"):
+            launch(q, q, k, v, lse, delta, True, 0.25)
+
+
+CONTINUED = [(37, 53, 29, 16, False, torch.float32), (37, 53, 37, 32, True, torch.float32),
+             (37, 20, 53, 64, False, torch.float32), (37, 53, 29, 32, False, torch.float16),
+             (45, 17, 45, 16, True, torch.float16)]
+
+
+@pytest.mark.parametrize("nq,nk1,nk2,head_dim,causal,dtype", CONTINUED,
+                         ids=[f"q{a}-k{b}+{c}-d{d}-{'causal' if m else 'full'}-{str(t)[6:]}"
+                              for a, b, c, d, m, t in CONTINUED])
+def test_forward_continued_over_more_keys_equals_attention_over_both(nq, nk1, nk2, head_dim, causal, dtype):
+    """A plain forward into fp32 buffers over keys k1, continued (accumulate=True) over keys k2: the result is the
+    attention over [k1 | k2] (k2 under the causal mask when the second launch is causal)."""
+    g = torch.Generator().manual_seed(nq + nk1 * 3 + nk2 * 5 + head_dim)
+    (q,) = model_rows(2, nq, 2, head_dim, dtype, g)
+    k1, v1 = model_rows(2, nk1, 2, head_dim, dtype, g, parts=2)
+    k2, v2 = model_rows(2, nk2, 2, head_dim, dtype, g, parts=2)
+    (o,), lse = fp32_rows(2, nq, 2, head_dim), torch.empty(2, 2, nq)
+    scale = 0.3
+    assert fa.launch_forward(q, k1, v1, False, scale, out=(o, lse))[0] is o
+    o_ref, lse_ref = masked_reference(q, k1, v1, everything(nq, nk1), scale)
+    assert rel_err(o, o_ref) < TOL[dtype] and lse_err(lse, lse_ref) < LSE_TOL[dtype]
+
+    fa.launch_forward(q, k2, v2, causal, scale, out=(o, lse), accumulate=True)
+    visible = torch.cat((everything(nq, nk1), diagonal(nq) if causal else everything(nq, nk2)), dim=1)
+    o_ref, lse_ref = masked_reference(q, torch.cat((k1, k2), 2), torch.cat((v1, v2), 2), visible, scale)
+    assert o.dtype == torch.float32 and not o.isnan().any()
+    assert rel_err(o, o_ref) < TOL[dtype] and lse_err(lse, lse_ref) < LSE_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_continuing_rows_that_hold_nothing_yet(dtype):
+    """Rows whose lse is -inf hold nothing (whatever their o, here NaN): continuing them gives the plain attention
+    over the new keys, with no NaN from exp2(-inf - (-inf)); rows holding a state get both key sets."""
+    g = torch.Generator().manual_seed(11)
+    nq, nk1, nk2, d = 37, 21, 53, 32
+    (q,) = model_rows(1, nq, 3, d, dtype, g)
+    k1, v1 = model_rows(1, nk1, 3, d, dtype, g, parts=2)
+    k2, v2 = model_rows(1, nk2, 3, d, dtype, g, parts=2)
+    (o,), lse = fp32_rows(1, nq, 3, d), torch.empty(1, 3, nq)
+    fa.launch_forward(q, k1, v1, False, d ** -0.5, out=(o, lse))
+    empty = torch.arange(nq) % 3 == 0  # every third row, in every tile
+    lse[:, :, empty] = float("-inf")
+    o[:, :, empty] = float("nan")
+    fa.launch_forward(q, k2, v2, False, d ** -0.5, out=(o, lse), accumulate=True)
+    visible = torch.cat((everything(nq, nk1) & ~empty[:, None], everything(nq, nk2)), dim=1)
+    o_ref, lse_ref = masked_reference(q, torch.cat((k1, k2), 2), torch.cat((v1, v2), 2), visible, d ** -0.5)
+    assert not o.isnan().any() and not lse.isnan().any()
+    assert rel_err(o, o_ref) < TOL[dtype] and lse_err(lse, lse_ref) < LSE_TOL[dtype]
+
+
+def ring_like_forward(q, k1, v1, k2, v2, c, scale):
+    """All rows against k1, then rows [c, N) continued against k2 (the ring's src > rank step): fp32 (o, lse), and
+    the visibility of [k1 | k2] it computes."""
+    (o,), lse = fp32_rows(q.shape[0], q.shape[2], q.shape[1], q.shape[3]), torch.empty(q.shape[:3])
+    fa.launch_forward(q, k1, v1, False, scale, out=(o, lse))
+    fa.launch_forward(q[:, :, c:], k2, v2, False, scale, out=(o[:, :, c:], lse[:, :, c:]), accumulate=True)
+    nq, nk1, nk2 = q.shape[2], k1.shape[2], k2.shape[2]
+    later = (torch.arange(nq) >= c)[:, None].expand(nq, nk2)
+    return o, lse, torch.cat((everything(nq, nk1), later), dim=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_slice_of_rows_is_continued_alone(dtype):
+    """Continuing rows [c, N) (an lse slice whose rows are not contiguous with each other) leaves rows [0, c) as
+    they were and folds the new keys into the others."""
+    g = torch.Generator().manual_seed(12)
+    (q,) = model_rows(2, 46, 2, 16, dtype, g)
+    k1, v1 = model_rows(2, 23, 2, 16, dtype, g, parts=2)
+    k2, v2 = model_rows(2, 46, 2, 16, dtype, g, parts=2)
+    o, lse, visible = ring_like_forward(q, k1, v1, k2, v2, 23, 0.25)
+    o_ref, lse_ref = masked_reference(q, torch.cat((k1, k2), 2), torch.cat((v1, v2), 2), visible, 0.25)
+    assert rel_err(o, o_ref) < TOL[dtype] and lse_err(lse, lse_ref) < LSE_TOL[dtype]
+
+
+ACCUMULATED = [(37, 53, 16, False, torch.float32), (53, 37, 32, False, torch.float32),
+               (37, 53, 64, False, torch.float16), (45, 45, 32, True, torch.float32), (45, 45, 16, True, torch.float16)]
+
+
+@pytest.mark.parametrize("nq,nk,head_dim,causal,dtype", ACCUMULATED,
+                         ids=[f"q{a}-k{b}-d{d}-{'causal' if m else 'full'}-{str(t)[6:]}"
+                              for a, b, d, m, t in ACCUMULATED])
+def test_backward_writes_or_adds_into_fp32_buffers(nq, nk, head_dim, causal, dtype):
+    """dQ and dK/dV written into the caller's fp32 buffers (NaN before), then added (accumulate=True) to buffers
+    holding earlier values: old + the new share, the softmax scale applied to the new share only."""
+    g = torch.Generator().manual_seed(nq + nk + head_dim)
+    (q,) = model_rows(2, nq, 2, head_dim, dtype, g)
+    k, v = model_rows(2, nk, 2, head_dim, dtype, g, parts=2)
+    scale = 0.3
+    o, lse = fa.launch_forward(q, k, v, causal, scale)
+    do = torch.randn(o.shape, generator=g).to(dtype)
+    do, delta = fa.launch_backward_delta(do, o, lse)
+    visible = diagonal(nq) if causal else everything(nq, nk)
+    ref_dq, ref_dk, ref_dv = grads_of_reference(q, k, v, do, visible, scale)
+
+    (dq,), (dk, dv) = fp32_rows(2, nq, 2, head_dim), fp32_rows(2, nk, 2, head_dim, parts=2)  # the ring's layouts
+    assert fa.launch_backward_dq(do, q, k, v, lse, delta, causal, scale, out=dq) is dq
+    assert fa.launch_backward_dkdv(do, q, k, v, lse, delta, causal, scale, out=(dk, dv))[0] is dk
+    for name, got, ref in (("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv)):
+        assert got.dtype == torch.float32 and rel_err(got, ref) < 2 * TOL[dtype], name
+
+    old = [torch.randn(t.shape, generator=g, dtype=torch.float64) * ref.std() for t, ref in
+           ((dq, ref_dq), (dk, ref_dk), (dv, ref_dv))]
+    for t, before in zip((dq, dk, dv), old):
+        t.copy_(before)
+    fa.launch_backward_dq(do, q, k, v, lse, delta, causal, scale, out=dq, accumulate=True)
+    fa.launch_backward_dkdv(do, q, k, v, lse, delta, causal, scale, out=(dk, dv), accumulate=True)
+    for name, got, before, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), old, (ref_dq, ref_dk, ref_dv)):
+        assert rel_err(got.double() - before.float().double(), ref) < 2 * TOL[dtype], name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_backward_in_parts_equals_the_backward_of_the_whole(dtype):
+    """The ring's backward on one rank in small: the final (o, lse) of ring_like_forward; dQ over k1 written, over
+    k2 added for rows [c, N) (lse and delta slices); dK/dV of each key set on its own. Together: the gradients of
+    attention over [k1 | k2]."""
+    g = torch.Generator().manual_seed(13)
+    c, d, scale = 19, 32, 32 ** -0.5
+    (q,) = model_rows(1, 2 * c, 2, d, dtype, g)
+    k1, v1 = model_rows(1, c, 2, d, dtype, g, parts=2)
+    k2, v2 = model_rows(1, 2 * c, 2, d, dtype, g, parts=2)
+    o, lse, visible = ring_like_forward(q, k1, v1, k2, v2, c, scale)
+    do = torch.randn(q.shape, generator=g).to(dtype)
+    do, delta = fa.launch_backward_delta(do, o, lse)
+    later = [t[:, :, c:] for t in (do, q)] + [k2, v2] + [t[:, :, c:] for t in (lse, delta)]
+
+    (dq,) = fp32_rows(1, 2 * c, 2, d)
+    fa.launch_backward_dq(do, q, k1, v1, lse, delta, False, scale, out=dq)
+    fa.launch_backward_dq(*later, False, scale, out=dq[:, :, c:], accumulate=True)
+    dk1, dv1 = fa.launch_backward_dkdv(do, q, k1, v1, lse, delta, False, scale)
+    dk2, dv2 = fa.launch_backward_dkdv(*later, False, scale)
+
+    k, v = torch.cat((k1, k2), 2), torch.cat((v1, v2), 2)
+    ref_dq, ref_dk, ref_dv = grads_of_reference(q, k, v, do, visible, scale)
+    for name, got, ref in (("dq", dq, ref_dq), ("dk", torch.cat((dk1, dk2), 2), ref_dk),
+                           ("dv", torch.cat((dv1, dv2), 2), ref_dv)):
+        assert rel_err(got, ref) < 2 * TOL[dtype], name
+
+
+def test_out_buffers_are_checked():
+    q = k = v = torch.randn(1, 2, 8, 16)
+    lse = torch.zeros(1, 2, 8)
+    with pytest.raises(ValueError, match="continues the state"):
+        fa.launch_forward(q, k, v, False, 0.25, accumulate=True)
+    with pytest.raises(ValueError, match="fp32"):
+        fa.launch_forward(q, k, v, False, 0.25, out=(torch.zeros(1, 2, 8, 16).half(), lse), accumulate=True)
+    with pytest.raises(ValueError, match="lse"):
+        fa.launch_forward(q, k, v, False, 0.25, out=(torch.zeros(1, 2, 8, 16), torch.zeros(1, 8, 2).transpose(1, 2)))
+    with pytest.raises(ValueError, match="out dq"):
+        fa.launch_backward_dq(q, q, k, v, lse, lse, False, 0.25, out=torch.zeros(1, 2, 9, 16))
