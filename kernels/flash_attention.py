@@ -574,6 +574,19 @@ def _check_out(name: str, t: Tensor, shape: torch.Size | tuple[int, ...], accumu
                          f"contiguous last dimension, got {tuple(t.shape)} {t.dtype} with strides {t.stride()}")
 
 
+def _grad_outputs(out: tuple[Tensor, ...] | None, accumulate: bool, names: tuple[str, ...],
+                  likes: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """The backward launchers' output buffers: new ones laid out like their inputs, or the caller's `out`, checked
+    (accumulating needs one to add into)."""
+    if out is None:
+        if accumulate:
+            raise ValueError("flash_attention: accumulate=True adds into `out`; none given")
+        return tuple(_empty_in_layout_of(t) for t in likes)
+    for name, t, like in zip(names, out, likes):
+        _check_out(name, t, like.shape, accumulate)
+    return tuple(out)
+
+
 def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float, cfg: TileConfig | None = None,
                    out: tuple[Tensor, Tensor] | None = None, accumulate: bool = False) -> tuple[Tensor, Tensor]:
     """Run the forward kernel: (o, lse) of the Nq rows of q against the Nk keys of k, v (Nq == Nk when causal).
@@ -638,14 +651,7 @@ def launch_backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tenso
     _check_lengths(q, k, v, causal)
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
-    if out is None:
-        if accumulate:
-            raise ValueError("flash_attention: accumulate=True adds into `out`; none given")
-        dk, dv = _empty_in_layout_of(k), _empty_in_layout_of(v)
-    else:
-        dk, dv = out
-        _check_out("dk", dk, k.shape, accumulate)
-        _check_out("dv", dv, v.shape, accumulate)
+    dk, dv = _grad_outputs(out, accumulate, ("dk", "dv"), (k, v))
     (lse, stride_lse), (delta, stride_delta) = _rows_in(lse), _rows_in(delta)
     c = cfg or tile_config("dkdv", D, causal, q.dtype, N_Q)
     _bwd_dkdv_kernel[(triton.cdiv(N_K, c.block_n), B * H)](
@@ -665,13 +671,7 @@ def launch_backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
     _check_lengths(q, k, v, causal)
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
-    if out is None:
-        if accumulate:
-            raise ValueError("flash_attention: accumulate=True adds into `out`; none given")
-        dq = _empty_in_layout_of(q)
-    else:
-        dq = out
-        _check_out("dq", dq, q.shape, accumulate)
+    (dq,) = _grad_outputs(None if out is None else (out,), accumulate, ("dq",), (q,))
     (lse, stride_lse), (delta, stride_delta) = _rows_in(lse), _rows_in(delta)
     c = cfg or tile_config("dq", D, causal, q.dtype, N_Q)
     _bwd_dq_kernel[(triton.cdiv(N_Q, c.block_m), B * H)](

@@ -236,12 +236,13 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
         kv = kv_incoming()
         kv_incoming = ring.pass_on(kv) if step + 1 < ring.size else None
         # this block's share, computed while the next block (and, during its dQ kernel, its accumulator) is in flight
-        accumulator = dkv_incoming or _new_accumulator(kv)
+        # the first rank after a block's owner starts its accumulator: fp32 zeros laid out as kv
+        accumulator = dkv_incoming or _ready(torch.zeros(kv.shape, dtype=torch.float32, device=kv.device))
         dkv = _block_backward(do, q, *_unstack_kv(kv), lse, delta, src, ring.rank, sm_scale, dq, accumulator)
         # hand the accumulator on with its block; after the last hop each one is back at its owner
         dkv_incoming = ring.pass_on(dkv)
         if dkv.numel() * dkv.element_size() >= SERIAL_HOP_BYTES:
-            dkv_incoming = _settled(dkv_incoming)  # a long shard: one accumulator in flight, not two
+            dkv_incoming = _ready(dkv_incoming())  # a long shard: wait now, one accumulator in flight, not two
         del dkv
     del kv
     dq = dq.to(q.dtype)
@@ -259,16 +260,9 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
 SERIAL_HOP_BYTES = 256 << 20
 
 
-def _new_accumulator(kv: Tensor) -> Callable[[], Tensor]:
-    """A block's (dK, dV) accumulator as the first rank after its owner starts it: fp32 zeros laid out as kv."""
-    zeros = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-    return lambda: zeros
-
-
-def _settled(wait: Callable[[], Tensor]) -> Callable[[], Tensor]:
-    """Wait for a transfer now; the returned function gives its result."""
-    received = wait()
-    return lambda: received
+def _ready(t: Tensor) -> Callable[[], Tensor]:
+    """A tensor already at hand, in the shape of a pending transfer (a function that gives it)."""
+    return lambda: t
 
 
 class RingAttentionFunction(torch.autograd.Function):
