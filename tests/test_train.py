@@ -10,7 +10,7 @@ from conftest import RecordingLogger
 from minigpt.attention import get_attention
 from minigpt.model import GPT
 from minigpt.run import run
-from minigpt.summary import ExitCode, RunSummary
+from minigpt.summary import ExitCode
 from wandb_records import offline_run
 
 SUMMARY_FIELDS = {"status", "steps", "final_train_loss", "final_val_loss", "passkey_acc", "tokens_per_s",

@@ -29,7 +29,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 GIB = float(1 << 30)
 OUR_CODE = ("/minigpt/", "/minigpt_kernels/", "/kernels/")  # frames that say where in our code a tensor was made
