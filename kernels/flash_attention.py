@@ -92,17 +92,6 @@ def _next_tile(src, BLOCK: tl.constexpr, stride_n, TMA: tl.constexpr):
         return src + BLOCK * stride_n
 
 
-@triton.jit
-def _in_registers(x, REG_A: tl.constexpr):
-    """x unchanged, but as a value the compiler cannot trace back to a load, so a tensor-core dot takes it as a
-    register operand (wgmma's A from registers) instead of re-reading it from shared memory at every step. Only
-    2-byte tiles; an identity move in PTX, which the CPU interpreter cannot run."""
-    if REG_A:
-        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=True, pack=2)
-    else:
-        return x
-
-
 # ------------------------------------------------------------------------------------------------
 # Forward
 # ------------------------------------------------------------------------------------------------
@@ -151,7 +140,7 @@ def _fwd_kernel(Q, K, V, O, LSE,
                 stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on, stride_lse,
                 H, N_Q, N_K, qk_scale,
                 CAUSAL: tl.constexpr, CONTINUE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr, REG_A: tl.constexpr):
+                BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr):
     """One query tile of N_Q rows against N_K keys (N_Q == N_K when CAUSAL). LSE rows are stride_lse apart.
     CONTINUE: (O, LSE) hold an fp32 partial result over other keys, continued here and overwritten."""
     pid_m = tl.program_id(0)
@@ -168,7 +157,6 @@ def _fwd_kernel(Q, K, V, O, LSE,
         + offs_m[:, None] * stride_qn + offs_d[None, :]
     row_ok = (start_m + offs_m) < N_Q
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-    q = _in_registers(q, REG_A)  # Q Kᵀ reads Q from registers
     k_src = _tile_source(K + b * stride_kb + h * stride_kh, N_K, stride_kn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
     v_src = _tile_source(V + b * stride_vb + h * stride_vh, N_K, stride_vn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
 
@@ -271,7 +259,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lse, stride_delta,
                      H, N_Q, N_K, qk_scale, sm_scale,
                      CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr, REG_A: tl.constexpr):
+                     BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr):
     """dK, dV of one tile of the N_K keys over the N_Q queries (N_Q == N_K when CAUSAL). ACCUMULATE: add them to
     what DK, DV hold (fp32) instead of overwriting it."""
     start_n = tl.program_id(0) * BLOCK_N
@@ -286,7 +274,6 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                 mask=col_ok[:, None], other=0.0)
     v = tl.load(V + b * stride_vb + h * stride_vh + rows_n[:, None] * stride_vn + offs_d[None, :],
                 mask=col_ok[:, None], other=0.0)
-    k, v = _in_registers(k, REG_A), _in_registers(v, REG_A)  # K Qᵀ and V dOᵀ read K, V from registers
     q_src = _tile_source(Q + b * stride_qb + h * stride_qh, N_Q, stride_qn, offs_m, offs_d, BLOCK_M, HEAD_DIM, TMA)
     do_src = _tile_source(DO + b * stride_dob + h * stride_doh, N_Q, stride_don, offs_m, offs_d, BLOCK_M, HEAD_DIM,
                           TMA)
@@ -348,7 +335,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                    stride_dqb, stride_dqh, stride_dqn, stride_lse, stride_delta,
                    H, N_Q, N_K, qk_scale, sm_scale,
                    CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr, REG_A: tl.constexpr):
+                   BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr):
     """dQ of one tile of the N_Q queries over the N_K keys (N_Q == N_K when CAUSAL). ACCUMULATE: add it to what DQ
     holds (fp32) instead of overwriting it."""
     pid_m = tl.program_id(0)
@@ -366,7 +353,6 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                 mask=row_ok[:, None], other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_don + offs_d[None, :],
                  mask=row_ok[:, None], other=0.0)
-    q, do = _in_registers(q, REG_A), _in_registers(do, REG_A)  # Q Kᵀ and dO Vᵀ read Q, dO from registers
     lse = tl.load(LSE + bh.to(tl.int64) * stride_lse + rows, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + bh.to(tl.int64) * stride_delta + rows, mask=row_ok, other=0.0)
     k_src = _tile_source(K + b * stride_kb + h * stride_kh, N_K, stride_kn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
@@ -399,7 +385,6 @@ class TileConfig:
     num_warps: int
     num_stages: int
     tma: bool = False  # stream tiles through TMA descriptors (Hopper+, aligned inputs; else pointer loads)
-    reg_a: bool = False  # the loop-invariant tile (q; k, v; q, dO) as the dots' register operand (2-byte inputs)
 
 
 # 2-byte inputs (bf16, fp16; the same tensor-core rate and tile bytes), causal. Chosen from
@@ -533,10 +518,6 @@ def _use_tma(cfg: TileConfig, *tensors: Tensor) -> bool:
     return True
 
 
-def _reg_a(cfg: TileConfig, q: Tensor) -> bool:
-    return cfg.reg_a and q.element_size() == 2 and not INTERPRET
-
-
 def _needs_int64(n: int, *tensors: Tensor) -> bool:
     """Whether a row offset (seq position × row stride) can pass 2³¹: then the kernels use int64 tile offsets.
 
@@ -634,8 +615,7 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
     _fwd_kernel[grid](q, k, v, o, lse, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(o), _row_stride(lse),
                       H, N_Q, N_K, sm_scale * LOG2E, CAUSAL=causal, CONTINUE=accumulate, HEAD_DIM=D,
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v),
-                      TMA=_use_tma(cfg, k, v), REG_A=_reg_a(cfg, q), num_warps=cfg.num_warps,
-                      num_stages=cfg.num_stages)
+                      TMA=_use_tma(cfg, k, v), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return o, lse
 
 
@@ -678,7 +658,7 @@ def launch_backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tenso
         q, k, v, do, lse, delta, dk, dv, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do),
         *_strides3(dk), *_strides3(dv), stride_lse, stride_delta, H, N_Q, N_K, sm_scale * LOG2E, sm_scale,
         CAUSAL=causal, ACCUMULATE=accumulate, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-        INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v, do), TMA=_use_tma(c, q, do), REG_A=_reg_a(c, q),
+        INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v, do), TMA=_use_tma(c, q, do),
         num_warps=c.num_warps, num_stages=c.num_stages)
     return dk, dv
 
@@ -698,7 +678,7 @@ def launch_backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
         q, k, v, do, lse, delta, dq, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do),
         *_strides3(dq), stride_lse, stride_delta, H, N_Q, N_K, sm_scale * LOG2E, sm_scale,
         CAUSAL=causal, ACCUMULATE=accumulate, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-        INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v, do), TMA=_use_tma(c, k, v), REG_A=_reg_a(c, q),
+        INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v, do), TMA=_use_tma(c, k, v),
         num_warps=c.num_warps, num_stages=c.num_stages)
     return dq
 
