@@ -385,6 +385,7 @@ class TileConfig:
     num_warps: int
     num_stages: int
     tma: bool = False  # stream tiles through TMA descriptors (Hopper+, aligned inputs; else pointer loads)
+    maxnreg: int | None = None  # cap on registers per thread, so more programs share an SM (GPU only)
 
 
 # 2-byte inputs (bf16, fp16; the same tensor-core rate and tile bytes), causal. Chosen from
@@ -392,14 +393,16 @@ class TileConfig:
 # with and without TMA; results/explore_NVIDIA_H200.json holds every candidate's time). D=16/32 reuse D=64's
 # choice; D=256 uses smaller tiles to fit shared memory (pointer loads, not tuned). The forward at D=128 takes
 # 128×64 tiles with 8 warps: best in that exploration (1.086 vs 1.120 ms for 64×64) and in the H100 re-check
-# (1.083 vs 1.141 ms, results/explore_NVIDIA_H100_80GB_HBM3_*.json). Key: (kernel, head_dim).
+# (1.083 vs 1.141 ms, results/explore_NVIDIA_H100_80GB_HBM3_*.json). The dK/dV kernel at D=128 takes 64×64 tiles
+# with 4 warps: two independent programs per SM instead of one of 8 warps, 4–11% faster than 64×128 at 1K–32K in
+# two H200 runs (4K 1.166 vs 1.312 ms, 16K 4.12 vs 4.29, 32K 16.2 vs 17.0; NOTES.md J). Key: (kernel, head_dim).
 # Forward/dQ need block_m % block_n == 0; dK/dV needs block_n % block_m == 0.
 _GPU_CONFIGS: dict[tuple[str, int], TileConfig] = {
     **{("fwd", d): TileConfig(64, 64, 4, 3, tma=True) for d in (16, 32, 64)},
     ("fwd", 128): TileConfig(128, 64, 8, 3, tma=True),
     ("fwd", 256): TileConfig(64, 32, 4, 2),
     **{("dkdv", d): TileConfig(32, 128, 4, 3, tma=True) for d in (16, 32, 64)},
-    ("dkdv", 128): TileConfig(64, 128, 8, 2, tma=True),
+    ("dkdv", 128): TileConfig(64, 64, 4, 2, tma=True),
     ("dkdv", 256): TileConfig(16, 64, 4, 2),
     **{("dq", d): TileConfig(128, 64, 8, 3, tma=True) for d in (16, 32, 64)},
     ("dq", 128): TileConfig(128, 64, 8, 4, tma=True),
@@ -421,15 +424,17 @@ _GPU_CONFIGS_FP32: dict[tuple[str, int], TileConfig] = {
     **{("dq", d): TileConfig(64, 32, 4, 2, tma=True) for d in (16, 32, 64, 128)},
     ("dq", 256): TileConfig(32, 16, 4, 1),
 }
-# Causal 2-byte inputs, by sequence length (H200, bf16, 16K tokens per batch; kernels/NOTES.md section C):
-# (kernel, head_dim) -> (seq bound, config). The forward at D=128 takes 64×64 tiles up to 2K tokens (fwd TFLOP/s
-# 315–318 vs 275–277 at N=1K, 399 vs 373 at 2K; 128×64 wins from 4K: 439–441 vs 418–420, 483 vs 463 at 8K), where
-# more, shorter programs fill the GPU better. At D<=64 the forward takes 128×64 tiles with 8 warps from 16K
-# tokens (418–426 vs 397–401 at N=16K; 407 vs 402 at 8K, a tie; 64×64 ahead at 1K–2K by 3%). The dK/dV kernel at
-# D=128 takes 64×64 tiles with 4 warps up to 1K tokens (bwd 247 vs 226 at N=1K; 299 vs 292 at 2K; 321 vs 349 at 4K).
+# Causal 2-byte inputs, by sequence length (H200, bf16, 16K tokens per batch; kernels/NOTES.md sections C and J):
+# (kernel, head_dim) -> (seq bound, config). The forward at D=128 takes 64×64 tiles with 4 warps up to 8K tokens
+# (ms, same process, three H200s: 4K 0.654–0.692 vs 0.688–0.749, 8K 1.14–1.16 vs 1.17–1.33; 128×64 wins at 16K:
+# 2.07–2.26 vs 2.17–2.32). At D<=64 the forward takes 128×64 tiles with 8 warps from 16K tokens (418–426 vs 397–401
+# TFLOP/s at N=16K; 8K–16K are ties within machine noise). The dK/dV kernel at D<=64 takes 64×64 tiles with 4 warps
+# and at most 168 registers per thread up to 16K tokens: three programs per SM instead of two (the cap spills 24
+# bytes, outside the inner loop), 4–10% faster than 32×128 at 1K–16K (1K 0.494 vs 0.552 ms, 4K 1.395 vs 1.458, 16K
+# 4.81 vs 5.03) and a tie at 32K–64K, where 32×128 stays.
 _GPU_CONFIGS_UP_TO_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
-    ("fwd", 128): (2048, TileConfig(64, 64, 4, 3, tma=True)),
-    ("dkdv", 128): (1024, TileConfig(64, 64, 4, 2, tma=True)),
+    ("fwd", 128): (8192, TileConfig(64, 64, 4, 3, tma=True)),
+    **{("dkdv", d): (16384, TileConfig(64, 64, 4, 3, tma=True, maxnreg=168)) for d in (16, 32, 64)},
 }
 _GPU_CONFIGS_FROM_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
     **{("fwd", d): (16384, TileConfig(128, 64, 8, 3, tma=True)) for d in (16, 32, 64)},
@@ -516,6 +521,10 @@ def _use_tma(cfg: TileConfig, *tensors: Tensor) -> bool:
     if not INTERPRET:
         triton.set_allocator(_tma_scratch)
     return True
+
+
+def _reg_cap(cfg: TileConfig) -> dict[str, int]:
+    return {} if cfg.maxnreg is None or INTERPRET else {"maxnreg": cfg.maxnreg}
 
 
 def _needs_int64(n: int, *tensors: Tensor) -> bool:
@@ -615,7 +624,8 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
     _fwd_kernel[grid](q, k, v, o, lse, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(o), _row_stride(lse),
                       H, N_Q, N_K, sm_scale * LOG2E, CAUSAL=causal, CONTINUE=accumulate, HEAD_DIM=D,
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v),
-                      TMA=_use_tma(cfg, k, v), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                      TMA=_use_tma(cfg, k, v), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                      **_reg_cap(cfg))
     return o, lse
 
 
@@ -659,7 +669,7 @@ def launch_backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tenso
         *_strides3(dk), *_strides3(dv), stride_lse, stride_delta, H, N_Q, N_K, sm_scale * LOG2E, sm_scale,
         CAUSAL=causal, ACCUMULATE=accumulate, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
         INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v, do), TMA=_use_tma(c, q, do),
-        num_warps=c.num_warps, num_stages=c.num_stages)
+        num_warps=c.num_warps, num_stages=c.num_stages, **_reg_cap(c))
     return dk, dv
 
 
@@ -679,7 +689,7 @@ def launch_backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
         *_strides3(dq), stride_lse, stride_delta, H, N_Q, N_K, sm_scale * LOG2E, sm_scale,
         CAUSAL=causal, ACCUMULATE=accumulate, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
         INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v, do), TMA=_use_tma(c, k, v),
-        num_warps=c.num_warps, num_stages=c.num_stages)
+        num_warps=c.num_warps, num_stages=c.num_stages, **_reg_cap(c))
     return dq
 
 

@@ -98,6 +98,23 @@ def test_int64_offset_path(monkeypatch, pointer_loads, causal):
     check_against_reference(qkv, causal, seed=6)
 
 
+def test_gpu_tile_tables_respect_the_kernels_shape_rules():
+    """Every GPU tile choice (by head_dim, dtype, causality, sequence length) keeps the tiling the kernels assume:
+    the forward/dQ query tile is a whole number of key tiles and the dK/dV key tile a whole number of query tiles
+    (the causal diagonal is walked tile by tile), and a register cap is one ptxas accepts."""
+    tables = [fa._GPU_CONFIGS, fa._GPU_CONFIGS_FULL, fa._GPU_CONFIGS_FP32,
+              {key: c for key, (_, c) in fa._GPU_CONFIGS_UP_TO_SEQ.items()},
+              {key: c for key, (_, c) in fa._GPU_CONFIGS_FROM_SEQ.items()}]
+    for table in tables:
+        for (kernel, head_dim), c in table.items():
+            outer, inner = (c.block_n, c.block_m) if kernel == "dkdv" else (c.block_m, c.block_n)
+            assert outer % inner == 0, (kernel, head_dim, c)
+            assert c.maxnreg is None or (24 <= c.maxnreg <= 255 and c.maxnreg % 8 == 0), (kernel, head_dim, c)
+    # the cap is a GPU compile option: never passed to the CPU interpreter
+    assert fa._reg_cap(fa.TileConfig(64, 64, 4, 3, maxnreg=168)) == ({} if fa.INTERPRET else {"maxnreg": 168})
+    assert fa._reg_cap(fa.TileConfig(64, 64, 4, 3)) == {}
+
+
 def test_unaligned_inputs_fall_back_to_pointer_loads():
     """A row stride that is not a multiple of 16 bytes cannot be a TMA descriptor: the launcher must notice."""
     g = torch.Generator().manual_seed(9)
