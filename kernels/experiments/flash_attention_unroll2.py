@@ -1,0 +1,752 @@
+"""FlashAttention in Triton: tiled forward with online softmax, FlashAttention-2 backward.
+
+    o = softmax(scale · q kᵀ + causal mask) v          q, k, v, o: (batch, heads, seq, head_dim)
+
+The N×N score matrix never exists in memory. The forward walks over key tiles keeping, per query row,
+a running max m and running sum l of exp(scores − m), and rescales its accumulator whenever m grows;
+it saves the row log-sum-exp (LSE) so the backward can rebuild any tile of probabilities
+P = exp(S − LSE) without a second softmax pass. All exponentials are base 2 with log2(e) folded into
+the scale (exp(x) = exp2(x · log2 e)), which is one multiply cheaper per score.
+
+Backward (FlashAttention-2): delta = rowsum(dO ∘ O); one kernel owns a key tile and walks the query
+tiles to accumulate dK and dV; another owns a query tile and walks the key tiles to accumulate dQ.
+No atomics: every output tile has one writer, so results are deterministic.
+
+Tiles stream through TMA descriptors on Hopper (hardware bulk copies; rows past the end read as 0) when
+the inputs are 16-byte aligned, through masked pointer loads otherwise.
+
+Causal masking: tiles entirely above the diagonal are never visited; only tiles on the diagonal pay for
+the mask. Sequence tails (seq not a multiple of the tile) are handled with masked loads and stores.
+Offsets that can exceed 2³¹ (batch/head bases; tile starts on inputs where seq × row stride passes 2³¹,
+e.g. a million tokens in the model's qkv layout) are int64; offsets inside a tile stay int32.
+
+Queries and keys of different lengths (Nq query rows against Nk key rows) are supported for non-causal attention
+through the launchers (ring attention uses them; `flash_attention` itself takes q, k, v of one shape). For the
+same user, the launchers can also fold new keys into a partial result instead of starting afresh: the forward
+continues from an fp32 (o, lse) state, which it reads as its initial online-softmax state and overwrites with
+the attention over both key sets, and the backward kernels add their dQ or dK/dV into fp32 buffers. Both only
+touch a program's prologue and epilogue (constexpr flags): the inner loops are those of the plain kernels.
+
+Precision: fp16/bf16 inputs use tensor-core dots with fp32 accumulation and an fp32 softmax; fp32 inputs
+are accepted and run the same kernels with TF32 dots (about 1e-3 relative error; exact fp32 under
+Triton's CPU interpreter).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+LOG2E = 1.4426950408889634
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ------------------------------------------------------------------------------------------------
+# Tile sources: what the inner loops stream over (keys/values in the forward, queries/grads in the backward)
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _tile_source(base, N, stride_n, offs_n, offs_d, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr, UNROLL: tl.constexpr = 2):
+    """One head's (N, HEAD_DIM) rows as a TMA descriptor (bulk asynchronous tile copies on Hopper, rows past
+    N read as 0, addressing done in hardware) or as a tile of pointers to rows 0..BLOCK that the loop advances."""
+    if TMA:
+        return tl.make_tensor_descriptor(base, shape=[N, HEAD_DIM], strides=[stride_n, 1],
+                                         block_shape=[BLOCK, HEAD_DIM])
+    else:
+        return base + offs_n[:, None] * stride_n + offs_d[None, :]
+
+
+@triton.jit
+def _tile_start(src, lo, stride_n, INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr, UNROLL: tl.constexpr = 2):
+    """Point a pointer tile at row lo (a descriptor is addressed by row at each load instead)."""
+    if TMA:
+        return src
+    elif INT64_OFFSETS:  # lo·stride passes 2³¹ on very long inputs
+        return src + tl.cast(lo, tl.int64) * stride_n
+    else:
+        return src + lo * stride_n
+
+
+@triton.jit
+def _load_tile(src, row, rows_ok, MASKED: tl.constexpr, TMA: tl.constexpr, UNROLL: tl.constexpr = 2):
+    """The tile of rows starting at `row` (where a pointer tile already points); rows past the end read as 0."""
+    if TMA:
+        return src.load([row, 0])
+    elif MASKED:
+        return tl.load(src, mask=rows_ok[:, None], other=0.0)
+    else:
+        return tl.load(src)
+
+
+@triton.jit
+def _next_tile(src, BLOCK: tl.constexpr, stride_n, TMA: tl.constexpr, UNROLL: tl.constexpr = 2):
+    if TMA:
+        return src
+    else:
+        return src + BLOCK * stride_n
+
+
+# ------------------------------------------------------------------------------------------------
+# Forward
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, lo, hi, N_K, qk_scale,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr, UNROLL: tl.constexpr = 2):
+    """Fold key tiles [lo, hi) into the running (acc, l, m) of one query tile.
+
+    MASKED tiles (the causal diagonal, or the ragged last tile) apply the causal/bounds mask; the rest
+    are known to be fully visible and skip it. k_src/v_src are TMA descriptors (TMA) or pointer tiles over the
+    N_K keys.
+    """
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    k_src = _tile_start(k_src, lo, stride_kn, INT64_OFFSETS, TMA)
+    v_src = _tile_start(v_src, lo, stride_vn, INT64_OFFSETS, TMA)
+    for start_n in tl.range(lo, hi, BLOCK_N, loop_unroll_factor=UNROLL):
+        in_bounds = (start_n + offs_n) < N_K
+        k = _load_tile(k_src, start_n, in_bounds, MASKED, TMA)
+        v = _load_tile(v_src, start_n, in_bounds, MASKED, TMA)
+        qk = tl.dot(q, tl.trans(k))
+        if MASKED:
+            visible = in_bounds[None, :]
+            if CAUSAL:
+                visible = visible & (offs_m[:, None] >= (start_n + offs_n)[None, :])
+            qk = tl.where(visible, qk, float("-inf"))
+        # scores in base-2 units are s = qk · scale·log2(e);  m_new = max(m_old, rowmax(s))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        # p = exp2(s − m_new), one fused multiply-add per score
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        # α = exp2(m_old − m_new) rescales what was accumulated under the old max
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # acc = α·acc + p v, the add done by the tensor core's accumulator
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+        k_src = _next_tile(k_src, BLOCK_N, stride_kn, TMA)
+        v_src = _next_tile(v_src, BLOCK_N, stride_vn, TMA)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE,
+                stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on, stride_lse,
+                H, N_Q, N_K, qk_scale,
+                CAUSAL: tl.constexpr, CONTINUE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr, UNROLL: tl.constexpr = 2):
+    """One query tile of N_Q rows against N_K keys (N_Q == N_K when CAUSAL). LSE rows are stride_lse apart.
+    CONTINUE: (O, LSE) hold an fp32 partial result over other keys, continued here and overwritten."""
+    pid_m = tl.program_id(0)
+    if CAUSAL:  # longest rows first: the last query tiles see the most keys
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    q_ptrs = Q + b * stride_qb + h * stride_qh + start_m.to(tl.int64) * stride_qn \
+        + offs_m[:, None] * stride_qn + offs_d[None, :]
+    row_ok = (start_m + offs_m) < N_Q
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    k_src = _tile_source(K + b * stride_kb + h * stride_kh, N_K, stride_kn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
+    v_src = _tile_source(V + b * stride_vb + h * stride_vh, N_K, stride_vn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
+
+    if CONTINUE:
+        # the state of a softmax over earlier keys, (o, lse) = (Σ 2^s v / Σ 2^s, log2 Σ 2^s), as a running
+        # (m, l, acc): m = lse, l = Σ 2^(s − m) = 1, acc = o·l = o. The loop's rescaling then folds the new keys in.
+        m_i = tl.load(LSE + bh.to(tl.int64) * stride_lse + start_m + offs_m, mask=row_ok, other=float("-inf"))
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        # a row with lse = −inf holds nothing yet: acc = 0 whatever its o says. Its first tile has a visible key
+        # (key 0 in a causal launch; any key of a non-causal one), so m becomes finite there and α = exp2(−inf) = 0
+        # wipes l = 1: no exp2(−inf − (−inf)) is ever taken.
+        o_ptrs = O + b * stride_ob + h * stride_oh + start_m.to(tl.int64) * stride_on \
+            + offs_m[:, None] * stride_on + offs_d[None, :]
+        acc = tl.load(o_ptrs, mask=row_ok[:, None] & (m_i > float("-inf"))[:, None], other=0.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max (base-2 units)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s − m)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # running unnormalized output
+
+    if CAUSAL:  # keys before the tile are fully visible; the diagonal tiles get the mask
+        full_hi = start_m
+        diag_hi = tl.minimum(start_m + BLOCK_M, N_K)
+    else:  # all keys visible; only the ragged last tile is masked
+        full_hi = (N_K // BLOCK_N) * BLOCK_N
+        diag_hi = N_K
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, 0, full_hi, N_K,
+                               qk_scale, False, CAUSAL, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, full_hi, diag_hi, N_K,
+                               qk_scale, True, CAUSAL, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
+
+    # o = acc / l;  LSE = m + log2(l) (base 2), what the backward needs to rebuild P = exp2(s − LSE)
+    o = acc / l_i[:, None]
+    lse_ptrs = LSE + bh.to(tl.int64) * stride_lse + start_m + offs_m
+    tl.store(lse_ptrs, m_i + tl.math.log2(l_i), mask=row_ok)
+    o_ptrs = O + b * stride_ob + h * stride_oh + start_m.to(tl.int64) * stride_on \
+        + offs_m[:, None] * stride_on + offs_d[None, :]
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None])
+
+
+# ------------------------------------------------------------------------------------------------
+# Backward
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
+                      H, N, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta_i = Σ_d dO_id · O_id  (= Σ_j P_ij dP_ij, the softmax backward's row term)."""
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = (start_m + offs_m) < N
+    rows = start_m.to(tl.int64) + offs_m
+    o = tl.load(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_don + offs_d[None, :],
+                 mask=row_ok[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + bh.to(tl.int64) * N + rows, delta, mask=row_ok)
+
+
+@triton.jit
+def _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, stride_qn, stride_don,
+                    start_n, lo, hi, N_Q, qk_scale,
+                    MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr,
+                    TMA: tl.constexpr, UNROLL: tl.constexpr = 2):
+    """Accumulate dK, dV of one key tile over query tiles [lo, hi) of the N_Q queries. Works on transposed tiles
+    (keys × queries)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    q_src = _tile_start(q_src, lo, stride_qn, INT64_OFFSETS, TMA)
+    do_src = _tile_start(do_src, lo, stride_don, INT64_OFFSETS, TMA)
+    for start_m in tl.range(lo, hi, BLOCK_M, loop_unroll_factor=UNROLL):
+        rows = start_m + offs_m
+        row_ok = rows < N_Q
+        q = _load_tile(q_src, start_m, row_ok, True, TMA)
+        do = _load_tile(do_src, start_m, row_ok, True, TMA)
+        # rows past the end get LSE = +inf, so their probabilities are exactly 0
+        lse = tl.load(lse_ptrs + rows, mask=row_ok, other=float("inf"))
+        # Pᵀ = exp2(K Qᵀ · scale·log2e − LSE)
+        pT = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
+        if MASKED:
+            pT = tl.where(rows[None, :] >= offs_n[:, None], pT, 0.0)
+        # dV += Pᵀ dO
+        dv = tl.dot(pT.to(do.dtype), do, dv)
+        # dPᵀ = V dOᵀ;  dSᵀ = Pᵀ ∘ (dPᵀ − delta)
+        delta = tl.load(delta_ptrs + rows, mask=row_ok, other=0.0)
+        dsT = pT * (tl.dot(v, tl.trans(do)) - delta[None, :])
+        # dK += dSᵀ Q  (the softmax scale is applied once at the end)
+        dk = tl.dot(dsT.to(q.dtype), q, dk)
+        q_src = _next_tile(q_src, BLOCK_M, stride_qn, TMA)
+        do_src = _next_tile(do_src, BLOCK_M, stride_don, TMA)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+                     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
+                     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lse, stride_delta,
+                     H, N_Q, N_K, qk_scale, sm_scale,
+                     CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr, UNROLL: tl.constexpr = 2):
+    """dK, dV of one tile of the N_K keys over the N_Q queries (N_Q == N_K when CAUSAL). ACCUMULATE: add them to
+    what DK, DV hold (fp32) instead of overwriting it."""
+    start_n = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1)
+    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    col_ok = (start_n + offs_n) < N_K
+    rows_n = start_n.to(tl.int64) + offs_n
+    k = tl.load(K + b * stride_kb + h * stride_kh + rows_n[:, None] * stride_kn + offs_d[None, :],
+                mask=col_ok[:, None], other=0.0)
+    v = tl.load(V + b * stride_vb + h * stride_vh + rows_n[:, None] * stride_vn + offs_d[None, :],
+                mask=col_ok[:, None], other=0.0)
+    q_src = _tile_source(Q + b * stride_qb + h * stride_qh, N_Q, stride_qn, offs_m, offs_d, BLOCK_M, HEAD_DIM, TMA)
+    do_src = _tile_source(DO + b * stride_dob + h * stride_doh, N_Q, stride_don, offs_m, offs_d, BLOCK_M, HEAD_DIM,
+                          TMA)
+    lse_ptrs = LSE + bh.to(tl.int64) * stride_lse
+    delta_ptrs = DELTA + bh.to(tl.int64) * stride_delta
+
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    if CAUSAL:  # queries before this key tile cannot see it; the diagonal tiles get the mask
+        diag_hi = tl.minimum(start_n + BLOCK_N, N_Q)
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, stride_qn, stride_don,
+                                 start_n, start_n, diag_hi, N_Q, qk_scale, True, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, stride_qn, stride_don,
+                                 start_n, diag_hi, N_Q, N_Q, qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
+    else:
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, stride_qn, stride_don,
+                                 start_n, 0, N_Q, N_Q, qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
+
+    dk *= sm_scale  # dS was taken w.r.t. the scaled scores
+    dk_ptrs = DK + b * stride_dkb + h * stride_dkh + rows_n[:, None] * stride_dkn + offs_d[None, :]
+    dv_ptrs = DV + b * stride_dvb + h * stride_dvh + rows_n[:, None] * stride_dvn + offs_d[None, :]
+    if ACCUMULATE:  # dK = dK_before + this launch's share (scaled above, alone); this program is the tile's only writer
+        dk += tl.load(dk_ptrs, mask=col_ok[:, None], other=0.0)
+        dv += tl.load(dv_ptrs, mask=col_ok[:, None], other=0.0)
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+
+
+@triton.jit
+def _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, lo, hi, N_K, qk_scale,
+                  MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr,
+                  TMA: tl.constexpr, UNROLL: tl.constexpr = 2):
+    """Accumulate dQ of one query tile over key tiles [lo, hi) of the N_K keys."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    k_src = _tile_start(k_src, lo, stride_kn, INT64_OFFSETS, TMA)
+    v_src = _tile_start(v_src, lo, stride_vn, INT64_OFFSETS, TMA)
+    for start_n in tl.range(lo, hi, BLOCK_N, loop_unroll_factor=UNROLL):
+        # keys past the end load as zeros: they add exactly 0 to dQ (dQ += dS K), so no score mask is needed
+        col_ok = (start_n + offs_n) < N_K
+        k = _load_tile(k_src, start_n, col_ok, True, TMA)
+        v = _load_tile(v_src, start_n, col_ok, True, TMA)
+        # P = exp2(Q Kᵀ · scale·log2e − LSE)
+        p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+        if MASKED:
+            p = tl.where(offs_m[:, None] >= (start_n + offs_n)[None, :], p, 0.0)
+        # dP = dO Vᵀ;  dS = P ∘ (dP − delta);  dQ += dS K
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+        k_src = _next_tile(k_src, BLOCK_N, stride_kn, TMA)
+        v_src = _next_tile(v_src, BLOCK_N, stride_vn, TMA)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+                   stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                   stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
+                   stride_dqb, stride_dqh, stride_dqn, stride_lse, stride_delta,
+                   H, N_Q, N_K, qk_scale, sm_scale,
+                   CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr, UNROLL: tl.constexpr = 2):
+    """dQ of one tile of the N_Q queries over the N_K keys (N_Q == N_K when CAUSAL). ACCUMULATE: add it to what DQ
+    holds (fp32) instead of overwriting it."""
+    pid_m = tl.program_id(0)
+    if CAUSAL:  # longest rows first
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = (start_m + offs_m) < N_Q
+    rows = start_m.to(tl.int64) + offs_m
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_don + offs_d[None, :],
+                 mask=row_ok[:, None], other=0.0)
+    lse = tl.load(LSE + bh.to(tl.int64) * stride_lse + rows, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + bh.to(tl.int64) * stride_delta + rows, mask=row_ok, other=0.0)
+    k_src = _tile_source(K + b * stride_kb + h * stride_kh, N_K, stride_kn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
+    v_src = _tile_source(V + b * stride_vb + h * stride_vh, N_K, stride_vn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
+
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if CAUSAL:
+        dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, 0, start_m, N_K,
+                           qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
+        dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, start_m,
+                           tl.minimum(start_m + BLOCK_M, N_K), N_K, qk_scale, True, BLOCK_M, BLOCK_N, INT64_OFFSETS,
+                           TMA)
+    else:
+        dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, 0, N_K, N_K,
+                           qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
+    dq *= sm_scale
+    dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn + offs_d[None, :]
+    if ACCUMULATE:  # dQ = dQ_before + this launch's share (scaled above, alone); this program is the tile's only writer
+        dq += tl.load(dq_ptrs, mask=row_ok[:, None], other=0.0)
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+# ------------------------------------------------------------------------------------------------
+# Launch configuration: tile sizes, warps and pipeline depth per kernel, head_dim and causality
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    tma: bool = False  # stream tiles through TMA descriptors (Hopper+, aligned inputs; else pointer loads)
+
+
+# 2-byte inputs (bf16, fp16; the same tensor-core rate and tile bytes), causal. Chosen from
+# `scripts/bench_attention.py --explore-only --explore-seq 8192` on an H200 (bf16 causal, D=64/128, N=8K, each shape
+# with and without TMA; results/explore_NVIDIA_H200.json holds every candidate's time). D=16/32 reuse D=64's
+# choice; D=256 uses smaller tiles to fit shared memory (pointer loads, not tuned). The forward at D=128 takes
+# 128×64 tiles with 8 warps: best in that exploration (1.086 vs 1.120 ms for 64×64) and in the H100 re-check
+# (1.083 vs 1.141 ms, results/explore_NVIDIA_H100_80GB_HBM3_*.json). Key: (kernel, head_dim).
+# Forward/dQ need block_m % block_n == 0; dK/dV needs block_n % block_m == 0.
+_GPU_CONFIGS: dict[tuple[str, int], TileConfig] = {
+    **{("fwd", d): TileConfig(64, 64, 4, 3, tma=True) for d in (16, 32, 64)},
+    ("fwd", 128): TileConfig(128, 64, 8, 3, tma=True),
+    ("fwd", 256): TileConfig(64, 32, 4, 2),
+    **{("dkdv", d): TileConfig(32, 128, 4, 3, tma=True) for d in (16, 32, 64)},
+    ("dkdv", 128): TileConfig(64, 128, 8, 2, tma=True),
+    ("dkdv", 256): TileConfig(16, 64, 4, 2),
+    **{("dq", d): TileConfig(128, 64, 8, 3, tma=True) for d in (16, 32, 64)},
+    ("dq", 128): TileConfig(128, 64, 8, 4, tma=True),
+    ("dq", 256): TileConfig(64, 16, 4, 2),
+}
+# Non-causal attention where its own exploration (`--explore-only --shortlist --full`, H100, N=8K:
+# results/explore_NVIDIA_H100_80GB_HBM3_bfloat16_full.json) found a different best: the forward at D<=64 wants
+# 128-row query tiles (2.35 vs 2.45 ms), as the causal forward does at D=128. The rest use the causal choice, and
+# fp16 uses bf16's (its shortlist re-check put the same shapes within noise of the top).
+_GPU_CONFIGS_FULL: dict[tuple[str, int], TileConfig] = {
+    **{("fwd", d): TileConfig(128, 64, 8, 3, tma=True) for d in (16, 32, 64)},
+}
+# fp32 inputs (TF32 dots): tiles hold twice the bytes, so half the tile area and two stages fit shared memory.
+_GPU_CONFIGS_FP32: dict[tuple[str, int], TileConfig] = {
+    **{("fwd", d): TileConfig(64, 32, 4, 2, tma=True) for d in (16, 32, 64, 128)},
+    ("fwd", 256): TileConfig(32, 16, 4, 1),
+    **{("dkdv", d): TileConfig(32, 64, 4, 2, tma=True) for d in (16, 32, 64, 128)},
+    ("dkdv", 256): TileConfig(16, 32, 4, 1),
+    **{("dq", d): TileConfig(64, 32, 4, 2, tma=True) for d in (16, 32, 64, 128)},
+    ("dq", 256): TileConfig(32, 16, 4, 1),
+}
+# Causal 2-byte inputs, by sequence length (H200, bf16, 16K tokens per batch; kernels/NOTES.md section C):
+# (kernel, head_dim) -> (seq bound, config). The forward at D=128 takes 64×64 tiles up to 2K tokens (fwd TFLOP/s
+# 315–318 vs 275–277 at N=1K, 399 vs 373 at 2K; 128×64 wins from 4K: 439–441 vs 418–420, 483 vs 463 at 8K), where
+# more, shorter programs fill the GPU better. At D<=64 the forward takes 128×64 tiles with 8 warps from 16K
+# tokens (418–426 vs 397–401 at N=16K; 407 vs 402 at 8K, a tie; 64×64 ahead at 1K–2K by 3%). The dK/dV kernel at
+# D=128 takes 64×64 tiles with 4 warps up to 1K tokens (bwd 247 vs 226 at N=1K; 299 vs 292 at 2K; 321 vs 349 at 4K).
+_GPU_CONFIGS_UP_TO_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
+    ("fwd", 128): (2048, TileConfig(64, 64, 4, 3, tma=True)),
+    ("dkdv", 128): (1024, TileConfig(64, 64, 4, 2, tma=True)),
+}
+_GPU_CONFIGS_FROM_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
+    **{("fwd", d): (16384, TileConfig(128, 64, 8, 3, tma=True)) for d in (16, 32, 64)},
+}
+# Small tiles under the CPU interpreter: fast there, and several tiles per test sequence so the
+# diagonal / full / ragged-tail paths all run. TMA on, as on the GPU (the interpreter emulates descriptors);
+# tests run the pointer path with explicit configs.
+_INTERPRET_CONFIGS = {"fwd": TileConfig(32, 16, 4, 1, tma=True), "dkdv": TileConfig(16, 32, 4, 1, tma=True),
+                      "dq": TileConfig(32, 16, 4, 1, tma=True)}
+
+
+def tile_config(kernel: str, head_dim: int, causal: bool = True, dtype: torch.dtype = torch.bfloat16,
+                seq_len: int | None = None) -> TileConfig:
+    """The launch configuration of one kernel ('fwd', 'dkdv' or 'dq') for this head_dim, causality and dtype, and,
+    when seq_len is given, for that sequence length (causal 2-byte inputs have short- and long-sequence tiles)."""
+    if INTERPRET:
+        return _INTERPRET_CONFIGS[kernel]
+    if dtype == torch.float32:
+        return _GPU_CONFIGS_FP32[(kernel, head_dim)]
+    if not causal and (kernel, head_dim) in _GPU_CONFIGS_FULL:
+        return _GPU_CONFIGS_FULL[(kernel, head_dim)]
+    if causal and seq_len is not None:
+        up_to = _GPU_CONFIGS_UP_TO_SEQ.get((kernel, head_dim))
+        if up_to is not None and seq_len <= up_to[0]:
+            return up_to[1]
+        from_seq = _GPU_CONFIGS_FROM_SEQ.get((kernel, head_dim))
+        if from_seq is not None and seq_len >= from_seq[0]:
+            return from_seq[1]
+    return _GPU_CONFIGS[(kernel, head_dim)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Launchers
+# ------------------------------------------------------------------------------------------------
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"flash_attention: {name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+    if not (q.shape == k.shape == v.shape):
+        raise ValueError(f"flash_attention: q, k, v must have the same shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"flash_attention: q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"flash_attention: dtype {q.dtype} not supported; use float16, bfloat16 or float32")
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"flash_attention: head_dim {q.shape[-1]} not supported; use one of {SUPPORTED_HEAD_DIMS}")
+    if q.shape[2] < 1:
+        raise ValueError("flash_attention: seq must be >= 1")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"flash_attention: q, k, v on different devices ({q.device}, {k.device}, {v.device})")
+    if q.device.type != "cuda" and not INTERPRET:
+        raise ValueError(f"flash_attention: needs CUDA tensors (got {q.device}); set TRITON_INTERPRET=1 to run on CPU")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"flash_attention: {name}'s last dimension must be contiguous (stride 1), got strides {t.stride()}")
+
+
+def _strides3(t: Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _hopper_or_newer(t: Tensor) -> bool:
+    return INTERPRET or (t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9)
+
+
+def _tma_ready(*tensors: Tensor) -> bool:
+    """TMA needs 16-byte aligned head bases and row strides; views that break this take the pointer path."""
+    for t in tensors:
+        size = t.element_size()
+        if t.data_ptr() % 16 or any((t.stride(i) * size) % 16 for i in range(3)):
+            return False
+    return True
+
+
+def _tma_scratch(size: int, alignment: int, stream: int | None) -> Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _use_tma(cfg: TileConfig, *tensors: Tensor) -> bool:
+    """Whether this launch streams through TMA. Device-side descriptors need Triton's scratch allocator; it is
+    per thread (a ContextVar) and autograd runs the backward on its own thread, so it is set on every launch."""
+    if not (cfg.tma and _hopper_or_newer(tensors[0]) and _tma_ready(*tensors)):
+        return False
+    if not INTERPRET:
+        triton.set_allocator(_tma_scratch)
+    return True
+
+
+def _needs_int64(n: int, *tensors: Tensor) -> bool:
+    """Whether a row offset (seq position × row stride) can pass 2³¹: then the kernels use int64 tile offsets.
+
+    Only then: int64 offsets cost 10-15% on an H200 at benchmark sizes (they hide alignment from the compiler).
+    """
+    return any(n * t.stride(2) >= 2**31 for t in tensors)
+
+
+def _empty_in_layout_of(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """An uninitialized (B, H, N, D) tensor (of t's dtype unless given) laid out in memory like t: as (B, N, H, D)
+    rows when t is a head-transposed view of a (B, N, ...) buffer (the model's q/k/v), so that the model's
+    transpose + reshape back to (B, N, H·D) is a free view; plain (B, H, N, D) otherwise."""
+    B, H, N, D = t.shape
+    dtype = t.dtype if dtype is None else dtype
+    if t.stride(1) < t.stride(2):  # heads vary faster than positions: rows of (H, D)
+        return torch.empty((B, N, H, D), dtype=dtype, device=t.device).transpose(1, 2)
+    return torch.empty((B, H, N, D), dtype=dtype, device=t.device)
+
+
+def _check_lengths(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
+    """The launchers take Nq query rows against Nk key rows; a causal mask is the diagonal of a square, so causal
+    launches need Nq == Nk. (flash_attention's own check, _check_inputs, keeps one shape for q, k, v.)"""
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3] or k.shape[2] < 1:
+        raise ValueError(f"flash_attention: q (B, H, Nq, D) and k, v (B, H, Nk, D) with Nk >= 1 expected, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError(f"flash_attention: causal attention needs as many queries as keys, got Nq={q.shape[2]}, "
+                         f"Nk={k.shape[2]} (different lengths only without the causal mask)")
+
+
+def _row_stride(t: Tensor) -> int | None:
+    """The distance between the (batch, head) rows of a (B, H, N) tensor that the kernels address as
+    t + (b·H + h)·stride + n (LSE, delta): a contiguous tensor or a slice of one along N. None if t is not such."""
+    B, H, N = t.shape
+    stride = t.stride(1) if H > 1 else t.stride(0)
+    if (N > 1 and t.stride(2) != 1) or (B > 1 and H > 1 and t.stride(0) != H * stride):
+        return None
+    return stride
+
+
+def _rows_in(t: Tensor) -> tuple[Tensor, int]:
+    """A (B, H, N) kernel input and its row stride; copied to contiguous memory only if its rows do not fit."""
+    stride = _row_stride(t)
+    if stride is None:
+        t = t.contiguous()
+        stride = _row_stride(t)
+    return t, stride
+
+
+def _check_out(name: str, t: Tensor, shape: torch.Size | tuple[int, ...], accumulate: bool) -> None:
+    """An output buffer given by the caller: its shape, a contiguous last dimension, fp32 when accumulated into."""
+    if t.shape != shape or t.stride(-1) != 1 or (accumulate and t.dtype != torch.float32):
+        raise ValueError(f"flash_attention: out {name} must be {tuple(shape)}{', fp32,' if accumulate else ''} with a "
+                         f"contiguous last dimension, got {tuple(t.shape)} {t.dtype} with strides {t.stride()}")
+
+
+def _grad_outputs(out: tuple[Tensor, ...] | None, accumulate: bool, names: tuple[str, ...],
+                  likes: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """The backward launchers' output buffers: new ones laid out like their inputs, or the caller's `out`, checked
+    (accumulating needs one to add into)."""
+    if out is None:
+        if accumulate:
+            raise ValueError("flash_attention: accumulate=True adds into `out`; none given")
+        return tuple(_empty_in_layout_of(t) for t in likes)
+    for name, t, like in zip(names, out, likes):
+        _check_out(name, t, like.shape, accumulate)
+    return tuple(out)
+
+
+def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float, cfg: TileConfig | None = None,
+                   out: tuple[Tensor, Tensor] | None = None, accumulate: bool = False) -> tuple[Tensor, Tensor]:
+    """Run the forward kernel: (o, lse) of the Nq rows of q against the Nk keys of k, v (Nq == Nk when causal).
+    `cfg` overrides the tile table (the benchmark's tile exploration).
+
+    out=(o, lse): write the result there instead of into new tensors: o (B, H, Nq, D), any dtype, any strides with
+    a contiguous last dimension; lse (B, H, Nq) fp32, a contiguous tensor or a slice of one along Nq.
+    accumulate=True: out holds, in fp32, the attention of these rows over other keys (o normalized, lse base 2; a
+    row with lse = -inf holds nothing yet, whatever its o) and is overwritten with the attention over both key
+    sets. Ring attention folds each arriving block into its running output this way, without a merge pass."""
+    _check_lengths(q, k, v, causal)
+    B, H, N_Q, D = q.shape
+    N_K = k.shape[2]
+    cfg = cfg or tile_config("fwd", D, causal, q.dtype, N_Q)
+    if out is None:
+        if accumulate:
+            raise ValueError("flash_attention: accumulate=True continues the state in `out`; none given")
+        o, lse = _empty_in_layout_of(q), torch.empty((B, H, N_Q), dtype=torch.float32, device=q.device)
+    else:
+        o, lse = out
+        _check_out("o", o, q.shape, accumulate)
+        if lse.shape != (B, H, N_Q) or lse.dtype != torch.float32 or _row_stride(lse) is None:
+            raise ValueError(f"flash_attention: out lse must be ({B}, {H}, {N_Q}) fp32 with contiguous rows, got "
+                             f"{tuple(lse.shape)} {lse.dtype} with strides {lse.stride()}")
+    grid = (triton.cdiv(N_Q, cfg.block_m), B * H)
+    _fwd_kernel[grid](q, k, v, o, lse, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(o), _row_stride(lse),
+                      H, N_Q, N_K, sm_scale * LOG2E, CAUSAL=causal, CONTINUE=accumulate, HEAD_DIM=D,
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v),
+                      TMA=_use_tma(cfg, k, v), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return o, lse
+
+
+def launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, sm_scale: float,
+                    dkdv_cfg: TileConfig | None = None, dq_cfg: TileConfig | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Run the backward kernels (delta, dK/dV, dQ): (dq, dk, dv). The cfgs override the tile table."""
+    do, delta = launch_backward_delta(do, o, lse)
+    dk, dv = launch_backward_dkdv(do, q, k, v, lse, delta, causal, sm_scale, dkdv_cfg)
+    dq = launch_backward_dq(do, q, k, v, lse, delta, causal, sm_scale, dq_cfg)
+    return dq, dk, dv
+
+
+# The backward's three kernels are also launched one by one: ring attention runs a block's dQ and dK/dV kernels at
+# different times, to overlap different transfers, and has them add into its fp32 accumulators (`accumulate`).
+# lse and delta are those of the whole softmax row (the final o, lse), whatever part of its keys a launch sees.
+def launch_backward_delta(do: Tensor, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """(do with a contiguous last dimension, delta = rowsum(dO ∘ O) as (B, H, N) fp32)."""
+    B, H, N, D = o.shape
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    delta = torch.empty_like(lse, memory_format=torch.contiguous_format)
+    _bwd_delta_kernel[(triton.cdiv(N, 128), B * H)](o, do, delta, *_strides3(o), *_strides3(do), H, N,
+                                                    HEAD_DIM=D, BLOCK_M=128, num_warps=4)
+    return do, delta
+
+
+def launch_backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, causal: bool,
+                         sm_scale: float, cfg: TileConfig | None = None, out: tuple[Tensor, Tensor] | None = None,
+                         accumulate: bool = False) -> tuple[Tensor, Tensor]:
+    """(dk, dv) of the Nk keys over the Nq queries (Nq == Nk when causal), in the memory layouts of k and v, or
+    written into out=(dk, dv) (k's shape, contiguous last dimension); accumulate=True adds them to what out holds
+    (fp32): ring attention's travelling dK/dV accumulator."""
+    _check_lengths(q, k, v, causal)
+    B, H, N_Q, D = q.shape
+    N_K = k.shape[2]
+    dk, dv = _grad_outputs(out, accumulate, ("dk", "dv"), (k, v))
+    (lse, stride_lse), (delta, stride_delta) = _rows_in(lse), _rows_in(delta)
+    c = cfg or tile_config("dkdv", D, causal, q.dtype, N_Q)
+    _bwd_dkdv_kernel[(triton.cdiv(N_K, c.block_n), B * H)](
+        q, k, v, do, lse, delta, dk, dv, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do),
+        *_strides3(dk), *_strides3(dv), stride_lse, stride_delta, H, N_Q, N_K, sm_scale * LOG2E, sm_scale,
+        CAUSAL=causal, ACCUMULATE=accumulate, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+        INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v, do), TMA=_use_tma(c, q, do),
+        num_warps=c.num_warps, num_stages=c.num_stages)
+    return dk, dv
+
+
+def launch_backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, causal: bool,
+                       sm_scale: float, cfg: TileConfig | None = None, out: Tensor | None = None,
+                       accumulate: bool = False) -> Tensor:
+    """dq of the Nq queries over the Nk keys (Nq == Nk when causal), in the memory layout of q, or written into
+    `out` (q's shape, contiguous last dimension); accumulate=True adds it to what out holds (fp32)."""
+    _check_lengths(q, k, v, causal)
+    B, H, N_Q, D = q.shape
+    N_K = k.shape[2]
+    (dq,) = _grad_outputs(None if out is None else (out,), accumulate, ("dq",), (q,))
+    (lse, stride_lse), (delta, stride_delta) = _rows_in(lse), _rows_in(delta)
+    c = cfg or tile_config("dq", D, causal, q.dtype, N_Q)
+    _bwd_dq_kernel[(triton.cdiv(N_Q, c.block_m), B * H)](
+        q, k, v, do, lse, delta, dq, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do),
+        *_strides3(dq), stride_lse, stride_delta, H, N_Q, N_K, sm_scale * LOG2E, sm_scale,
+        CAUSAL=causal, ACCUMULATE=accumulate, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+        INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v, do), TMA=_use_tma(c, k, v),
+        num_warps=c.num_warps, num_stages=c.num_stages)
+    return dq
+
+
+# ------------------------------------------------------------------------------------------------
+# PyTorch integration: custom ops (opaque to torch.compile, no graph break) + autograd.Function
+# ------------------------------------------------------------------------------------------------
+@torch.library.custom_op("minigpt::flash_attn_fwd", mutates_args=())
+def _flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float) -> tuple[Tensor, Tensor]:
+    return launch_forward(q, k, v, causal, sm_scale)
+
+
+@_flash_attn_fwd.register_fake
+def _(q, k, v, causal, sm_scale):  # shapes and memory layouts of the outputs, for torch.compile
+    B, H, N, D = q.shape
+    return _empty_in_layout_of(q), q.new_empty((B, H, N), dtype=torch.float32)
+
+
+@torch.library.custom_op("minigpt::flash_attn_bwd", mutates_args=())
+def _flash_attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool,
+                    sm_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    return launch_backward(do, q, k, v, o, lse, causal, sm_scale)
+
+
+@_flash_attn_bwd.register_fake
+def _(do, q, k, v, o, lse, causal, sm_scale):
+    return _empty_in_layout_of(q), _empty_in_layout_of(k), _empty_in_layout_of(v)
+
+
+class FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float,
+                precomputed: tuple[Tensor, Tensor] | None) -> Tensor:
+        if precomputed is None:
+            o, lse = torch.ops.minigpt.flash_attn_fwd(q, k, v, causal, sm_scale)
+        else:  # the caller ran this forward already (e.g. before a checkpoint recompute): reuse it
+            o, lse = precomputed
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.sm_scale = causal, sm_scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do: Tensor):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = torch.ops.minigpt.flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.sm_scale)
+        return dq, dk, dv, None, None, None
+
+
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, softmax_scale: float | None = None,
+                    precomputed: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """softmax(softmax_scale · q kᵀ [+ causal mask]) v without materializing the scores; differentiable.
+
+    q, k, v: (batch, heads, seq, head_dim) CUDA tensors of one dtype (fp16, bf16; fp32 runs with TF32 dots),
+    any strides whose last dimension is contiguous; head_dim in {16, 32, 64, 128, 256}; any seq >= 1.
+    softmax_scale defaults to 1/sqrt(head_dim). Returns a tensor of q's shape and dtype, laid out in memory
+    like q: (B, N, H, D) rows for head-transposed views such as the model's, else contiguous.
+    `precomputed=(o, lse)` from `flash_attention_with_lse` on the same inputs skips the forward kernel and
+    only sets up the backward (activation checkpointing uses it to avoid recomputing the N² attention).
+    Unsupported inputs raise ValueError naming the problem.
+    """
+    _check_inputs(q, k, v)
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    return FlashAttention.apply(q, k, v, causal, sm_scale, precomputed)
+
+
+def flash_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
+                             softmax_scale: float | None = None) -> tuple[Tensor, Tensor]:
+    """Forward only (no autograd): the output and the row log-sum-exp (base 2, fp32, (batch, heads, seq))."""
+    _check_inputs(q, k, v)
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    return torch.ops.minigpt.flash_attn_fwd(q, k, v, causal, sm_scale)
