@@ -92,6 +92,26 @@ def _next_tile(src, BLOCK: tl.constexpr, stride_n, TMA: tl.constexpr):
         return src + BLOCK * stride_n
 
 
+@triton.jit
+def _row_source(base, N, BLOCK: tl.constexpr, TMA: tl.constexpr):
+    """One head's N per-row fp32 values (LSE, delta) as a TMA descriptor of BLOCK-row pieces, or as a pointer."""
+    if TMA:
+        return tl.make_tensor_descriptor(base, shape=[N], strides=[1], block_shape=[BLOCK])
+    else:
+        return base
+
+
+@triton.jit
+def _load_rows(src, row, rows, rows_ok, other, TMA: tl.constexpr):
+    """The values of rows row..row+BLOCK. A TMA copy is one instruction for the whole block where masked pointer
+    loads cost every thread an address, a predicate and an asynchronous copy per value it holds (a quarter of the
+    dK/dV loop's instructions). Rows past the end read as 0 through TMA, as `other` through pointers."""
+    if TMA:
+        return src.load([row])
+    else:
+        return tl.load(src + rows, mask=rows_ok, other=other)
+
+
 # ------------------------------------------------------------------------------------------------
 # Forward
 # ------------------------------------------------------------------------------------------------
@@ -219,10 +239,10 @@ def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_dob,
 
 
 @triton.jit
-def _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, stride_qn, stride_don,
+def _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qn, stride_don,
                     start_n, lo, hi, N_Q, qk_scale,
                     MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr,
-                    TMA: tl.constexpr):
+                    TMA: tl.constexpr, ROW_TMA: tl.constexpr):
     """Accumulate dK, dV of one key tile over query tiles [lo, hi) of the N_Q queries. Works on transposed tiles
     (keys × queries)."""
     offs_m = tl.arange(0, BLOCK_M)
@@ -234,8 +254,10 @@ def _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, stride_qn
         row_ok = rows < N_Q
         q = _load_tile(q_src, start_m, row_ok, True, TMA)
         do = _load_tile(do_src, start_m, row_ok, True, TMA)
-        # rows past the end get LSE = +inf, so their probabilities are exactly 0
-        lse = tl.load(lse_ptrs + rows, mask=row_ok, other=float("inf"))
+        # rows past the end: through pointers LSE = +inf, so their probabilities are exactly 0; through TMA
+        # LSE = 0 and P = 1 there, but their Q and dO rows are 0 too, so they add exactly 0 to dV (P dO) and dK
+        # (dS = P ∘ (V dOᵀ − delta) = 0, delta = 0)
+        lse = _load_rows(lse_src, start_m, rows, row_ok, float("inf"), ROW_TMA)
         # Pᵀ = exp2(K Qᵀ · scale·log2e − LSE)
         pT = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
         if MASKED:
@@ -243,7 +265,7 @@ def _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, stride_qn
         # dV += Pᵀ dO
         dv = tl.dot(pT.to(do.dtype), do, dv)
         # dPᵀ = V dOᵀ;  dSᵀ = Pᵀ ∘ (dPᵀ − delta)
-        delta = tl.load(delta_ptrs + rows, mask=row_ok, other=0.0)
+        delta = _load_rows(delta_src, start_m, rows, row_ok, 0.0, ROW_TMA)
         dsT = pT * (tl.dot(v, tl.trans(do)) - delta[None, :])
         # dK += dSᵀ Q  (the softmax scale is applied once at the end)
         dk = tl.dot(dsT.to(q.dtype), q, dk)
@@ -259,9 +281,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lse, stride_delta,
                      H, N_Q, N_K, qk_scale, sm_scale,
                      CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr):
+                     BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr, ROW_TMA: tl.constexpr):
     """dK, dV of one tile of the N_K keys over the N_Q queries (N_Q == N_K when CAUSAL). ACCUMULATE: add them to
-    what DK, DV hold (fp32) instead of overwriting it."""
+    what DK, DV hold (fp32) instead of overwriting it. ROW_TMA: LSE and delta rows are read through TMA."""
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
     b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
@@ -277,20 +299,23 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
     q_src = _tile_source(Q + b * stride_qb + h * stride_qh, N_Q, stride_qn, offs_m, offs_d, BLOCK_M, HEAD_DIM, TMA)
     do_src = _tile_source(DO + b * stride_dob + h * stride_doh, N_Q, stride_don, offs_m, offs_d, BLOCK_M, HEAD_DIM,
                           TMA)
-    lse_ptrs = LSE + bh.to(tl.int64) * stride_lse
-    delta_ptrs = DELTA + bh.to(tl.int64) * stride_delta
+    lse_src = _row_source(LSE + bh.to(tl.int64) * stride_lse, N_Q, BLOCK_M, ROW_TMA)
+    delta_src = _row_source(DELTA + bh.to(tl.int64) * stride_delta, N_Q, BLOCK_M, ROW_TMA)
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     if CAUSAL:  # queries before this key tile cannot see it; the diagonal tiles get the mask
         diag_hi = tl.minimum(start_n + BLOCK_N, N_Q)
-        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, stride_qn, stride_don,
-                                 start_n, start_n, diag_hi, N_Q, qk_scale, True, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
-        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, stride_qn, stride_don,
-                                 start_n, diag_hi, N_Q, N_Q, qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qn, stride_don,
+                                 start_n, start_n, diag_hi, N_Q, qk_scale, True, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA,
+                                 ROW_TMA)
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qn, stride_don,
+                                 start_n, diag_hi, N_Q, N_Q, qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA,
+                                 ROW_TMA)
     else:
-        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, stride_qn, stride_don,
-                                 start_n, 0, N_Q, N_Q, qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qn, stride_don,
+                                 start_n, 0, N_Q, N_Q, qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA,
+                                 ROW_TMA)
 
     dk *= sm_scale  # dS was taken w.r.t. the scaled scores
     dk_ptrs = DK + b * stride_dkb + h * stride_dkh + rows_n[:, None] * stride_dkn + offs_d[None, :]
@@ -393,15 +418,17 @@ class TileConfig:
 # with and without TMA; results/explore_NVIDIA_H200.json holds every candidate's time). D=16/32 reuse D=64's
 # choice; D=256 uses smaller tiles to fit shared memory (pointer loads, not tuned). The forward at D=128 takes
 # 128×64 tiles with 8 warps: best in that exploration (1.086 vs 1.120 ms for 64×64) and in the H100 re-check
-# (1.083 vs 1.141 ms, results/explore_NVIDIA_H100_80GB_HBM3_*.json). The dK/dV kernel at D=128 takes 64×64 tiles
-# with 4 warps: two independent programs per SM instead of one of 8 warps, 4–11% faster than 64×128 at 1K–32K in
-# two H200 runs (4K 1.166 vs 1.312 ms, 16K 4.12 vs 4.29, 32K 16.2 vs 17.0; NOTES.md J). Key: (kernel, head_dim).
+# (1.083 vs 1.141 ms, results/explore_NVIDIA_H100_80GB_HBM3_*.json). The dK/dV kernel takes 64×64 tiles with 4
+# warps (NOTES.md J, K): at D<=64 capped at 168 registers per thread, so three programs share an SM instead of two
+# (with LSE/delta read through TMA: 1K 0.480 vs 0.561 ms for 32×128, 16K 3.94 vs 4.65, 32K 15.8 vs 17.8, 128K with 12
+# heads 91.9 vs 105.0); at D=128 two independent programs per SM instead of one of 8 warps (4K 1.055 vs 1.206 ms,
+# 16K 3.64 vs 3.84, 32K 14.5 vs 15.9 for 64×128). Key: (kernel, head_dim).
 # Forward/dQ need block_m % block_n == 0; dK/dV needs block_n % block_m == 0.
 _GPU_CONFIGS: dict[tuple[str, int], TileConfig] = {
     **{("fwd", d): TileConfig(64, 64, 4, 3, tma=True) for d in (16, 32, 64)},
     ("fwd", 128): TileConfig(128, 64, 8, 3, tma=True),
     ("fwd", 256): TileConfig(64, 32, 4, 2),
-    **{("dkdv", d): TileConfig(32, 128, 4, 3, tma=True) for d in (16, 32, 64)},
+    **{("dkdv", d): TileConfig(64, 64, 4, 3, tma=True, maxnreg=168) for d in (16, 32, 64)},
     ("dkdv", 128): TileConfig(64, 64, 4, 2, tma=True),
     ("dkdv", 256): TileConfig(16, 64, 4, 2),
     **{("dq", d): TileConfig(128, 64, 8, 3, tma=True) for d in (16, 32, 64)},
@@ -428,13 +455,9 @@ _GPU_CONFIGS_FP32: dict[tuple[str, int], TileConfig] = {
 # (kernel, head_dim) -> (seq bound, config). The forward at D=128 takes 64×64 tiles with 4 warps up to 8K tokens
 # (ms, same process, three H200s: 4K 0.654–0.692 vs 0.688–0.749, 8K 1.14–1.16 vs 1.17–1.33; 128×64 wins at 16K:
 # 2.07–2.26 vs 2.17–2.32). At D<=64 the forward takes 128×64 tiles with 8 warps from 16K tokens (418–426 vs 397–401
-# TFLOP/s at N=16K; 8K–16K are ties within machine noise). The dK/dV kernel at D<=64 takes 64×64 tiles with 4 warps
-# and at most 168 registers per thread up to 16K tokens: three programs per SM instead of two (the cap spills 24
-# bytes, outside the inner loop), 4–10% faster than 32×128 at 1K–16K (1K 0.494 vs 0.552 ms, 4K 1.395 vs 1.458, 16K
-# 4.81 vs 5.03) and a tie at 32K–64K, where 32×128 stays.
+# TFLOP/s at N=16K; 8K–16K are ties within machine noise).
 _GPU_CONFIGS_UP_TO_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
     ("fwd", 128): (8192, TileConfig(64, 64, 4, 3, tma=True)),
-    **{("dkdv", d): (16384, TileConfig(64, 64, 4, 3, tma=True, maxnreg=168)) for d in (16, 32, 64)},
 }
 _GPU_CONFIGS_FROM_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
     **{("fwd", d): (16384, TileConfig(128, 64, 8, 3, tma=True)) for d in (16, 32, 64)},
@@ -513,14 +536,22 @@ def _tma_scratch(size: int, alignment: int, stream: int | None) -> Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _use_tma(cfg: TileConfig, *tensors: Tensor) -> bool:
-    """Whether this launch streams through TMA. Device-side descriptors need Triton's scratch allocator; it is
-    per thread (a ContextVar) and autograd runs the backward on its own thread, so it is set on every launch."""
-    if not (cfg.tma and _hopper_or_newer(tensors[0]) and _tma_ready(*tensors)):
+def _use_tma(cfg: TileConfig, *tensors: Tensor, aligned: bool | None = None) -> bool:
+    """Whether this launch streams through TMA (`aligned`: the tensors' own alignment check, if not _tma_ready's).
+    Device-side descriptors need Triton's scratch allocator; it is per thread (a ContextVar) and autograd runs the
+    backward on its own thread, so it is set on every launch."""
+    if not (cfg.tma and _hopper_or_newer(tensors[0]) and (_tma_ready(*tensors) if aligned is None else aligned)):
         return False
     if not INTERPRET:
         triton.set_allocator(_tma_scratch)
     return True
+
+
+def _rows_tma_ready(cfg: TileConfig, *rows: tuple[Tensor, int]) -> bool:
+    """Whether (B, H, N) fp32 row tensors (LSE, delta), given with their row strides, can be read through TMA:
+    every head's row 16-byte aligned."""
+    aligned = all(t.data_ptr() % 16 == 0 and (stride * t.element_size()) % 16 == 0 for t, stride in rows)
+    return _use_tma(cfg, rows[0][0], aligned=aligned)
 
 
 def _reg_cap(cfg: TileConfig) -> dict[str, int]:
@@ -669,6 +700,7 @@ def launch_backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tenso
         *_strides3(dk), *_strides3(dv), stride_lse, stride_delta, H, N_Q, N_K, sm_scale * LOG2E, sm_scale,
         CAUSAL=causal, ACCUMULATE=accumulate, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
         INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v, do), TMA=_use_tma(c, q, do),
+        ROW_TMA=_rows_tma_ready(c, (lse, stride_lse), (delta, stride_delta)),
         num_warps=c.num_warps, num_stages=c.num_stages, **_reg_cap(c))
     return dk, dv
 
