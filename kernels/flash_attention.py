@@ -524,10 +524,12 @@ def _hopper_or_newer(t: Tensor) -> bool:
 
 
 def _tma_ready(*tensors: Tensor) -> bool:
-    """TMA needs 16-byte aligned head bases and row strides; views that break this take the pointer path."""
+    """TMA needs 16-byte aligned bases and strides (but the last, contiguous dimension's): (B, H, N, D) tiles whose
+    head bases and rows are aligned, (B, H, N) LSE/delta whose head rows are. Views that break this take the pointer
+    path."""
     for t in tensors:
         size = t.element_size()
-        if t.data_ptr() % 16 or any((t.stride(i) * size) % 16 for i in range(3)):
+        if t.data_ptr() % 16 or any((t.stride(i) * size) % 16 for i in range(t.dim() - 1)):
             return False
     return True
 
@@ -536,22 +538,15 @@ def _tma_scratch(size: int, alignment: int, stream: int | None) -> Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _use_tma(cfg: TileConfig, *tensors: Tensor, aligned: bool | None = None) -> bool:
-    """Whether this launch streams through TMA (`aligned`: the tensors' own alignment check, if not _tma_ready's).
-    Device-side descriptors need Triton's scratch allocator; it is per thread (a ContextVar) and autograd runs the
-    backward on its own thread, so it is set on every launch."""
-    if not (cfg.tma and _hopper_or_newer(tensors[0]) and (_tma_ready(*tensors) if aligned is None else aligned)):
+def _use_tma(cfg: TileConfig, *tensors: Tensor) -> bool:
+    """Whether this launch streams these tensors through TMA. Device-side descriptors need Triton's scratch
+    allocator; it is per thread (a ContextVar) and autograd runs the backward on its own thread, so it is set on
+    every launch."""
+    if not (cfg.tma and _hopper_or_newer(tensors[0]) and _tma_ready(*tensors)):
         return False
     if not INTERPRET:
         triton.set_allocator(_tma_scratch)
     return True
-
-
-def _rows_tma_ready(cfg: TileConfig, *rows: tuple[Tensor, int]) -> bool:
-    """Whether (B, H, N) fp32 row tensors (LSE, delta), given with their row strides, can be read through TMA:
-    every head's row 16-byte aligned."""
-    aligned = all(t.data_ptr() % 16 == 0 and (stride * t.element_size()) % 16 == 0 for t, stride in rows)
-    return _use_tma(cfg, rows[0][0], aligned=aligned)
 
 
 def _reg_cap(cfg: TileConfig) -> dict[str, int]:
@@ -700,7 +695,7 @@ def launch_backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tenso
         *_strides3(dk), *_strides3(dv), stride_lse, stride_delta, H, N_Q, N_K, sm_scale * LOG2E, sm_scale,
         CAUSAL=causal, ACCUMULATE=accumulate, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
         INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v, do), TMA=_use_tma(c, q, do),
-        ROW_TMA=_rows_tma_ready(c, (lse, stride_lse), (delta, stride_delta)),
+        ROW_TMA=_use_tma(c, lse, delta),
         num_warps=c.num_warps, num_stages=c.num_stages, **_reg_cap(c))
     return dk, dv
 

@@ -99,22 +99,26 @@ def test_int64_offset_path(monkeypatch, pointer_loads, causal):
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_dkdv_reads_lse_and_delta_rows_through_tma(monkeypatch, causal):
-    """With 16-byte aligned rows (N a multiple of 4) the dK/dV kernel reads LSE and delta through TMA, where rows past
-    the end read as 0 instead of LSE = +inf: harmless, because their Q and dO rows read as 0 too. N=36 leaves a
-    ragged last query tile (the interpreter's tiles are 16 rows). The gradients equal the pointer path's exactly."""
-    qkv, *_ = split_qkv(2, 36, 2, 32, torch.float32, seed=36)
-    real, used = fa._rows_tma_ready, []
-    monkeypatch.setattr(fa, "_rows_tma_ready", lambda *args: used.append(real(*args)) or used[-1])
-    check_against_reference(qkv, causal, seed=37)
-    assert used == [True]
-    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
-    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(38))
-    grads = {}
-    for rows_tma in (True, False):
-        monkeypatch.setattr(fa, "_rows_tma_ready", lambda *args, on=rows_tma: on)
-        grads[rows_tma] = torch.autograd.grad(flash_attention(q, k, v, causal=causal), (q, k, v), do)
-    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+def test_dkdv_reads_lse_and_delta_rows_through_tma(causal):
+    """With 16-byte aligned head rows (N a multiple of 4) the dK/dV kernel reads LSE and delta through TMA, where rows
+    past the end read as 0 instead of LSE = +inf: harmless, because their Q and dO rows read as 0 too. N=36 leaves a
+    ragged last query tile (the interpreter's tiles are 16 rows). The same rows in buffers with a 37-value row
+    stride take the pointer path; dK and dV must come out exactly equal, and right against float64."""
+    qkv, q, k, v = split_qkv(2, 36, 2, 32, torch.float32, seed=36)
+    check_against_reference(qkv, causal, seed=37)  # the whole flash_attention, through the TMA rows
+    scale = 0.3
+    o, lse = fa.launch_forward(q, k, v, causal, scale)
+    do, delta = fa.launch_backward_delta(torch.randn(o.shape, generator=torch.Generator().manual_seed(38)), o, lse)
+
+    def unaligned(t):
+        return torch.empty(*t.shape[:2], 37).narrow(2, 0, 36).copy_(t)
+
+    lse_p, delta_p = unaligned(lse), unaligned(delta)
+    cfg = fa.tile_config("dkdv", 32)
+    assert fa._use_tma(cfg, lse, delta) and not fa._use_tma(cfg, lse_p, delta_p)
+    via_tma = fa.launch_backward_dkdv(do, q, k, v, lse, delta, causal, scale)
+    via_pointers = fa.launch_backward_dkdv(do, q, k, v, lse_p, delta_p, causal, scale)
+    assert all(torch.equal(a, b) for a, b in zip(via_tma, via_pointers))
 
 
 def test_gpu_tile_tables_respect_the_kernels_shape_rules():
