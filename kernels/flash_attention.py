@@ -8,9 +8,9 @@ it saves the row log-sum-exp (LSE) so the backward can rebuild any tile of proba
 P = exp(S − LSE) without a second softmax pass. All exponentials are base 2 with log2(e) folded into
 the scale (exp(x) = exp2(x · log2 e)), which is one multiply cheaper per score.
 
-Backward (FlashAttention-2): delta = rowsum(dO ∘ O); one kernel owns a key tile and walks the query
-tiles to accumulate dK and dV; another owns a query tile and walks the key tiles to accumulate dQ.
-No atomics: every output tile has one writer, so results are deterministic.
+Backward (FlashAttention-2): one kernel owns a query tile and walks the key tiles to accumulate dQ; it also
+computes delta = rowsum(dO ∘ O) for its rows and leaves it for the other, which owns a key tile and walks the
+query tiles to accumulate dK and dV. No atomics: every output tile has one writer, so results are deterministic.
 
 Tiles stream through TMA descriptors on Hopper (hardware bulk copies; rows past the end read as 0) when
 the inputs are 16-byte aligned, through masked pointer loads otherwise.
@@ -196,8 +196,8 @@ def _fwd_kernel(Q, K, V, O, LSE,
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s − m)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # running unnormalized output
 
-    if CAUSAL:  # keys before the tile are fully visible; the diagonal tiles get the mask
-        full_hi = start_m
+    if CAUSAL:  # key tiles wholly before the query tile are fully visible; the rest, to the diagonal, get the mask
+        full_hi = (start_m // BLOCK_N) * BLOCK_N  # = start_m unless key tiles are wider than query tiles
         diag_hi = tl.minimum(start_m + BLOCK_M, N_K)
     else:  # all keys visible; only the ragged last tile is masked
         full_hi = (N_K // BLOCK_N) * BLOCK_N
@@ -354,15 +354,16 @@ def _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, sta
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, O,
                    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
-                   stride_dqb, stride_dqh, stride_dqn, stride_lse, stride_delta,
+                   stride_dqb, stride_dqh, stride_dqn, stride_ob, stride_oh, stride_on, stride_lse, stride_delta,
                    H, N_Q, N_K, qk_scale, sm_scale,
                    CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr):
+                   BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr, DELTA_FROM_O: tl.constexpr):
     """dQ of one tile of the N_Q queries over the N_K keys (N_Q == N_K when CAUSAL). ACCUMULATE: add it to what DQ
-    holds (fp32) instead of overwriting it."""
+    holds (fp32) instead of overwriting it. DELTA_FROM_O: compute the tile's delta rows from O and dO (loaded here
+    anyway) and write them to DELTA for the dK/dV kernel, instead of reading them: no separate delta pass."""
     pid_m = tl.program_id(0)
     if CAUSAL:  # longest rows first
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -379,7 +380,13 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_don + offs_d[None, :],
                  mask=row_ok[:, None], other=0.0)
     lse = tl.load(LSE + bh.to(tl.int64) * stride_lse + rows, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + bh.to(tl.int64) * stride_delta + rows, mask=row_ok, other=0.0)
+    if DELTA_FROM_O:  # delta_i = Σ_d dO_id · O_id, as _bwd_delta_kernel computes it
+        o = tl.load(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+        tl.store(DELTA + bh.to(tl.int64) * stride_delta + rows, delta, mask=row_ok)
+    else:
+        delta = tl.load(DELTA + bh.to(tl.int64) * stride_delta + rows, mask=row_ok, other=0.0)
     k_src = _tile_source(K + b * stride_kb + h * stride_kh, N_K, stride_kn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
     v_src = _tile_source(V + b * stride_vb + h * stride_vh, N_K, stride_vn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
 
@@ -423,7 +430,7 @@ class TileConfig:
 # (with LSE/delta read through TMA: 1K 0.480 vs 0.561 ms for 32×128, 16K 3.94 vs 4.65, 32K 15.8 vs 17.8, 128K with 12
 # heads 91.9 vs 105.0); at D=128 two independent programs per SM instead of one of 8 warps (4K 1.055 vs 1.206 ms,
 # 16K 3.64 vs 3.84, 32K 14.5 vs 15.9 for 64×128). Key: (kernel, head_dim).
-# Forward/dQ need block_m % block_n == 0; dK/dV needs block_n % block_m == 0.
+# dQ needs block_m % block_n == 0, dK/dV block_n % block_m == 0; the forward takes either (powers of two).
 _GPU_CONFIGS: dict[tuple[str, int], TileConfig] = {
     **{("fwd", d): TileConfig(64, 64, 4, 3, tma=True) for d in (16, 32, 64)},
     ("fwd", 128): TileConfig(128, 64, 8, 3, tma=True),
@@ -454,13 +461,15 @@ _GPU_CONFIGS_FP32: dict[tuple[str, int], TileConfig] = {
 # Causal 2-byte inputs, by sequence length (H200, bf16, 16K tokens per batch; kernels/NOTES.md sections C and J):
 # (kernel, head_dim) -> (seq bound, config). The forward at D=128 takes 64×64 tiles with 4 warps up to 8K tokens
 # (ms, same process, three H200s: 4K 0.654–0.692 vs 0.688–0.749, 8K 1.14–1.16 vs 1.17–1.33; 128×64 wins at 16K:
-# 2.07–2.26 vs 2.17–2.32). At D<=64 the forward takes 128×64 tiles with 8 warps from 16K tokens (418–426 vs 397–401
-# TFLOP/s at N=16K; 8K–16K are ties within machine noise).
+# 2.07–2.26 vs 2.17–2.32). At D<=64 the forward takes 128-key tiles over 64 query rows with 4 warps (2 stages, 157
+# registers: three programs per SM) from 8K tokens: the loop's per-tile work (rescale, bookkeeping, barriers) is
+# spread over twice the scores (ms, one process, NOTES.md L: 8K 1.355 vs 1.391 for 64×64 and 1.368 for 128×64/8
+# warps, 16K a tie, 128K with 12 heads 57.9 vs 58.5; 1K–4K ties or behind).
 _GPU_CONFIGS_UP_TO_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
     ("fwd", 128): (8192, TileConfig(64, 64, 4, 3, tma=True)),
 }
 _GPU_CONFIGS_FROM_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
-    **{("fwd", d): (16384, TileConfig(128, 64, 8, 3, tma=True)) for d in (16, 32, 64)},
+    **{("fwd", d): (8192, TileConfig(64, 128, 4, 2, tma=True)) for d in (16, 32, 64)},
 }
 # Small tiles under the CPU interpreter: fast there, and several tiles per test sequence so the
 # diagonal / full / ragged-tail paths all run. TMA on, as on the GPU (the interpreter emulates descriptors);
@@ -657,15 +666,20 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
 
 def launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, sm_scale: float,
                     dkdv_cfg: TileConfig | None = None, dq_cfg: TileConfig | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Run the backward kernels (delta, dK/dV, dQ): (dq, dk, dv). The cfgs override the tile table."""
-    do, delta = launch_backward_delta(do, o, lse)
+    """Run the backward kernels (dQ, then dK/dV): (dq, dk, dv). The cfgs override the tile table. The dQ kernel also
+    computes delta = rowsum(dO ∘ O) for its rows (it loads dO anyway) and leaves it for the dK/dV kernel, which
+    saves a pass over O and dO: 1–3% of the backward at 1K–4K and at 128K tokens (kernels/NOTES.md, L)."""
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    delta = torch.empty_like(lse, memory_format=torch.contiguous_format)
+    dq = launch_backward_dq(do, q, k, v, lse, delta, causal, sm_scale, dq_cfg, o=o)
     dk, dv = launch_backward_dkdv(do, q, k, v, lse, delta, causal, sm_scale, dkdv_cfg)
-    dq = launch_backward_dq(do, q, k, v, lse, delta, causal, sm_scale, dq_cfg)
     return dq, dk, dv
 
 
-# The backward's three kernels are also launched one by one: ring attention runs a block's dQ and dK/dV kernels at
-# different times, to overlap different transfers, and has them add into its fp32 accumulators (`accumulate`).
+# The backward's kernels are also launched one by one, with delta from a kernel of its own: ring attention runs a
+# block's dQ and dK/dV kernels at different times, to overlap different transfers, and has them add into its fp32
+# accumulators (`accumulate`).
 # lse and delta are those of the whole softmax row (the final o, lse), whatever part of its keys a launch sees.
 def launch_backward_delta(do: Tensor, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
     """(do with a contiguous last dimension, delta = rowsum(dO ∘ O) as (B, H, N) fp32)."""
@@ -702,20 +716,26 @@ def launch_backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tenso
 
 def launch_backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, causal: bool,
                        sm_scale: float, cfg: TileConfig | None = None, out: Tensor | None = None,
-                       accumulate: bool = False) -> Tensor:
+                       accumulate: bool = False, o: Tensor | None = None) -> Tensor:
     """dq of the Nq queries over the Nk keys (Nq == Nk when causal), in the memory layout of q, or written into
-    `out` (q's shape, contiguous last dimension); accumulate=True adds it to what out holds (fp32)."""
+    `out` (q's shape, contiguous last dimension); accumulate=True adds it to what out holds (fp32).
+    o given (the forward's output): delta is computed here from o and do and written into `delta` (then an output,
+    (B, H, Nq) fp32) instead of read from it."""
     _check_lengths(q, k, v, causal)
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
     (dq,) = _grad_outputs(None if out is None else (out,), accumulate, ("dq",), (q,))
     (lse, stride_lse), (delta, stride_delta) = _rows_in(lse), _rows_in(delta)
     c = cfg or tile_config("dq", D, causal, q.dtype, N_Q)
+    if o is not None and (o.shape != q.shape or o.stride(-1) != 1):
+        raise ValueError(f"flash_attention: o must have q's shape {tuple(q.shape)} and a contiguous last dimension, "
+                         f"got {tuple(o.shape)} with strides {o.stride()}")
     _bwd_dq_kernel[(triton.cdiv(N_Q, c.block_m), B * H)](
-        q, k, v, do, lse, delta, dq, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do),
-        *_strides3(dq), stride_lse, stride_delta, H, N_Q, N_K, sm_scale * LOG2E, sm_scale,
+        q, k, v, do, lse, delta, dq, o, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do),
+        *_strides3(dq), *(_strides3(o) if o is not None else (0, 0, 0)), stride_lse, stride_delta,
+        H, N_Q, N_K, sm_scale * LOG2E, sm_scale,
         CAUSAL=causal, ACCUMULATE=accumulate, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-        INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v, do), TMA=_use_tma(c, k, v),
+        INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v, do), TMA=_use_tma(c, k, v), DELTA_FROM_O=o is not None,
         num_warps=c.num_warps, num_stages=c.num_stages, **_reg_cap(c))
     return dq
 

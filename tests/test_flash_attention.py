@@ -121,16 +121,49 @@ def test_dkdv_reads_lse_and_delta_rows_through_tma(causal):
     assert all(torch.equal(a, b) for a, b in zip(via_tma, via_pointers))
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("seq", [40, 77])
+def test_forward_with_key_tiles_wider_than_query_tiles(monkeypatch, causal, seq):
+    """The forward's key tiles may be wider than its query tiles (the GPU's long-sequence tiles are 64×128): a causal
+    query tile then starts its masked part at the key tile holding its first row, which can lie before that row.
+    16-row query tiles over 32-key tiles put every other query tile there; 40 and 77 leave ragged last tiles."""
+    monkeypatch.setitem(fa._INTERPRET_CONFIGS, "fwd", fa.TileConfig(16, 32, 4, 1, tma=True))
+    qkv, *_ = split_qkv(2, seq, 2, 32, torch.float32, seed=seq)
+    check_against_reference(qkv, causal, seed=seq + 1)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_dq_kernel_computes_delta_for_the_dkdv_kernel(causal):
+    """launch_backward has the dQ kernel compute delta = rowsum(dO ∘ O) from the rows it loads and hand it to the
+    dK/dV kernel. The gradients and delta must equal, bit for bit, those of the three separate launches that ring
+    attention uses (delta kernel, dK/dV, dQ)."""
+    _, q, k, v = split_qkv(2, 77, 2, 32, torch.float32, seed=77)
+    scale = 0.3
+    o, lse = fa.launch_forward(q, k, v, causal, scale)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(78))
+    do_c, delta = fa.launch_backward_delta(do, o, lse)
+    separate = (fa.launch_backward_dq(do_c, q, k, v, lse, delta, causal, scale),
+                *fa.launch_backward_dkdv(do_c, q, k, v, lse, delta, causal, scale))
+    fused = fa.launch_backward(do, q, k, v, o, lse, causal, scale)
+    assert all(torch.equal(a, b) for a, b in zip(separate, fused))
+    delta_in_dq = torch.full_like(delta, float("nan"))
+    fa.launch_backward_dq(do_c, q, k, v, lse, delta_in_dq, causal, scale, o=o)
+    assert torch.equal(delta_in_dq, delta)
+
+
 def test_gpu_tile_tables_respect_the_kernels_shape_rules():
     """Every GPU tile choice (by head_dim, dtype, causality, sequence length) keeps the tiling the kernels assume:
-    the forward/dQ query tile is a whole number of key tiles and the dK/dV key tile a whole number of query tiles
-    (the causal diagonal is walked tile by tile), and a register cap is one ptxas accepts."""
+    the dQ query tile is a whole number of key tiles and the dK/dV key tile a whole number of query tiles (the causal
+    diagonal is walked tile by tile), the forward's tiles are powers of two (either may be the larger), and a
+    register cap is one ptxas accepts."""
     tables = [fa._GPU_CONFIGS, fa._GPU_CONFIGS_FULL, fa._GPU_CONFIGS_FP32,
               {key: c for key, (_, c) in fa._GPU_CONFIGS_UP_TO_SEQ.items()},
               {key: c for key, (_, c) in fa._GPU_CONFIGS_FROM_SEQ.items()}]
     for table in tables:
         for (kernel, head_dim), c in table.items():
             outer, inner = (c.block_n, c.block_m) if kernel == "dkdv" else (c.block_m, c.block_n)
+            if kernel == "fwd":
+                outer, inner = max(outer, inner), min(outer, inner)
             assert outer % inner == 0, (kernel, head_dim, c)
             assert c.maxnreg is None or (24 <= c.maxnreg <= 255 and c.maxnreg % 8 == 0), (kernel, head_dim, c)
     # the cap is a GPU compile option: never passed to the CPU interpreter
