@@ -725,11 +725,15 @@ def launch_backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
     (dq,) = _grad_outputs(None if out is None else (out,), accumulate, ("dq",), (q,))
-    (lse, stride_lse), (delta, stride_delta) = _rows_in(lse), _rows_in(delta)
-    c = cfg or tile_config("dq", D, causal, q.dtype, N_Q)
     if o is not None and (o.shape != q.shape or o.stride(-1) != 1):
         raise ValueError(f"flash_attention: o must have q's shape {tuple(q.shape)} and a contiguous last dimension, "
                          f"got {tuple(o.shape)} with strides {o.stride()}")
+    if o is not None and (delta.shape != (B, H, N_Q) or delta.dtype != torch.float32 or _row_stride(delta) is None):
+        # written here: it must not be a copy made for reading
+        raise ValueError(f"flash_attention: delta to compute must be ({B}, {H}, {N_Q}) fp32 with contiguous rows, got "
+                         f"{tuple(delta.shape)} {delta.dtype} with strides {delta.stride()}")
+    (lse, stride_lse), (delta, stride_delta) = _rows_in(lse), _rows_in(delta)
+    c = cfg or tile_config("dq", D, causal, q.dtype, N_Q)
     _bwd_dq_kernel[(triton.cdiv(N_Q, c.block_m), B * H)](
         q, k, v, do, lse, delta, dq, o, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do),
         *_strides3(dq), *(_strides3(o) if o is not None else (0, 0, 0)), stride_lse, stride_delta,

@@ -496,3 +496,7 @@ def test_out_buffers_are_checked():
         fa.launch_forward(q, k, v, False, 0.25, out=(torch.zeros(1, 2, 8, 16), torch.zeros(1, 8, 2).transpose(1, 2)))
     with pytest.raises(ValueError, match="out dq"):
         fa.launch_backward_dq(q, q, k, v, lse, lse, False, 0.25, out=torch.zeros(1, 2, 9, 16))
+    with pytest.raises(ValueError, match="delta to compute"):  # it would be written into a copy and lost
+        fa.launch_backward_dq(q, q, k, v, lse, torch.zeros(1, 8, 2).transpose(1, 2), False, 0.25, o=q)
+    with pytest.raises(ValueError, match="o must have"):
+        fa.launch_backward_dq(q, q, k, v, lse, lse.clone(), False, 0.25, o=q[:, :, :4])
