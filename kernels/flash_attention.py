@@ -13,7 +13,10 @@ computes delta = rowsum(dO ∘ O) for its rows and leaves it for the other, whic
 query tiles to accumulate dK and dV. No atomics: every output tile has one writer, so results are deterministic.
 
 Tiles stream through TMA descriptors on Hopper (hardware bulk copies; rows past the end read as 0) when
-the inputs are 16-byte aligned, through masked pointer loads otherwise.
+the inputs are 16-byte aligned, through masked pointer loads otherwise. On an H100/H200, long causal sequences
+(8K tokens and more, head_dim 64/128, fp16/bf16) take the warp-specialized forward of flash_forward_pingpong.py
+instead (FlashAttention-3's producer warp and consumer warpgroups in ping-pong, written in Gluon); it computes the
+same (o, lse), and the backward below is shared.
 
 Causal masking: tiles entirely above the diagonal are never visited; only tiles on the diagonal pay for
 the mask. Sequence tails (seq not a multiple of the tile) are handled with masked loads and stores.
@@ -33,6 +36,7 @@ Triton's CPU interpreter).
 """
 from __future__ import annotations
 
+import importlib
 import math
 import os
 from dataclasses import dataclass
@@ -418,6 +422,9 @@ class TileConfig:
     num_stages: int
     tma: bool = False  # stream tiles through TMA descriptors (Hopper+, aligned inputs; else pointer loads)
     maxnreg: int | None = None  # cap on registers per thread, so more programs share an SM (GPU only)
+    # forward only: the warp-specialized Gluon kernel of flash_forward_pingpong.py (sm_90), block_m/64 consumer
+    # warpgroups of 64 query rows each; num_warps is then per consumer and maxnreg unused
+    pingpong: bool = False
 
 
 # 2-byte inputs (bf16, fp16; the same tensor-core rate and tile bytes), causal. Chosen from
@@ -471,6 +478,15 @@ _GPU_CONFIGS_UP_TO_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
 _GPU_CONFIGS_FROM_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
     **{("fwd", d): (8192, TileConfig(64, 128, 4, 2, tma=True)) for d in (16, 32, 64)},
 }
+# Causal 2-byte forward on an H100/H200 (sm_90) from 8K tokens: the warp-specialized ping-pong kernel
+# (flash_forward_pingpong.py; NOTES.md O). ms against the Triton forward above, one process, H200: D=64 with 3 consumer
+# warpgroups (192 query rows), 128-key tiles, 3 stages: 8K 1.220 vs 1.260, 128K with 12 heads 49.9 vs 57.0;
+# D=128 with 2 consumers, 128-key tiles, 2 stages: 8K 1.081 vs 1.148, 16K 2.092 vs 2.106, 32K 7.89 vs 8.23. Below 8K
+# it is slower (4K, D=64: 0.771 vs 0.715). Inputs outside its scope (pingpong_ready) take the tables above.
+_PINGPONG_FROM_SEQ: dict[int, tuple[int, TileConfig]] = {
+    64: (8192, TileConfig(192, 128, 4, 3, tma=True, pingpong=True)),
+    128: (8192, TileConfig(128, 128, 4, 2, tma=True, pingpong=True)),
+}
 # Small tiles under the CPU interpreter: fast there, and several tiles per test sequence so the
 # diagonal / full / ragged-tail paths all run. TMA on, as on the GPU (the interpreter emulates descriptors);
 # tests run the pointer path with explicit configs.
@@ -479,15 +495,19 @@ _INTERPRET_CONFIGS = {"fwd": TileConfig(32, 16, 4, 1, tma=True), "dkdv": TileCon
 
 
 def tile_config(kernel: str, head_dim: int, causal: bool = True, dtype: torch.dtype = torch.bfloat16,
-                seq_len: int | None = None) -> TileConfig:
+                seq_len: int | None = None, pingpong: bool = False) -> TileConfig:
     """The launch configuration of one kernel ('fwd', 'dkdv' or 'dq') for this head_dim, causality and dtype, and,
-    when seq_len is given, for that sequence length (causal 2-byte inputs have short- and long-sequence tiles)."""
+    when seq_len is given, for that sequence length (causal 2-byte inputs have short- and long-sequence tiles).
+    pingpong: the inputs fit the warp-specialized forward (pingpong_ready), which long causal sequences then take."""
     if INTERPRET:
         return _INTERPRET_CONFIGS[kernel]
     if dtype == torch.float32:
         return _GPU_CONFIGS_FP32[(kernel, head_dim)]
     if not causal and (kernel, head_dim) in _GPU_CONFIGS_FULL:
         return _GPU_CONFIGS_FULL[(kernel, head_dim)]
+    if pingpong and kernel == "fwd" and causal and seq_len is not None and head_dim in _PINGPONG_FROM_SEQ \
+            and seq_len >= _PINGPONG_FROM_SEQ[head_dim][0]:
+        return _PINGPONG_FROM_SEQ[head_dim][1]
     if causal and seq_len is not None:
         up_to = _GPU_CONFIGS_UP_TO_SEQ.get((kernel, head_dim))
         if up_to is not None and seq_len <= up_to[0]:
@@ -556,6 +576,32 @@ def _use_tma(cfg: TileConfig, *tensors: Tensor) -> bool:
     if not INTERPRET:
         triton.set_allocator(_tma_scratch)
     return True
+
+
+def _pingpong_module():
+    """flash_forward_pingpong, or None where its Gluon API (triton 3.6, Hopper) does not import."""
+    global _PINGPONG
+    if _PINGPONG is False:
+        try:
+            _PINGPONG = importlib.import_module("minigpt_kernels.flash_forward_pingpong")
+        except (ImportError, AttributeError):  # another triton's Gluon
+            _PINGPONG = None
+    return _PINGPONG
+
+
+_PINGPONG = False  # not imported yet
+
+
+def pingpong_ready(q: Tensor, k: Tensor, v: Tensor, causal: bool, accumulate: bool = False,
+                   out: tuple[Tensor, Tensor] | None = None) -> bool:
+    """Whether the warp-specialized forward can take these inputs: an sm_90 GPU (wgmma) with its Gluon API, causal,
+    fp16/bf16, head_dim 64 or 128, as many queries as keys, TMA-aligned q/k/v, a fresh result (no `accumulate`) and,
+    for a given out=(o, lse), o in q's dtype and contiguous LSE rows."""
+    return (not INTERPRET and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in (64, 128)
+            and causal and not accumulate and q.shape == k.shape == v.shape
+            and (out is None or (out[0].dtype == q.dtype and out[1].is_contiguous()))
+            and torch.cuda.get_device_capability(q.device) == (9, 0) and _tma_ready(q, k, v)
+            and _pingpong_module() is not None)
 
 
 def _reg_cap(cfg: TileConfig) -> dict[str, int]:
@@ -644,7 +690,11 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
     _check_lengths(q, k, v, causal)
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
-    cfg = cfg or tile_config("fwd", D, causal, q.dtype, N_Q)
+    ready = pingpong_ready(q, k, v, causal, accumulate, out)
+    if cfg is not None and cfg.pingpong and not ready:
+        raise ValueError("flash_attention: the ping-pong forward takes causal fp16/bf16 inputs with head_dim 64 or 128, "
+                         "TMA-aligned, on an sm_90 GPU (see pingpong_ready)")
+    cfg = cfg or tile_config("fwd", D, causal, q.dtype, N_Q, pingpong=ready)
     if out is None:
         if accumulate:
             raise ValueError("flash_attention: accumulate=True continues the state in `out`; none given")
@@ -655,6 +705,11 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
         if lse.shape != (B, H, N_Q) or lse.dtype != torch.float32 or _row_stride(lse) is None:
             raise ValueError(f"flash_attention: out lse must be ({B}, {H}, {N_Q}) fp32 with contiguous rows, got "
                              f"{tuple(lse.shape)} {lse.dtype} with strides {lse.stride()}")
+    if cfg.pingpong:
+        triton.set_allocator(_tma_scratch)  # its TMA descriptors are made on the device, like _use_tma's
+        _pingpong_module().launch_forward_pingpong(q, k, v, o, lse, sm_scale * LOG2E, cfg.block_m // 64, cfg.block_n,
+                                                   cfg.num_stages)
+        return o, lse
     grid = (triton.cdiv(N_Q, cfg.block_m), B * H)
     _fwd_kernel[grid](q, k, v, o, lse, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(o), _row_stride(lse),
                       H, N_Q, N_K, sm_scale * LOG2E, CAUSAL=causal, CONTINUE=accumulate, HEAD_DIM=D,

@@ -171,6 +171,29 @@ def test_gpu_tile_tables_respect_the_kernels_shape_rules():
     assert fa._reg_cap(fa.TileConfig(64, 64, 4, 3)) == {}
 
 
+def test_long_causal_forwards_take_the_pingpong_kernel_only_where_it_fits(monkeypatch):
+    """The GPU table sends causal fp16/bf16 forwards at head_dim 64/128 from 8K tokens to the warp-specialized kernel
+    (flash_forward_pingpong.py), and only when the inputs fit it; anything else keeps the Triton forward. Its
+    numbers are checked on the GPU (tests/test_gpu.py); here, the choice and the refusals."""
+    monkeypatch.setattr(fa, "INTERPRET", False)  # the GPU tables
+    for d in (64, 128):
+        for dtype in (torch.bfloat16, torch.float16):
+            assert fa.tile_config("fwd", d, True, dtype, 8192, pingpong=True).pingpong
+            assert fa.tile_config("fwd", d, True, dtype, 1 << 20, pingpong=True).block_m % 64 == 0
+        assert not fa.tile_config("fwd", d, True, torch.bfloat16, 4096, pingpong=True).pingpong
+        assert not fa.tile_config("fwd", d, True, torch.bfloat16, 8192, pingpong=False).pingpong
+        assert not fa.tile_config("fwd", d, False, torch.bfloat16, 8192, pingpong=True).pingpong
+        assert not fa.tile_config("fwd", d, True, torch.float32, 8192, pingpong=True).pingpong
+        assert not fa.tile_config("dq", d, True, torch.bfloat16, 8192, pingpong=True).pingpong
+    assert not fa.tile_config("fwd", 32, True, torch.bfloat16, 8192, pingpong=True).pingpong
+    monkeypatch.undo()
+    # CPU tensors never fit it, and asking for it there is an error that says why
+    _, q, k, v = split_qkv(1, 100, 2, 64, torch.float16, 3)
+    assert not fa.pingpong_ready(q, k, v, True)
+    with pytest.raises(ValueError, match="ping-pong"):
+        fa.launch_forward(q, k, v, True, 0.125, fa.TileConfig(192, 128, 4, 3, tma=True, pingpong=True))
+
+
 def test_unaligned_inputs_fall_back_to_pointer_loads():
     """A row stride that is not a multiple of 16 bytes cannot be a TMA descriptor: the launcher must notice."""
     g = torch.Generator().manual_seed(9)

@@ -3,6 +3,7 @@
 Accuracy in bf16/fp16 against float64 up to 16K tokens, memory linear in N at 128K tokens, the same
 gpt2-small loss curve as SDPA, and torch.compile of the whole model with attention=flash.
 """
+import importlib
 import math
 
 import pytest
@@ -33,6 +34,48 @@ def test_accuracy_vs_float64(seq, batch, heads, head_dim, dtype, causal):
     (grad_ref,) = torch.autograd.grad(ref, qkv64, do.double())
     errs = {"o": rel_err(o, ref), **{f"d{n}": rel_err(grad[:, :, i], grad_ref[:, :, i]) for i, n in enumerate("qkv")}}
     assert all(e < TOL[dtype] for e in errs.values()), errs
+
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+fa = importlib.import_module("minigpt_kernels.flash_attention")
+
+
+@pytest.mark.skipif(not HOPPER, reason="the ping-pong forward is written for sm_90 (wgmma)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim,consumers,block_n,stages", [(64, 3, 128, 3), (64, 2, 128, 2), (128, 2, 128, 2),
+                                                               (128, 2, 64, 3)])
+@pytest.mark.parametrize("seq,batch,heads", [(1, 1, 2), (65, 2, 3), (1000, 2, 3), (4100, 1, 2)])
+def test_pingpong_forward_vs_float64(seq, batch, heads, head_dim, consumers, block_n, stages, dtype):
+    """The warp-specialized forward on short and ragged sequences (the table sends it only ≥ 8K tokens): output and
+    LSE against float64, its error no larger than the Triton forward's, on the model's qkv-split strides."""
+    g = torch.Generator(device="cuda").manual_seed(seq * 7 + head_dim + consumers)
+    qkv = torch.randn(batch, seq, 3, heads, head_dim, device="cuda", generator=g).to(dtype)
+    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
+    scale = head_dim ** -0.5
+    cfg = fa.TileConfig(64 * consumers, block_n, 4, stages, tma=True, pingpong=True)
+    o, lse = fa.launch_forward(q, k, v, True, scale, cfg)
+    o_triton, _ = fa.launch_forward(q, k, v, True, scale, fa.TileConfig(64, 64, 4, 3, tma=True))
+    ref = reference_attention(q, k, v, True)
+    s = (q.double() @ k.double().transpose(-1, -2)) * scale
+    s = s.masked_fill(torch.ones(seq, seq, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+    lse_ref = torch.logsumexp(s, -1) / math.log(2)
+    assert rel_err(o, ref) < TOL[dtype] and rel_err(o, ref) <= 1.05 * rel_err(o_triton, ref) + 1e-6
+    assert (lse.double() - lse_ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.skipif(not HOPPER, reason="the ping-pong forward is written for sm_90 (wgmma)")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_long_causal_forward_runs_the_pingpong_kernel(head_dim):
+    """From 8K tokens the table's forward is the ping-pong kernel: the default launch equals a forced one bitwise
+    and differs from the Triton forward (other tiles, other rounding)."""
+    g = torch.Generator(device="cuda").manual_seed(head_dim)
+    q, k, v = (torch.randn(1, 2, 8192, head_dim, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    cfg = fa.tile_config("fwd", head_dim, True, torch.bfloat16, 8192, pingpong=True)
+    assert cfg.pingpong
+    o, lse = fa.launch_forward(q, k, v, True, head_dim ** -0.5)
+    o_pp, lse_pp = fa.launch_forward(q, k, v, True, head_dim ** -0.5, cfg)
+    o_tr, _ = fa.launch_forward(q, k, v, True, head_dim ** -0.5, fa.TileConfig(64, 64, 4, 3, tma=True))
+    assert torch.equal(o, o_pp) and torch.equal(lse, lse_pp) and not torch.equal(o, o_tr)
 
 
 @pytest.mark.parametrize("head_dim", [16, 32, 256])

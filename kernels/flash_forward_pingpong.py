@@ -1,0 +1,235 @@
+"""The causal FlashAttention forward on Hopper with FlashAttention-3's structure, in Gluon (Triton's explicit-layout
+dialect): warp-specialized, with consumer warpgroups taking turns at the tensor cores ("ping-pong").
+
+    o = softmax(scale · q kᵀ + causal mask) v,   lse = log2 Σ_j 2^(s_j)      (the same outputs as flash_attention.py)
+
+Why a second forward: on long sequences the Triton forward runs three independent 64-row programs per SM, each
+waiting on its own matmuls. Here one program owns 64·NUM_CONSUMERS query rows and splits its warps by role
+(`gl.warp_specialize`):
+
+- one producer warp streams the key/value tiles K_j, V_j through a ring of STAGES shared-memory buffers with TMA
+  (k_ready[s] / v_ready[s]: the copy landed; kv_empty[s]: every consumer is done with the buffer);
+- NUM_CONSUMERS consumer warpgroups own 64 query rows each and take turns at the tensor cores, ordered by one
+  mbarrier per consumer (turn[c] completes when consumer c may issue its matmuls). At its turn a consumer issues
+  S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} together and hands the turn on; it then computes the softmax of S_j while
+  the next consumer's matmuls run, so the tensor cores and the exponential unit work at the same time.
+
+The register file is split by role (setmaxnreg): 24 registers per producer thread, the rest to the consumers, whose
+64×BLOCK_N scores and 64×HEAD_DIM accumulator live in registers. Measured in kernels/NOTES.md (O): 12% faster than
+the Triton forward at 128K tokens (head_dim 64), a tie below 8K tokens, where it is not used.
+
+Scope: causal, fp16/bf16, head_dim 64 or 128, one length for queries and keys, TMA-aligned inputs, contiguous LSE,
+sm_90 (wgmma). flash_attention.py picks it for long sequences and falls back to its own forward otherwise.
+"""
+from __future__ import annotations
+
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+ROWS_PER_CONSUMER = gl.constexpr(64)  # query rows per consumer warpgroup: the M of one wgmma
+PRODUCER_REGS = 24  # registers per producer thread; the consumers take what is left (setmaxnreg)
+CONSUMER_REGS = {2: 232, 3: 160}  # per consumer thread: 2 warpgroups of 232 + the producer's, or 3 of 160
+
+
+@gluon.constexpr_function
+def _mma_layout(cols, num_warps):
+    """The wgmma accumulator layout of a 64-row tile, with the widest instruction N (≤ 256) that divides cols."""
+    n = 256
+    while n > cols or cols % n:
+        n -= 8
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale):
+    """Fold one tile of scores into the running row max m and row sum l (base 2). Returns (p, α, m_new, l_new):
+    p = exp2(s·scale − m_new) are the tile's unnormalized probabilities, α = exp2(m_old − m_new) rescales what was
+    accumulated under the old max."""
+    if masked:  # the diagonal tile: keys after the row (and so keys past the end) get probability 0
+        keys = key0 + cols
+        s = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(keys, 0), s, float("-inf"))
+    # m_new = max(m_old, rowmax(s)·scale)
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    # p = exp2(s·scale − m_new), one fused multiply-add and one exponential per score
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    # l_new = α·l_old + rowsum(p)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn,
+              O, LSE, b, h, bh, stride_ob, stride_oh, stride_on, N, start_m, num_tiles, qk_scale,
+              ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr):
+    """Consumer warpgroup ME: attention of query rows start_m + 64·ME ... + 63 over key tiles 0 .. num_tiles−1."""
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N, 4)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P from registers
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    NEXT: gl.constexpr = (ME + 1) % NUM_CONSUMERS
+    row0 = start_m + ME * ROWS_PER_CONSUMER
+    rows = row0 + gl.arange(0, ROWS_PER_CONSUMER, layout=gl.SliceLayout(1, s_layout))
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    full_tiles = row0 // BLOCK_N  # key tiles wholly at or before this consumer's first row need no mask
+    no_scores = gl.zeros([ROWS_PER_CONSUMER, BLOCK_N], gl.float32, layout=s_layout)
+    m_i = gl.full([ROWS_PER_CONSUMER], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS_PER_CONSUMER], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], gl.float32, layout=o_layout)
+    q = q_smem.index(ME)
+    mbarrier.wait(q_ready.index(ME), 0)
+    if ME == NUM_CONSUMERS - 1:  # the last consumer opens the first turn, so consumer 0 goes first
+        mbarrier.arrive(turn.index(0), count=1)
+
+    # tile 0: S_0 = Q K_0ᵀ alone (there is no P V yet)
+    mbarrier.wait(turn.index(ME), 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), no_scores, use_acc=False, is_async=True)
+    mbarrier.arrive(turn.index(NEXT), count=1)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, rows, cols, 0, 0 >= full_tiles, qk_scale)
+    p16 = gl.convert_layout(p.to(dtype), p_layout)
+
+    # tile j: at this consumer's turn issue S_j = Q K_jᵀ and O += P_{j-1} V_{j-1}; then softmax of S_j while the
+    # other consumers' matmuls run. Both matmuls are retired within the step: ptxas serializes every wgmma of a
+    # loop whose in-flight results cross the back-edge (NOTES.md F).
+    for j in range(1, num_tiles):
+        stage = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(turn.index(ME), j & 1)  # this consumer's (j+1)-th turn
+        mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+        s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), no_scores, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
+        mbarrier.arrive(turn.index(NEXT), count=1)
+        s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
+        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, rows, cols, j * BLOCK_N, j >= full_tiles, qk_scale)
+        acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
+        mbarrier.arrive(kv_empty.index(prev), count=1)  # K_{j-1} and V_{j-1} no longer read by this consumer
+        # acc = α·acc: what P_{j-1} V_{j-1} added was under the old max, as was the rest
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        p16 = gl.convert_layout(p.to(dtype), p_layout)
+
+    # the last O += P V, at one more turn (the turns stay in step across consumers)
+    last = (num_tiles - 1) % STAGES
+    mbarrier.wait(turn.index(ME), num_tiles & 1)
+    mbarrier.wait(v_ready.index(last), ((num_tiles - 1) // STAGES) & 1)
+    acc = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
+    mbarrier.arrive(turn.index(NEXT), count=1)
+    acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
+
+    # o = acc / l;  LSE = m + log2(l)
+    o = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+    gl.store(LSE + bh.to(gl.int64) * N + rows, m_i + gl.log2(l_i), mask=rows < N)
+    out_rows = row0 + gl.arange(0, ROWS_PER_CONSUMER, layout=row_o)
+    out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    offs = b * stride_ob + h * stride_oh + gl.expand_dims(out_rows.to(gl.int64), 1) * stride_on \
+        + gl.expand_dims(out_cols, 0)
+    gl.store(O + offs, o.to(dtype), mask=gl.expand_dims(out_rows < N, 1))
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, start_m, num_tiles,
+              NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The producer warp: each consumer's Q rows once, then K_j, V_j into buffer j % STAGES as soon as every
+    consumer has released what the buffer held (tile j − STAGES). Rows past the end read as 0 (TMA)."""
+    dtype: gl.constexpr = q_smem.dtype
+    q_bytes: gl.constexpr = ROWS_PER_CONSUMER * HEAD_DIM * dtype.primitive_bitwidth // 8
+    kv_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
+    for c in gl.static_range(NUM_CONSUMERS):
+        mbarrier.expect(q_ready.index(c), q_bytes)
+        tma.async_copy_global_to_shared(q_desc, [start_m + c * ROWS_PER_CONSUMER, 0], q_ready.index(c),
+                                        q_smem.index(c))
+    for j in range(num_tiles):
+        stage = j % STAGES
+        # round r = j // STAGES of this buffer waits for round r − 1's release; a fresh barrier passes parity 1
+        mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(stage), kv_bytes)
+        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+        mbarrier.expect(v_ready.index(stage), kv_bytes)
+        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+
+
+@gluon.jit
+def _pingpong_fwd_kernel(Q, K, V, O, LSE,
+                         stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                         stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
+                         H, N, qk_scale,
+                         HEAD_DIM: gl.constexpr, NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
+                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """One tile of 64·NUM_CONSUMERS query rows of one (batch, head), causal; the last query tiles (most keys) first."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    BLOCK_M: gl.constexpr = NUM_CONSUMERS * ROWS_PER_CONSUMER
+    start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
+    bh = gl.program_id(1)
+    b = (bh // H).to(gl.int64)
+    h = (bh % H).to(gl.int64)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS_PER_CONSUMER, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[N, HEAD_DIM], strides=[stride_qn, 1],
+                                        block_shape=[ROWS_PER_CONSUMER, HEAD_DIM], layout=q_layout)
+    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + h * stride_kh, shape=[N, HEAD_DIM], strides=[stride_kn, 1],
+                                        block_shape=[BLOCK_N, HEAD_DIM], layout=kv_layout)
+    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, shape=[N, HEAD_DIM], strides=[stride_vn, 1],
+                                        block_shape=[BLOCK_N, HEAD_DIM], layout=kv_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, ROWS_PER_CONSUMER, HEAD_DIM], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_CONSUMERS):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(turn.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=NUM_CONSUMERS)
+    fence_async_shared()
+    num_tiles = gl.cdiv(gl.minimum(start_m + BLOCK_M, N), BLOCK_N)  # key tiles up to the diagonal
+
+    if NUM_CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, O, LSE, b, h, bh,
+                         stride_ob, stride_oh, stride_on, N, start_m, num_tiles, qk_scale, gl.constexpr(0),
+                         NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
+            (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, O, LSE, b, h, bh,
+                         stride_ob, stride_oh, stride_on, N, start_m, num_tiles, qk_scale, gl.constexpr(1),
+                         NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, start_m,
+                         num_tiles, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, O, LSE, b, h, bh,
+                         stride_ob, stride_oh, stride_on, N, start_m, num_tiles, qk_scale, gl.constexpr(0),
+                         NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
+            (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, O, LSE, b, h, bh,
+                         stride_ob, stride_oh, stride_on, N, start_m, num_tiles, qk_scale, gl.constexpr(1),
+                         NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
+            (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, O, LSE, b, h, bh,
+                         stride_ob, stride_oh, stride_on, N, start_m, num_tiles, qk_scale, gl.constexpr(2),
+                         NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, start_m,
+                         num_tiles, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+
+
+def launch_forward_pingpong(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float, consumers: int,
+                            block_n: int, stages: int) -> None:
+    """Write causal attention of q, k, v (B, H, N, D) into o (q's shape) and lse ((B, H, N) fp32, contiguous, base 2).
+    qk_scale = softmax scale · log2(e). The caller checks the scope (flash_attention.pingpong_ready) and has set
+    Triton's scratch allocator for the device-side TMA descriptors."""
+    B, H, N, D = q.shape
+    grid = (-(-N // (consumers * ROWS_PER_CONSUMER.value)), B * H)
+    _pingpong_fwd_kernel[grid](
+        q, k, v, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), H, N, qk_scale,
+        HEAD_DIM=D, NUM_CONSUMERS=consumers, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
