@@ -480,12 +480,14 @@ _GPU_CONFIGS_FROM_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
 }
 # Causal 2-byte forward on an H100/H200 (sm_90) from 8K tokens: the warp-specialized ping-pong kernel
 # (flash_forward_pingpong.py; NOTES.md O). ms against the Triton forward above, one process, H200: D=64 with 3 consumer
-# warpgroups (192 query rows), 128-key tiles, 3 stages: 8K 1.220 vs 1.260, 128K with 12 heads 49.9 vs 57.0;
-# D=128 with 2 consumers, 128-key tiles, 2 stages: 8K 1.081 vs 1.148, 16K 2.092 vs 2.106, 32K 7.89 vs 8.23. Below 8K
-# it is slower (4K, D=64: 0.771 vs 0.715). Inputs outside its scope (pingpong_ready) take the tables above.
+# warpgroups (192 query rows), 128-key tiles, 3 stages: 8K 1.220 vs 1.260, 16K 2.169 vs 2.362, 128K with 12 heads 49.9
+# vs 57.0 (4 stages: 2.219 at 16K, 50.2 at 128K); D=128 with 2 consumers, 128-key tiles, 3 stages (225 KB of shared
+# memory): 8K 0.968 vs 1.079, 16K 1.756 vs 2.177, 32K 7.12 vs 8.34, 128K with 12 heads 83.3 vs 97.9 (2 stages: 1.074,
+# 2.087, 7.87, 91.6). Below 8K it is slower (4K, D=64: 0.771 vs 0.715). Inputs outside its scope (pingpong_ready) take
+# the tables above.
 _PINGPONG_FROM_SEQ: dict[int, tuple[int, TileConfig]] = {
     64: (8192, TileConfig(192, 128, 4, 3, tma=True, pingpong=True)),
-    128: (8192, TileConfig(128, 128, 4, 2, tma=True, pingpong=True)),
+    128: (8192, TileConfig(128, 128, 4, 3, tma=True, pingpong=True)),
 }
 # Small tiles under the CPU interpreter: fast there, and several tiles per test sequence so the
 # diagonal / full / ragged-tail paths all run. TMA on, as on the GPU (the interpreter emulates descriptors);
