@@ -14,7 +14,7 @@ query tiles to accumulate dK and dV. No atomics: every output tile has one write
 
 Tiles stream through TMA descriptors on Hopper (hardware bulk copies; rows past the end read as 0) when
 the inputs are 16-byte aligned, through masked pointer loads otherwise. On an H100/H200, long causal sequences
-(8K tokens and more, head_dim 64/128, fp16/bf16) take the warp-specialized forward of flash_forward_pingpong.py
+(from 8K tokens at head_dim 64, 4K at 128; fp16/bf16) take the warp-specialized forward of flash_forward_pingpong.py
 instead (FlashAttention-3's producer warp and consumer warpgroups in ping-pong, written in Gluon); it computes the
 same (o, lse), and the backward below is shared.
 
@@ -483,11 +483,11 @@ _GPU_CONFIGS_FROM_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
 # warpgroups (192 query rows), 128-key tiles, 3 stages: 8K 1.220 vs 1.260, 16K 2.169 vs 2.362, 128K with 12 heads 49.9
 # vs 57.0 (4 stages: 2.219 at 16K, 50.2 at 128K); D=128 with 2 consumers, 128-key tiles, 3 stages (225 KB of shared
 # memory): 8K 0.968 vs 1.079, 16K 1.756 vs 2.177, 32K 7.12 vs 8.34, 128K with 12 heads 83.3 vs 97.9 (2 stages: 1.074,
-# 2.087, 7.87, 91.6). Below 8K it is slower (4K, D=64: 0.771 vs 0.715). Inputs outside its scope (pingpong_ready) take
-# the tables above.
+# 2.087, 7.87, 91.6), and from 4K tokens (4K: 0.562 vs 0.612; 2K a tie, 0.338 vs 0.333). At D=64 it is slower below 8K
+# (4K: 0.771 vs 0.715). Inputs outside its scope (pingpong_ready) take the tables above.
 _PINGPONG_FROM_SEQ: dict[int, tuple[int, TileConfig]] = {
     64: (8192, TileConfig(192, 128, 4, 3, tma=True, pingpong=True)),
-    128: (8192, TileConfig(128, 128, 4, 3, tma=True, pingpong=True)),
+    128: (4096, TileConfig(128, 128, 4, 3, tma=True, pingpong=True)),
 }
 # Small tiles under the CPU interpreter: fast there, and several tiles per test sequence so the
 # diagonal / full / ragged-tail paths all run. TMA on, as on the GPU (the interpreter emulates descriptors);

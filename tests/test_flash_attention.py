@@ -172,15 +172,17 @@ def test_gpu_tile_tables_respect_the_kernels_shape_rules():
 
 
 def test_long_causal_forwards_take_the_pingpong_kernel_only_where_it_fits(monkeypatch):
-    """The GPU table sends causal fp16/bf16 forwards at head_dim 64/128 from 8K tokens to the warp-specialized kernel
+    """The GPU table sends causal fp16/bf16 forwards at head_dim 64/128 from 8K/4K tokens to the warp-specialized kernel
     (flash_forward_pingpong.py), and only when the inputs fit it; anything else keeps the Triton forward. Its
     numbers are checked on the GPU (tests/test_gpu.py); here, the choice and the refusals."""
     monkeypatch.setattr(fa, "INTERPRET", False)  # the GPU tables
+    assert not fa.tile_config("fwd", 64, True, torch.bfloat16, 4096, pingpong=True).pingpong
+    assert fa.tile_config("fwd", 128, True, torch.bfloat16, 4096, pingpong=True).pingpong
     for d in (64, 128):
         for dtype in (torch.bfloat16, torch.float16):
             assert fa.tile_config("fwd", d, True, dtype, 8192, pingpong=True).pingpong
             assert fa.tile_config("fwd", d, True, dtype, 1 << 20, pingpong=True).block_m % 64 == 0
-        assert not fa.tile_config("fwd", d, True, torch.bfloat16, 4096, pingpong=True).pingpong
+        assert not fa.tile_config("fwd", d, True, torch.bfloat16, 2048, pingpong=True).pingpong
         assert not fa.tile_config("fwd", d, True, torch.bfloat16, 8192, pingpong=False).pingpong
         assert not fa.tile_config("fwd", d, False, torch.bfloat16, 8192, pingpong=True).pingpong
         assert not fa.tile_config("fwd", d, True, torch.float32, 8192, pingpong=True).pingpong
