@@ -478,8 +478,8 @@ _GPU_CONFIGS_UP_TO_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
 _GPU_CONFIGS_FROM_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
     **{("fwd", d): (8192, TileConfig(64, 128, 4, 2, tma=True)) for d in (16, 32, 64)},
 }
-# Causal 2-byte forward on an H100/H200 (sm_90) from 8K tokens: the warp-specialized ping-pong kernel
-# (flash_forward_pingpong.py; NOTES.md O). ms against the Triton forward above, one process, H200: D=64 with 3 consumer
+# Causal 2-byte forward on an H100/H200 (sm_90) from 8K tokens at D=64, 4K at D=128: the warp-specialized ping-pong
+# kernel (flash_forward_pingpong.py; NOTES.md O). ms against the Triton forward above, one process, H200: D=64 with 3 consumer
 # warpgroups (192 query rows), 128-key tiles, 3 stages: 8K 1.220 vs 1.260, 16K 2.169 vs 2.362, 128K with 12 heads 49.9
 # vs 57.0 (4 stages: 2.219 at 16K, 50.2 at 128K); D=128 with 2 consumers, 128-key tiles, 3 stages (225 KB of shared
 # memory): 8K 0.968 vs 1.079, 16K 1.756 vs 2.177, 32K 7.12 vs 8.34, 128K with 12 heads 83.3 vs 97.9 (2 stages: 1.074,

@@ -61,11 +61,12 @@ def _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale):
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn,
-              O, LSE, b, h, bh, stride_ob, stride_oh, stride_on, N, start_m, num_tiles, qk_scale,
-              ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr):
-    """Consumer warpgroup ME: attention of query rows start_m + 64·ME ... + 63 over key tiles 0 .. num_tiles−1."""
+    """Consumer warpgroup ME: attention of query rows start_m + 64·ME ... + 63 over key tiles 0 .. num_tiles−1.
+    `shared`: what every consumer gets alike (buffers, barriers, output pointers, the tile's position)."""
+    (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn,
+     O, LSE, b, h, bh, stride_ob, stride_oh, stride_on, N, start_m, num_tiles, qk_scale) = shared
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = _mma_layout(BLOCK_N, 4)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)
@@ -133,10 +134,10 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn,
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, start_m, num_tiles,
-              NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """The producer warp: each consumer's Q rows once, then K_j, V_j into buffer j % STAGES as soon as every
     consumer has released what the buffer held (tile j − STAGES). Rows past the end read as 0 (TMA)."""
+    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, start_m, num_tiles = loads
     dtype: gl.constexpr = q_smem.dtype
     q_bytes: gl.constexpr = ROWS_PER_CONSUMER * HEAD_DIM * dtype.primitive_bitwidth // 8
     kv_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
@@ -194,31 +195,22 @@ def _pingpong_fwd_kernel(Q, K, V, O, LSE,
     fence_async_shared()
     num_tiles = gl.cdiv(gl.minimum(start_m + BLOCK_M, N), BLOCK_N)  # key tiles up to the diagonal
 
+    shared = (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn,
+              O, LSE, b, h, bh, stride_ob, stride_oh, stride_on, N, start_m, num_tiles, qk_scale)
+    loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, start_m, num_tiles)
+    # the partition list is a literal for the compiler: one entry per consumer (the first is the default partition)
+    # and the producer
     if NUM_CONSUMERS == 2:
-        gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, O, LSE, b, h, bh,
-                         stride_ob, stride_oh, stride_on, N, start_m, num_tiles, qk_scale, gl.constexpr(0),
-                         NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
-            (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, O, LSE, b, h, bh,
-                         stride_ob, stride_oh, stride_on, N, start_m, num_tiles, qk_scale, gl.constexpr(1),
-                         NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, start_m,
-                         num_tiles, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        gl.warp_specialize([(_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
+                            (_consumer, (shared, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
+                            (_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES))],
+                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, O, LSE, b, h, bh,
-                         stride_ob, stride_oh, stride_on, N, start_m, num_tiles, qk_scale, gl.constexpr(0),
-                         NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
-            (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, O, LSE, b, h, bh,
-                         stride_ob, stride_oh, stride_on, N, start_m, num_tiles, qk_scale, gl.constexpr(1),
-                         NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
-            (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn, O, LSE, b, h, bh,
-                         stride_ob, stride_oh, stride_on, N, start_m, num_tiles, qk_scale, gl.constexpr(2),
-                         NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, start_m,
-                         num_tiles, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
-        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+        gl.warp_specialize([(_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
+                            (_consumer, (shared, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
+                            (_consumer, (shared, gl.constexpr(2), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
+                            (_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES))],
+                           [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
 def launch_forward_pingpong(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float, consumers: int,
