@@ -1,6 +1,6 @@
 """Ping-pong forward stage counts (H200, bf16 causal) against the Triton forward, one process.
 `python3 stages.py long` (D=64 16K-256K and D=128 32K: stages_long.json) or `stages.py d128` (D=128 8K-128K and D=64 8K:
-stages_d128.json); the run at the time used the table of its commit (c35fad2) for the defaults."""
+stages_d128.json)."""
 import importlib, json, math, os, sys
 import torch
 from triton.testing import do_bench
