@@ -15,8 +15,9 @@ query tiles to accumulate dK and dV. No atomics: every output tile has one write
 Tiles stream through TMA descriptors on Hopper (hardware bulk copies; rows past the end read as 0) when
 the inputs are 16-byte aligned, through masked pointer loads otherwise. On an H100/H200, long causal sequences
 (from 8K tokens at head_dim 64, 4K at 128; fp16/bf16) take the warp-specialized forward of flash_forward_pingpong.py
-instead (FlashAttention-3's producer warp and consumer warpgroups in ping-pong, written in Gluon); it computes the
-same (o, lse), and the backward below is shared.
+instead (FlashAttention-3's producer warp and consumer warpgroups in ping-pong, written in Gluon), and some backward
+launches the warp-specialized dK/dV or dQ kernel of flash_backward_specialized.py (dK/dV at head_dim 64 from 16K
+tokens, dQ at head_dim 128 from 4K); they compute the same outputs as the Triton kernels here.
 
 Causal masking: tiles entirely above the diagonal are never visited; only tiles on the diagonal pay for
 the mask. Sequence tails (seq not a multiple of the tile) are handled with masked loads and stores.
@@ -422,9 +423,11 @@ class TileConfig:
     num_stages: int
     tma: bool = False  # stream tiles through TMA descriptors (Hopper+, aligned inputs; else pointer loads)
     maxnreg: int | None = None  # cap on registers per thread, so more programs share an SM (GPU only)
-    # forward only: the warp-specialized Gluon kernel of flash_forward_pingpong.py (sm_90), block_m/64 consumer
-    # warpgroups of 64 query rows each; num_warps is then per consumer and maxnreg unused
-    pingpong: bool = False
+    # the warp-specialized Gluon kernels (sm_90; num_warps is then per consumer warpgroup, maxnreg unused): the
+    # forward of flash_forward_pingpong.py with block_m/64 consumers of 64 query rows; the dK/dV and dQ kernels of
+    # flash_backward_specialized.py with two consumers: dK/dV block_n = 128 keys per program, block_m the streamed
+    # query tile; dQ block_m = 128 rows per program, block_n the streamed key tile
+    specialized: bool = False
 
 
 # 2-byte inputs (bf16, fp16; the same tensor-core rate and tile bytes), causal. Chosen from
@@ -478,16 +481,24 @@ _GPU_CONFIGS_UP_TO_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
 _GPU_CONFIGS_FROM_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
     **{("fwd", d): (8192, TileConfig(64, 128, 4, 2, tma=True)) for d in (16, 32, 64)},
 }
-# Causal 2-byte forward on an H100/H200 (sm_90) from 8K tokens at D=64, 4K at D=128: the warp-specialized ping-pong
-# kernel (flash_forward_pingpong.py; NOTES.md O). ms against the Triton forward above, one process, H200: D=64 with 3 consumer
-# warpgroups (192 query rows), 128-key tiles, 3 stages: 8K 1.220 vs 1.260, 16K 2.169 vs 2.362, 128K with 12 heads 49.9
-# vs 57.0 (4 stages: 2.219 at 16K, 50.2 at 128K); D=128 with 2 consumers, 128-key tiles, 3 stages (225 KB of shared
-# memory): 8K 0.968 vs 1.079, 16K 1.756 vs 2.177, 32K 7.12 vs 8.34, 128K with 12 heads 83.3 vs 97.9 (2 stages: 1.074,
-# 2.087, 7.87, 91.6), and from 4K tokens (4K: 0.562 vs 0.612; 2K a tie, 0.338 vs 0.333). At D=64 it is slower below 8K
-# (4K: 0.771 vs 0.715). Inputs outside its scope (pingpong_ready) take the tables above.
-_PINGPONG_FROM_SEQ: dict[int, tuple[int, TileConfig]] = {
-    64: (8192, TileConfig(192, 128, 4, 3, tma=True, pingpong=True)),
-    128: (4096, TileConfig(128, 128, 4, 3, tma=True, pingpong=True)),
+# Causal 2-byte inputs on an H100/H200 (sm_90), by sequence length: the warp-specialized Gluon kernels where they are
+# faster (specialized_ready decides whether the inputs fit them; anything else takes the tables above).
+# - Forward (flash_forward_pingpong.py; NOTES.md O), ms against the Triton forward above, one process, H200: D=64 with
+#   3 consumer warpgroups (192 query rows), 128-key tiles, 3 stages: 8K 1.220 vs 1.260, 16K 2.169 vs 2.362, 128K with
+#   12 heads 49.9 vs 57.0 (4 stages: 2.219 at 16K, 50.2 at 128K); D=128 with 2 consumers, 128-key tiles, 3 stages
+#   (225 KB of shared memory): 8K 0.968 vs 1.079, 16K 1.756 vs 2.177, 32K 7.12 vs 8.34, 128K with 12 heads 83.3 vs
+#   97.9 (2 stages: 1.074, 2.087, 7.87, 91.6), and from 4K tokens (4K: 0.562 vs 0.612; 2K a tie, 0.338 vs 0.333). At
+#   D=64 it is slower below 8K (4K: 0.771 vs 0.715).
+# - dK/dV at D=64 (flash_backward_specialized.py; NOTES.md P): 128 keys per program, 64-query tiles, 3 stages, ms
+#   against the Triton dK/dV kernel, H200, two runs: 16K (32 heads) 3.936/3.989 vs 3.913/4.134, 128K (12 heads) 88.9 vs
+#   90.8; slower below 16K (8K: 2.124/2.166 vs 2.036/2.084). At D=128 it ties at 32K and loses below: not used.
+# - dQ at D=128: 128 rows per program, 64-key tiles, 3 stages: 4K 0.662 vs 0.738, 16K 2.294 vs 2.594, 32K 8.82 vs
+#   10.07. At D=64 the Triton dQ kernel (128 rows over 8 warps) stays ahead at every length (16K: 2.82 vs 2.69).
+_SPECIALIZED_FROM_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
+    ("fwd", 64): (8192, TileConfig(192, 128, 4, 3, tma=True, specialized=True)),
+    ("fwd", 128): (4096, TileConfig(128, 128, 4, 3, tma=True, specialized=True)),
+    ("dkdv", 64): (16384, TileConfig(64, 128, 4, 3, tma=True, specialized=True)),
+    ("dq", 128): (4096, TileConfig(128, 64, 4, 3, tma=True, specialized=True)),
 }
 # Small tiles under the CPU interpreter: fast there, and several tiles per test sequence so the
 # diagonal / full / ragged-tail paths all run. TMA on, as on the GPU (the interpreter emulates descriptors);
@@ -497,19 +508,20 @@ _INTERPRET_CONFIGS = {"fwd": TileConfig(32, 16, 4, 1, tma=True), "dkdv": TileCon
 
 
 def tile_config(kernel: str, head_dim: int, causal: bool = True, dtype: torch.dtype = torch.bfloat16,
-                seq_len: int | None = None, pingpong: bool = False) -> TileConfig:
+                seq_len: int | None = None, specialized: bool = False) -> TileConfig:
     """The launch configuration of one kernel ('fwd', 'dkdv' or 'dq') for this head_dim, causality and dtype, and,
     when seq_len is given, for that sequence length (causal 2-byte inputs have short- and long-sequence tiles).
-    pingpong: the inputs fit the warp-specialized forward (pingpong_ready), which long causal sequences then take."""
+    specialized: the inputs fit the warp-specialized Gluon kernels (specialized_ready), which long causal sequences
+    then take where the table has one for this kernel and head_dim."""
     if INTERPRET:
         return _INTERPRET_CONFIGS[kernel]
     if dtype == torch.float32:
         return _GPU_CONFIGS_FP32[(kernel, head_dim)]
     if not causal and (kernel, head_dim) in _GPU_CONFIGS_FULL:
         return _GPU_CONFIGS_FULL[(kernel, head_dim)]
-    if pingpong and kernel == "fwd" and causal and seq_len is not None and head_dim in _PINGPONG_FROM_SEQ \
-            and seq_len >= _PINGPONG_FROM_SEQ[head_dim][0]:
-        return _PINGPONG_FROM_SEQ[head_dim][1]
+    gluon = _SPECIALIZED_FROM_SEQ.get((kernel, head_dim))
+    if specialized and causal and seq_len is not None and gluon is not None and seq_len >= gluon[0]:
+        return gluon[1]
     if causal and seq_len is not None:
         up_to = _GPU_CONFIGS_UP_TO_SEQ.get((kernel, head_dim))
         if up_to is not None and seq_len <= up_to[0]:
@@ -580,30 +592,35 @@ def _use_tma(cfg: TileConfig, *tensors: Tensor) -> bool:
     return True
 
 
-def _pingpong_module():
-    """flash_forward_pingpong, or None where its Gluon API (triton 3.6, Hopper) does not import."""
-    global _PINGPONG
-    if _PINGPONG is False:
+_GLUON_MODULES: dict[str, object] = {}  # imported on first use (only on an sm_90 GPU)
+
+
+def _gluon_module(name: str):
+    """minigpt_kernels.<name> (a Gluon kernel file), or None where its Gluon API (triton 3.6, Hopper) does not import."""
+    if name not in _GLUON_MODULES:
         try:
-            _PINGPONG = importlib.import_module("minigpt_kernels.flash_forward_pingpong")
+            _GLUON_MODULES[name] = importlib.import_module(f"minigpt_kernels.{name}")
         except (ImportError, AttributeError):  # another triton's Gluon
-            _PINGPONG = None
-    return _PINGPONG
+            _GLUON_MODULES[name] = None
+    return _GLUON_MODULES[name]
 
 
-_PINGPONG = False  # not imported yet
-
-
-def pingpong_ready(q: Tensor, k: Tensor, v: Tensor, causal: bool, accumulate: bool = False,
-                   out: tuple[Tensor, Tensor] | None = None) -> bool:
-    """Whether the warp-specialized forward can take these inputs: an sm_90 GPU (wgmma) with its Gluon API, causal,
-    fp16/bf16, head_dim 64 or 128, as many queries as keys, TMA-aligned q/k/v, a fresh result (no `accumulate`) and,
-    for a given out=(o, lse), o in q's dtype and contiguous LSE rows."""
+def specialized_ready(q: Tensor, k: Tensor, v: Tensor, causal: bool, accumulate: bool = False,
+                      out: tuple[Tensor, Tensor] | None = None, module: str = "flash_forward_pingpong",
+                      also: tuple[Tensor, ...] = ()) -> bool:
+    """Whether the warp-specialized Gluon kernels of `module` can take these inputs: an sm_90 GPU (wgmma) with their
+    Gluon API, causal, fp16/bf16, head_dim 64 or 128, as many queries as keys, TMA-aligned q/k/v (and `also`, e.g. do),
+    a fresh result (no `accumulate`) and, for the forward's out=(o, lse), o in q's dtype and contiguous LSE rows."""
     return (not INTERPRET and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in (64, 128)
             and causal and not accumulate and q.shape == k.shape == v.shape
             and (out is None or (out[0].dtype == q.dtype and out[1].is_contiguous()))
-            and torch.cuda.get_device_capability(q.device) == (9, 0) and _tma_ready(q, k, v)
-            and _pingpong_module() is not None)
+            and torch.cuda.get_device_capability(q.device) == (9, 0) and _tma_ready(q, k, v, *also)
+            and all(t.stride(-1) == 1 for t in (q, k, v, *also))
+            and _gluon_module(module) is not None)
+
+
+_NOT_SPECIALIZED = ("flash_attention: the warp-specialized {} takes causal fp16/bf16 inputs with head_dim 64 or 128, "
+                    "TMA-aligned, on an sm_90 GPU, without accumulate (see specialized_ready)")
 
 
 def _reg_cap(cfg: TileConfig) -> dict[str, int]:
@@ -659,6 +676,17 @@ def _rows_in(t: Tensor) -> tuple[Tensor, int]:
     return t, stride
 
 
+def _rows_for_tma(t: Tensor, stride: int) -> tuple[Tensor, int]:
+    """(rows, stride) of a (B, H, N) fp32 input whose (b, h) rows must each start 16-byte aligned (a 1-D TMA
+    descriptor's base): t itself when they do, else a copy into rows padded to a multiple of 4 (B·H·N·4 bytes)."""
+    if stride % 4 == 0 and t.data_ptr() % 16 == 0:
+        return t, stride
+    B, H, N = t.shape
+    padded = torch.empty((B, H, (N + 3) // 4 * 4), dtype=torch.float32, device=t.device)
+    padded[:, :, :N].copy_(t)
+    return padded, padded.stride(1)
+
+
 def _check_out(name: str, t: Tensor, shape: torch.Size | tuple[int, ...], accumulate: bool) -> None:
     """An output buffer given by the caller: its shape, a contiguous last dimension, fp32 when accumulated into."""
     if t.shape != shape or t.stride(-1) != 1 or (accumulate and t.dtype != torch.float32):
@@ -692,11 +720,10 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
     _check_lengths(q, k, v, causal)
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
-    ready = pingpong_ready(q, k, v, causal, accumulate, out)
-    if cfg is not None and cfg.pingpong and not ready:
-        raise ValueError("flash_attention: the ping-pong forward takes causal fp16/bf16 inputs with head_dim 64 or 128, "
-                         "TMA-aligned, on an sm_90 GPU (see pingpong_ready)")
-    cfg = cfg or tile_config("fwd", D, causal, q.dtype, N_Q, pingpong=ready)
+    ready = specialized_ready(q, k, v, causal, accumulate, out)
+    if cfg is not None and cfg.specialized and not ready:
+        raise ValueError(_NOT_SPECIALIZED.format("forward"))
+    cfg = cfg or tile_config("fwd", D, causal, q.dtype, N_Q, specialized=ready)
     if out is None:
         if accumulate:
             raise ValueError("flash_attention: accumulate=True continues the state in `out`; none given")
@@ -707,10 +734,10 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
         if lse.shape != (B, H, N_Q) or lse.dtype != torch.float32 or _row_stride(lse) is None:
             raise ValueError(f"flash_attention: out lse must be ({B}, {H}, {N_Q}) fp32 with contiguous rows, got "
                              f"{tuple(lse.shape)} {lse.dtype} with strides {lse.stride()}")
-    if cfg.pingpong:
+    if cfg.specialized:
         triton.set_allocator(_tma_scratch)  # its TMA descriptors are made on the device, like _use_tma's
-        _pingpong_module().launch_forward_pingpong(q, k, v, o, lse, sm_scale * LOG2E, cfg.block_m // 64, cfg.block_n,
-                                                   cfg.num_stages)
+        _gluon_module("flash_forward_pingpong").launch_forward_pingpong(q, k, v, o, lse, sm_scale * LOG2E,
+                                                                        cfg.block_m // 64, cfg.block_n, cfg.num_stages)
         return o, lse
     grid = (triton.cdiv(N_Q, cfg.block_m), B * H)
     _fwd_kernel[grid](q, k, v, o, lse, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(o), _row_stride(lse),
@@ -728,7 +755,9 @@ def launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse:
     saves a pass over O and dO: 1–3% of the backward at 1K–4K and at 128K tokens (kernels/NOTES.md, L)."""
     if do.stride(-1) != 1:
         do = do.contiguous()
-    delta = torch.empty_like(lse, memory_format=torch.contiguous_format)
+    B, H, N = lse.shape
+    # rows start 16-byte aligned whatever N, as the warp-specialized dK/dV kernel's TMA reads them
+    delta = torch.empty((B, H, (N + 3) // 4 * 4), dtype=torch.float32, device=lse.device)[:, :, :N]
     dq = launch_backward_dq(do, q, k, v, lse, delta, causal, sm_scale, dq_cfg, o=o)
     dk, dv = launch_backward_dkdv(do, q, k, v, lse, delta, causal, sm_scale, dkdv_cfg)
     return dq, dk, dv
@@ -760,7 +789,17 @@ def launch_backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tenso
     N_K = k.shape[2]
     dk, dv = _grad_outputs(out, accumulate, ("dk", "dv"), (k, v))
     (lse, stride_lse), (delta, stride_delta) = _rows_in(lse), _rows_in(delta)
-    c = cfg or tile_config("dkdv", D, causal, q.dtype, N_Q)
+    ready = specialized_ready(q, k, v, causal, accumulate, module="flash_backward_specialized", also=(do,))
+    if cfg is not None and cfg.specialized and (not ready or cfg.block_n != 128):
+        raise ValueError(_NOT_SPECIALIZED.format("dK/dV kernel") + "; its block_n is 128")
+    c = cfg or tile_config("dkdv", D, causal, q.dtype, N_Q, specialized=ready)
+    if c.specialized:
+        (lse, stride_lse), (delta, stride_delta) = _rows_for_tma(lse, stride_lse), _rows_for_tma(delta, stride_delta)
+        triton.set_allocator(_tma_scratch)
+        _gluon_module("flash_backward_specialized").launch_dkdv(
+            do, q, k, v, lse, stride_lse, delta, stride_delta, dk, dv, sm_scale, sm_scale * LOG2E, c.block_m,
+            c.num_stages)
+        return dk, dv
     _bwd_dkdv_kernel[(triton.cdiv(N_K, c.block_n), B * H)](
         q, k, v, do, lse, delta, dk, dv, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do),
         *_strides3(dk), *_strides3(dv), stride_lse, stride_delta, H, N_Q, N_K, sm_scale * LOG2E, sm_scale,
@@ -790,7 +829,18 @@ def launch_backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
         raise ValueError(f"flash_attention: delta to compute must be ({B}, {H}, {N_Q}) fp32 with contiguous rows, got "
                          f"{tuple(delta.shape)} {delta.dtype} with strides {delta.stride()}")
     (lse, stride_lse), (delta, stride_delta) = _rows_in(lse), _rows_in(delta)
-    c = cfg or tile_config("dq", D, causal, q.dtype, N_Q)
+    # the warp-specialized dQ kernel computes delta from o (it has no path that reads it)
+    ready = o is not None and specialized_ready(q, k, v, causal, accumulate, module="flash_backward_specialized",
+                                                also=(do,))
+    if cfg is not None and cfg.specialized and (not ready or cfg.block_m != 128):
+        raise ValueError(_NOT_SPECIALIZED.format("dQ kernel") + ", with o given; its block_m is 128")
+    c = cfg or tile_config("dq", D, causal, q.dtype, N_Q, specialized=ready)
+    if c.specialized:
+        triton.set_allocator(_tma_scratch)
+        _gluon_module("flash_backward_specialized").launch_dq(
+            do, q, k, v, o, lse, stride_lse, delta, stride_delta, dq, sm_scale, sm_scale * LOG2E, c.block_n,
+            c.num_stages)
+        return dq
     _bwd_dq_kernel[(triton.cdiv(N_Q, c.block_m), B * H)](
         q, k, v, do, lse, delta, dq, o, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do),
         *_strides3(dq), *(_strides3(o) if o is not None else (0, 0, 0)), stride_lse, stride_delta,

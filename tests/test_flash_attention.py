@@ -171,29 +171,49 @@ def test_gpu_tile_tables_respect_the_kernels_shape_rules():
     assert fa._reg_cap(fa.TileConfig(64, 64, 4, 3)) == {}
 
 
-def test_long_causal_forwards_take_the_pingpong_kernel_only_where_it_fits(monkeypatch):
-    """The GPU table sends causal fp16/bf16 forwards at head_dim 64/128 from 8K/4K tokens to the warp-specialized kernel
-    (flash_forward_pingpong.py), and only when the inputs fit it; anything else keeps the Triton forward. Its
-    numbers are checked on the GPU (tests/test_gpu.py); here, the choice and the refusals."""
+def test_long_causal_launches_take_the_warp_specialized_kernels_only_where_they_fit(monkeypatch):
+    """The GPU table sends causal fp16/bf16 launches to the warp-specialized Gluon kernels where they were measured
+    faster: the forward (flash_forward_pingpong.py) at head_dim 64/128 from 8K/4K tokens, the dK/dV kernel
+    (flash_backward_specialized.py) at head_dim 64 from 16K, the dQ kernel at head_dim 128 from 4K; and only when
+    the inputs fit them. Anything else keeps the Triton kernels. Their numbers are checked on the GPU
+    (tests/test_gpu.py); here, the choice and the refusals."""
     monkeypatch.setattr(fa, "INTERPRET", False)  # the GPU tables
-    assert not fa.tile_config("fwd", 64, True, torch.bfloat16, 4096, pingpong=True).pingpong
-    assert fa.tile_config("fwd", 128, True, torch.bfloat16, 4096, pingpong=True).pingpong
-    for d in (64, 128):
-        for dtype in (torch.bfloat16, torch.float16):
-            assert fa.tile_config("fwd", d, True, dtype, 8192, pingpong=True).pingpong
-            assert fa.tile_config("fwd", d, True, dtype, 1 << 20, pingpong=True).block_m % 64 == 0
-        assert not fa.tile_config("fwd", d, True, torch.bfloat16, 2048, pingpong=True).pingpong
-        assert not fa.tile_config("fwd", d, True, torch.bfloat16, 8192, pingpong=False).pingpong
-        assert not fa.tile_config("fwd", d, False, torch.bfloat16, 8192, pingpong=True).pingpong
-        assert not fa.tile_config("fwd", d, True, torch.float32, 8192, pingpong=True).pingpong
-        assert not fa.tile_config("dq", d, True, torch.bfloat16, 8192, pingpong=True).pingpong
-    assert not fa.tile_config("fwd", 32, True, torch.bfloat16, 8192, pingpong=True).pingpong
+    chosen = {(kernel, d, n): fa.tile_config(kernel, d, True, torch.bfloat16, n, specialized=True).specialized
+              for kernel in ("fwd", "dkdv", "dq") for d in (64, 128) for n in (2048, 4096, 8192, 16384, 1 << 20)}
+    assert {key for key, on in chosen.items() if on} == {
+        *(("fwd", 64, n) for n in (8192, 16384, 1 << 20)), *(("fwd", 128, n) for n in (4096, 8192, 16384, 1 << 20)),
+        *(("dkdv", 64, n) for n in (16384, 1 << 20)), *(("dq", 128, n) for n in (4096, 8192, 16384, 1 << 20))}
+    assert fa.tile_config("fwd", 64, True, torch.bfloat16, 1 << 20, specialized=True).block_m % 64 == 0
+    assert fa.tile_config("dkdv", 64, True, torch.float16, 1 << 20, specialized=True).block_n == 128
+    assert fa.tile_config("dq", 128, True, torch.float16, 1 << 20, specialized=True).block_m == 128
+    for kernel, d in (("fwd", 64), ("dkdv", 64), ("dq", 128)):
+        assert not fa.tile_config(kernel, d, True, torch.bfloat16, 1 << 20, specialized=False).specialized
+        assert not fa.tile_config(kernel, d, False, torch.bfloat16, 1 << 20, specialized=True).specialized
+        assert not fa.tile_config(kernel, d, True, torch.float32, 1 << 20, specialized=True).specialized
+        assert not fa.tile_config(kernel, 32, True, torch.bfloat16, 1 << 20, specialized=True).specialized
     monkeypatch.undo()
-    # CPU tensors never fit it, and asking for it there is an error that says why
+    # CPU tensors never fit them, and asking for one there is an error that says why
     _, q, k, v = split_qkv(1, 100, 2, 64, torch.float16, 3)
-    assert not fa.pingpong_ready(q, k, v, True)
-    with pytest.raises(ValueError, match="ping-pong"):
-        fa.launch_forward(q, k, v, True, 0.125, fa.TileConfig(192, 128, 4, 3, tma=True, pingpong=True))
+    assert not fa.specialized_ready(q, k, v, True)
+    assert not fa.specialized_ready(q, k, v, True, module="flash_backward_specialized")
+    with pytest.raises(ValueError, match="warp-specialized forward"):
+        fa.launch_forward(q, k, v, True, 0.125, fa.TileConfig(192, 128, 4, 3, tma=True, specialized=True))
+    o, lse = fa.launch_forward(q, k, v, True, 0.125)
+    do, delta = fa.launch_backward_delta(torch.randn_like(o), o, lse)
+    with pytest.raises(ValueError, match="warp-specialized dK/dV"):
+        fa.launch_backward_dkdv(do, q, k, v, lse, delta, True, 0.125, fa.TileConfig(64, 128, 4, 3, specialized=True))
+    with pytest.raises(ValueError, match="warp-specialized dQ"):
+        fa.launch_backward_dq(do, q, k, v, lse, delta, True, 0.125, fa.TileConfig(128, 64, 4, 3, specialized=True))
+
+
+def test_lse_rows_for_tma_are_padded_only_when_unaligned():
+    """The warp-specialized dK/dV kernel reads LSE/delta rows with 1-D TMA, whose base must be 16-byte aligned: rows
+    of N % 4 != 0 floats are copied into padded rows (same values), aligned ones are used as they are."""
+    aligned = torch.randn(2, 3, 8)
+    assert fa._rows_for_tma(aligned, 8)[0] is aligned
+    ragged = torch.randn(2, 3, 7)
+    rows, stride = fa._rows_for_tma(ragged, 7)
+    assert stride == 8 and rows.stride(1) == 8 and torch.equal(rows[:, :, :7], ragged)
 
 
 def test_unaligned_inputs_fall_back_to_pointer_loads():

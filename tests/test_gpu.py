@@ -1,7 +1,7 @@
 """GPU-only checks of our FlashAttention (run on the GPU machine: python -m pytest -m gpu).
 
-Accuracy in bf16/fp16 against float64 up to 16K tokens (the long ones through the ping-pong forward on sm_90, which
-is also checked alone on short and ragged sequences), memory linear in N at 128K tokens, the same gpt2-small loss
+Accuracy in bf16/fp16 against float64 up to 16K tokens (the long ones through the warp-specialized Gluon kernels on
+sm_90, which are also checked alone on short and ragged sequences), memory linear in N at 128K tokens, the same gpt2-small loss
 curve as SDPA, and torch.compile of the whole model with attention=flash.
 """
 import importlib
@@ -53,7 +53,7 @@ def test_pingpong_forward_vs_float64(seq, batch, heads, head_dim, consumers, blo
     qkv = torch.randn(batch, seq, 3, heads, head_dim, device="cuda", generator=g).to(dtype)
     q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
     scale = head_dim ** -0.5
-    cfg = fa.TileConfig(64 * consumers, block_n, 4, stages, tma=True, pingpong=True)
+    cfg = fa.TileConfig(64 * consumers, block_n, 4, stages, tma=True, specialized=True)
     o, lse = fa.launch_forward(q, k, v, True, scale, cfg)
     o_triton, _ = fa.launch_forward(q, k, v, True, scale, fa.TileConfig(64, 64, 4, 3, tma=True))
     ref = reference_attention(q, k, v, True)
@@ -71,12 +71,63 @@ def test_long_causal_forward_runs_the_pingpong_kernel(head_dim):
     and differs from the Triton forward (other tiles, other rounding)."""
     g = torch.Generator(device="cuda").manual_seed(head_dim)
     q, k, v = (torch.randn(1, 2, 8192, head_dim, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
-    cfg = fa.tile_config("fwd", head_dim, True, torch.bfloat16, 8192, pingpong=True)
-    assert cfg.pingpong
+    cfg = fa.tile_config("fwd", head_dim, True, torch.bfloat16, 8192, specialized=True)
+    assert cfg.specialized
     o, lse = fa.launch_forward(q, k, v, True, head_dim ** -0.5)
     o_pp, lse_pp = fa.launch_forward(q, k, v, True, head_dim ** -0.5, cfg)
     o_tr, _ = fa.launch_forward(q, k, v, True, head_dim ** -0.5, fa.TileConfig(64, 64, 4, 3, tma=True))
     assert torch.equal(o, o_pp) and torch.equal(lse, lse_pp) and not torch.equal(o, o_tr)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the warp-specialized backward is written for sm_90 (wgmma)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("seq,batch,heads", [(1, 1, 2), (65, 2, 3), (1000, 2, 3), (1001, 1, 2), (4100, 1, 2)])
+def test_specialized_backward_vs_float64(seq, batch, heads, head_dim, dtype):
+    """The warp-specialized dK/dV and dQ kernels on short and ragged sequences (the table sends them only to long
+    ones), on the model's qkv-split strides: gradients and delta against float64, errors no larger than the Triton
+    kernels'. N = 1001: LSE rows not 16-byte aligned (the dK/dV kernel's TMA reads a padded copy)."""
+    g = torch.Generator(device="cuda").manual_seed(seq * 5 + head_dim)
+    qkv = torch.randn(batch, seq, 3, heads, head_dim, device="cuda", generator=g).to(dtype)
+    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
+    do = torch.randn(q.shape, device="cuda", generator=g).to(dtype)
+    scale = head_dim ** -0.5
+    o, lse = fa.launch_forward(q, k, v, True, scale)
+    delta_t = torch.empty_like(lse)
+    dq_t = fa.launch_backward_dq(do, q, k, v, lse, delta_t, True, scale, fa.TileConfig(64, 64, 4, 2, tma=True), o=o)
+    dk_t, dv_t = fa.launch_backward_dkdv(do, q, k, v, lse, delta_t, True, scale, fa.TileConfig(64, 64, 4, 2, tma=True))
+    delta = torch.empty_like(lse)
+    dq = fa.launch_backward_dq(do, q, k, v, lse, delta, True, scale, fa.TileConfig(128, 64, 4, 3, specialized=True),
+                               o=o)
+    dk, dv = fa.launch_backward_dkdv(do, q, k, v, lse, delta, True, scale,
+                                     fa.TileConfig(64, 128, 4, 3, specialized=True))
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    refs = torch.autograd.grad(reference_attention(q64, k64, v64, True), (q64, k64, v64), do.double())
+    for ours, triton_, ref in zip((dq, dk, dv), (dq_t, dk_t, dv_t), refs):
+        assert rel_err(ours, ref) < TOL[dtype] and rel_err(ours, ref) <= 1.05 * rel_err(triton_, ref) + 1e-6
+    assert (delta - delta_t).abs().max().item() < 1e-3
+
+
+@pytest.mark.skipif(not HOPPER, reason="the warp-specialized backward is written for sm_90 (wgmma)")
+@pytest.mark.parametrize("kernel,head_dim,seq", [("dkdv", 64, 16384), ("dq", 128, 4096)])
+def test_long_causal_backward_runs_the_specialized_kernels(kernel, head_dim, seq):
+    """Where the table says so, flash_attention's backward runs the warp-specialized kernel: its gradients equal a
+    forced launch's bitwise."""
+    g = torch.Generator(device="cuda").manual_seed(seq)
+    q, k, v = (torch.randn(1, 2, seq, head_dim, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    cfg = fa.tile_config(kernel, head_dim, True, torch.bfloat16, seq, specialized=True)
+    assert cfg.specialized
+    o = flash_attention(q, k, v)
+    do = torch.randn(o.shape, device="cuda", generator=g, dtype=torch.bfloat16)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
+    _, lse = fa.launch_forward(q.detach(), k.detach(), v.detach(), True, head_dim ** -0.5)
+    delta = torch.empty_like(lse)
+    forced_dq = fa.launch_backward_dq(do, q.detach(), k.detach(), v.detach(), lse, delta, True, head_dim ** -0.5,
+                                      cfg if kernel == "dq" else None, o=o.detach())
+    forced_dk, forced_dv = fa.launch_backward_dkdv(do, q.detach(), k.detach(), v.detach(), lse, delta, True,
+                                                   head_dim ** -0.5, cfg if kernel == "dkdv" else None)
+    assert torch.equal(dq, forced_dq) and torch.equal(dk, forced_dk) and torch.equal(dv, forced_dv)
 
 
 @pytest.mark.parametrize("head_dim", [16, 32, 256])

@@ -1,0 +1,394 @@
+"""The causal FlashAttention backward on Hopper, warp-specialized, in Gluon (Triton's explicit-layout dialect): the
+dK/dV kernel and the dQ kernel of flash_attention.py with the structure of the ping-pong forward
+(flash_forward_pingpong.py), for the sizes where that is faster (kernels/NOTES.md P).
+
+    P = exp2(Q Kᵀ · scale·log2e − LSE),  dP = dO Vᵀ,  dS = P ∘ (dP − delta),  delta = rowsum(dO ∘ O)
+    dV = Pᵀ dO,  dK = scale · dSᵀ Q,  dQ = scale · dS K                       (the same outputs as flash_attention.py)
+
+Each program splits its warps by role (`gl.warp_specialize`):
+
+- one producer warp loads what the program keeps (K, V of its keys for dK/dV; Q, dO of its rows for dQ) once, then
+  streams the other side's tiles through a ring of STAGES shared-memory buffers with TMA (ready[s]: the copies
+  landed; empty[s]: both consumers are done with the buffer), so no CTA-wide barrier guards a refill;
+- two consumer warpgroups own 64 keys (dK/dV) or 64 query rows (dQ) each. Per tile a consumer issues the two score
+  matmuls of this tile and the accumulating matmul(s) of the previous one, waits for the scores only, computes the
+  elementwise part (exponentials, dS) while its own accumulation runs, then retires it.
+
+Unlike the forward, the consumers run free: ordering their matmuls by turns (as the forward does) was 5–12% slower
+here, since each step already holds four (dK/dV) or three (dQ) matmuls against one exponential per score. Every
+matmul is retired within its step (a wgmma result in flight at the loop's back-edge makes ptxas serialize them all,
+NOTES.md F). The register file is split by role (setmaxnreg): 24 registers per producer thread, 232 per consumer.
+
+Scope: causal, fp16/bf16, head_dim 64 or 128, one length for queries and keys, TMA-aligned inputs, sm_90; the dK/dV
+kernel reads LSE and delta rows through TMA, so their starts must be 16-byte aligned. flash_attention.py picks
+these kernels where its table says so and falls back to its Triton kernels otherwise.
+"""
+from __future__ import annotations
+
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+from minigpt_kernels.flash_forward_pingpong import CONSUMER_REGS, PRODUCER_REGS, _mma_layout
+
+TILE = gl.constexpr(64)  # keys (dK/dV) or query rows (dQ) per consumer warpgroup: the M of one wgmma
+CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program (the warp_specialize lists below name two)
+
+
+# ------------------------------------------------------------------------------------------------
+# dK, dV: a program owns 128 keys; the producer streams the query tiles Q_t, dO_t with their LSE and delta rows
+# ------------------------------------------------------------------------------------------------
+@gluon.jit
+def _pT_dsT(sT, dpT, lse_smem, delta_smem, keys, rows, masked, qk_scale, dtype: gl.constexpr,
+            a_layout: gl.constexpr):
+    """Pᵀ and dSᵀ of one tile (keys × queries) from Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, as register A operands of the dV and dK
+    matmuls. Rows past N read LSE = 0 and delta = 0 (TMA zero fill), so Pᵀ = 1 there; their Q and dO rows are 0 too,
+    so they add exactly 0 to dV (Pᵀ dO) and dK (dSᵀ = Pᵀ ∘ (V dOᵀ − delta) = 0)."""
+    col_layout: gl.constexpr = gl.SliceLayout(0, sT.type.layout)
+    # Pᵀ = exp2(K Qᵀ · scale·log2e − LSE)
+    pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse_smem.load(col_layout), 0))
+    if masked:  # a tile that crosses this consumer's diagonal: query i sees key j iff i >= j
+        pT = gl.where(gl.expand_dims(rows, 0) >= gl.expand_dims(keys, 1), pT, 0.0)
+    # dSᵀ = Pᵀ ∘ (dPᵀ − delta)
+    dsT = pT * (dpT - gl.expand_dims(delta_smem.load(col_layout), 0))
+    return gl.convert_layout(pT.to(dtype), a_layout), gl.convert_layout(dsT.to(dtype), a_layout)
+
+
+@gluon.jit
+def _dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """Consumer warpgroup ME: dK, dV of keys start_n + 64·ME ... + 63 over query tiles 0 .. num_tiles−1 (tile t holds
+    queries start_n + t·BLOCK_M ...)."""
+    (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty,
+     DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+     N, start_n, num_tiles, qk_scale, sm_scale) = shared
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = _mma_layout(BLOCK_M, 4)   # Sᵀ, dPᵀ: 64 keys × BLOCK_M queries
+    d_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)  # dK, dV: 64 keys × HEAD_DIM
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)  # Pᵀ, dSᵀ in registers
+    # query tiles (counted from the program's first key) that reach below this consumer's last key get the mask
+    MASKED_TILES: gl.constexpr = (TILE * (ME + 1) + BLOCK_M - 1) // BLOCK_M
+    key0 = start_n + ME * TILE
+    keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
+    cols = start_n + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    zero_s = gl.zeros([TILE, BLOCK_M], gl.float32, layout=s_layout)
+    dk = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
+    dv = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
+    k = k_smem.index(ME)
+    v = v_smem.index(ME)
+    mbarrier.wait(kv_ready.index(ME), 0)
+
+    # tile 0: Sᵀ_0 = K Q_0ᵀ and dPᵀ_0 = V dO_0ᵀ alone (no dV, dK yet)
+    mbarrier.wait(ready.index(0), 0)
+    sT = warpgroup_mma(k, q_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dpT = warpgroup_mma(v, do_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    sT, dpT = warpgroup_mma_wait(0, deps=(sT, dpT))
+    pT16, dsT16 = _pT_dsT(sT, dpT, lse_smem.index(0), delta_smem.index(0), keys, cols, 0 < MASKED_TILES, qk_scale,
+                          dtype, a_layout)
+
+    for t in range(1, num_tiles):
+        stage = t % STAGES
+        prev = (t - 1) % STAGES
+        mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+        # issue Sᵀ_t = K Q_tᵀ, dPᵀ_t = V dO_tᵀ, then dV += Pᵀ_{t−1} dO_{t−1} and dK += dSᵀ_{t−1} Q_{t−1}
+        sT = warpgroup_mma(k, q_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dpT = warpgroup_mma(v, do_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dv = warpgroup_mma(pT16, do_smem.index(prev), dv, is_async=True)
+        dk = warpgroup_mma(dsT16, q_smem.index(prev), dk, is_async=True)
+        # wait for Sᵀ_t, dPᵀ_t (wgmma groups retire in order); Pᵀ_t, dSᵀ_t while dV and dK still run
+        sT, dpT = warpgroup_mma_wait(2, deps=(sT, dpT))
+        pT16_t, dsT16_t = _pT_dsT(sT, dpT, lse_smem.index(stage), delta_smem.index(stage), keys, cols + t * BLOCK_M,
+                                  t < MASKED_TILES, qk_scale, dtype, a_layout)
+        dv, dk, pT16, dsT16 = warpgroup_mma_wait(0, deps=(dv, dk, pT16, dsT16))
+        mbarrier.arrive(empty.index(prev), count=1)  # tile t−1's buffers no longer read by this consumer
+        pT16 = pT16_t
+        dsT16 = dsT16_t
+
+    last = (num_tiles - 1) % STAGES
+    dv = warpgroup_mma(pT16, do_smem.index(last), dv, is_async=True)
+    dk = warpgroup_mma(dsT16, q_smem.index(last), dk, is_async=True)
+    dv, dk, pT16, dsT16 = warpgroup_mma_wait(0, deps=(dv, dk, pT16, dsT16))
+
+    dk = dk * sm_scale  # dS was taken w.r.t. the scaled scores
+    out_keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, d_layout))
+    out_cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, d_layout)), 0)
+    rows64 = gl.expand_dims(out_keys.to(gl.int64), 1)
+    mask = gl.expand_dims(out_keys < N, 1)
+    gl.store(DK + b * stride_dkb + h * stride_dkh + rows64 * stride_dkn + out_cols, dk.to(DK.dtype.element_ty),
+             mask=mask)
+    gl.store(DV + b * stride_dvb + h * stride_dvh + rows64 * stride_dvn + out_cols, dv.to(DV.dtype.element_ty),
+             mask=mask)
+
+
+@gluon.jit
+def _dkdv_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """The producer warp: each consumer's K and V rows once, then query tile t (Q, dO, LSE, delta) into buffer
+    t % STAGES as soon as both consumers have released what it held (tile t − STAGES). Rows past N read as 0."""
+    (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+     kv_ready, ready, empty, start_n, num_tiles) = loads
+    dtype: gl.constexpr = q_smem.dtype
+    kv_bytes: gl.constexpr = 2 * TILE * HEAD_DIM * dtype.primitive_bitwidth // 8
+    # TMA counts a whole box, rows past N (zero-filled) included
+    tile_bytes: gl.constexpr = 2 * BLOCK_M * HEAD_DIM * dtype.primitive_bitwidth // 8 + 2 * BLOCK_M * 4
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.expect(kv_ready.index(c), kv_bytes)
+        tma.async_copy_global_to_shared(k_desc, [start_n + c * TILE, 0], kv_ready.index(c), k_smem.index(c))
+        tma.async_copy_global_to_shared(v_desc, [start_n + c * TILE, 0], kv_ready.index(c), v_smem.index(c))
+    for t in range(num_tiles):
+        stage = t % STAGES
+        row = start_n + t * BLOCK_M
+        # round r = t // STAGES of this buffer waits for round r − 1's release; a fresh barrier passes parity 1
+        mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)
+        bar = ready.index(stage)
+        mbarrier.expect(bar, tile_bytes)
+        tma.async_copy_global_to_shared(q_desc, [row, 0], bar, q_smem.index(stage))
+        tma.async_copy_global_to_shared(do_desc, [row, 0], bar, do_smem.index(stage))
+        tma.async_copy_global_to_shared(lse_desc, [row], bar, lse_smem.index(stage))
+        tma.async_copy_global_to_shared(delta_desc, [row], bar, delta_smem.index(stage))
+
+
+@gluon.jit
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+                 stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                 stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
+                 stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                 stride_lse, stride_delta, H, N, qk_scale, sm_scale,
+                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """dK, dV of one block of 128 keys of one (batch, head), causal: over the queries from the block's first key on.
+    Program 0 holds the first keys (most queries), so the longest programs start first."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    start_n = gl.program_id(0) * (CONSUMERS * TILE)
+    bh = gl.program_id(1)
+    b = (bh // H).to(gl.int64)
+    h = (bh % H).to(gl.int64)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], dtype)
+    qd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + h * stride_kh, shape=[N, HEAD_DIM], strides=[stride_kn, 1],
+                                        block_shape=[TILE, HEAD_DIM], layout=kv_layout)
+    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, shape=[N, HEAD_DIM], strides=[stride_vn, 1],
+                                        block_shape=[TILE, HEAD_DIM], layout=kv_layout)
+    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[N, HEAD_DIM], strides=[stride_qn, 1],
+                                        block_shape=[BLOCK_M, HEAD_DIM], layout=qd_layout)
+    do_desc = tma.make_tensor_descriptor(DO + b * stride_dob + h * stride_doh, shape=[N, HEAD_DIM],
+                                         strides=[stride_don, 1], block_shape=[BLOCK_M, HEAD_DIM], layout=qd_layout)
+    lse_desc = tma.make_tensor_descriptor(LSE + bh.to(gl.int64) * stride_lse, shape=[N], strides=[1],
+                                          block_shape=[BLOCK_M], layout=row_layout)
+    delta_desc = tma.make_tensor_descriptor(DELTA + bh.to(gl.int64) * stride_delta, shape=[N], strides=[1],
+                                            block_shape=[BLOCK_M], layout=row_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, TILE, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, TILE, HEAD_DIM], kv_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qd_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qd_layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(CONSUMERS):
+        mbarrier.init(kv_ready.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    fence_async_shared()
+    num_tiles = gl.cdiv(N - start_n, BLOCK_M)  # query tiles from the block's first key to the end
+
+    shared = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty,
+              DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+              N, start_n, num_tiles, qk_scale, sm_scale)
+    loads = (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
+             delta_smem, kv_ready, ready, empty, start_n, num_tiles)
+    # the first consumer is the default partition; the list is a literal for the compiler
+    gl.warp_specialize([(_dkdv_consumer, (shared, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES)),
+                        (_dkdv_consumer, (shared, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES)),
+                        (_dkdv_producer, (loads, HEAD_DIM, BLOCK_M, STAGES))],
+                       [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ------------------------------------------------------------------------------------------------
+# dQ: a program owns 128 query rows; the producer streams the key tiles K_j, V_j (the forward's structure)
+# ------------------------------------------------------------------------------------------------
+@gluon.jit
+def _ds(s, dp, lse, delta, rows, cols, masked, qk_scale, dtype: gl.constexpr, a_layout: gl.constexpr):
+    """dS of one tile (rows × keys) from S = Q Kᵀ and dP = dO Vᵀ, as the register A operand of the dQ matmul."""
+    # P = exp2(Q Kᵀ · scale·log2e − LSE)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 1))
+    if masked:  # the diagonal tile: keys after the row get probability 0
+        p = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0), p, 0.0)
+    # dS = P ∘ (dP − delta)
+    return gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), a_layout)
+
+
+@gluon.jit
+def _dq_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Consumer warpgroup ME: dQ of query rows start_m + 64·ME ... + 63 over key tiles 0 .. num_tiles−1, and the rows'
+    delta = rowsum(dO ∘ O), written for the dK/dV kernel that runs next."""
+    (q_smem, do_smem, k_smem, v_smem, qdo_ready, kv_ready, kv_empty,
+     O, DO, LSE, DELTA, DQ, b, h, bh, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
+     stride_dqb, stride_dqh, stride_dqn, stride_lse, stride_delta, N, start_m, num_tiles, qk_scale, sm_scale) = shared
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N, 4)   # S, dP: 64 rows × BLOCK_N keys
+    d_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)  # dQ: 64 rows × HEAD_DIM
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)  # dS in registers
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # O and dO rows, for delta
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row0 = start_m + ME * TILE
+    rows = row0 + gl.arange(0, TILE, layout=row_s)
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    full_tiles = row0 // BLOCK_N  # key tiles wholly at or before this consumer's first row need no mask
+
+    # delta_i = Σ_d dO_id · O_id; LSE (+inf past N, so P = 0 there)
+    io_rows = row0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, io_layout))
+    io_cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout)), 0)
+    io_mask = gl.expand_dims(io_rows < N, 1)
+    io_rows64 = gl.expand_dims(io_rows.to(gl.int64), 1)
+    o = gl.load(O + b * stride_ob + h * stride_oh + io_rows64 * stride_on + io_cols, mask=io_mask, other=0.0)
+    do = gl.load(DO + b * stride_dob + h * stride_doh + io_rows64 * stride_don + io_cols, mask=io_mask, other=0.0)
+    delta = gl.convert_layout(gl.sum(o.to(gl.float32) * do.to(gl.float32), 1), row_s)
+    gl.store(DELTA + bh.to(gl.int64) * stride_delta + rows, delta, mask=rows < N)
+    lse = gl.load(LSE + bh.to(gl.int64) * stride_lse + rows, mask=rows < N, other=float("inf"))
+
+    zero_s = gl.zeros([TILE, BLOCK_N], gl.float32, layout=s_layout)
+    dq = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
+    q = q_smem.index(ME)
+    do_s = do_smem.index(ME)
+    mbarrier.wait(qdo_ready.index(ME), 0)
+
+    # tile 0: S_0 = Q K_0ᵀ and dP_0 = dO V_0ᵀ alone (no dQ yet)
+    mbarrier.wait(kv_ready.index(0), 0)
+    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dp = warpgroup_mma(do_s, v_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s, dp = warpgroup_mma_wait(0, deps=(s, dp))
+    ds16 = _ds(s, dp, lse, delta, rows, cols, 0 >= full_tiles, qk_scale, dtype, a_layout)
+
+    for j in range(1, num_tiles):
+        stage = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(kv_ready.index(stage), (j // STAGES) & 1)
+        # issue S_j = Q K_jᵀ, dP_j = dO V_jᵀ, then dQ += dS_{j−1} K_{j−1}
+        s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_s, v_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds16, k_smem.index(prev), dq, is_async=True)
+        # wait for S_j, dP_j; dS_j while the dQ matmul still runs
+        s, dp = warpgroup_mma_wait(1, deps=(s, dp))
+        ds16_j = _ds(s, dp, lse, delta, rows, cols + j * BLOCK_N, j >= full_tiles, qk_scale, dtype, a_layout)
+        dq, ds16 = warpgroup_mma_wait(0, deps=(dq, ds16))
+        mbarrier.arrive(kv_empty.index(prev), count=1)  # K_{j−1}, V_{j−1} no longer read by this consumer
+        ds16 = ds16_j
+
+    last = (num_tiles - 1) % STAGES
+    dq = warpgroup_mma(ds16, k_smem.index(last), dq, is_async=True)
+    dq, ds16 = warpgroup_mma_wait(0, deps=(dq, ds16))
+
+    dq = dq * sm_scale  # dS was taken w.r.t. the scaled scores
+    out_rows = row0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, d_layout))
+    out_cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, d_layout)), 0)
+    gl.store(DQ + b * stride_dqb + h * stride_dqh + gl.expand_dims(out_rows.to(gl.int64), 1) * stride_dqn + out_cols,
+             dq.to(DQ.dtype.element_ty), mask=gl.expand_dims(out_rows < N, 1))
+
+
+@gluon.jit
+def _dq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The producer warp: each consumer's Q and dO rows once, then K_j, V_j into buffer j % STAGES as soon as both
+    consumers have released what it held (tile j − STAGES). Rows past N read as 0 (TMA)."""
+    (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qdo_ready, kv_ready, kv_empty,
+     start_m, num_tiles) = loads
+    dtype: gl.constexpr = q_smem.dtype
+    qdo_bytes: gl.constexpr = 2 * TILE * HEAD_DIM * dtype.primitive_bitwidth // 8
+    kv_bytes: gl.constexpr = 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.expect(qdo_ready.index(c), qdo_bytes)
+        tma.async_copy_global_to_shared(q_desc, [start_m + c * TILE, 0], qdo_ready.index(c), q_smem.index(c))
+        tma.async_copy_global_to_shared(do_desc, [start_m + c * TILE, 0], qdo_ready.index(c), do_smem.index(c))
+    for j in range(num_tiles):
+        stage = j % STAGES
+        mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(kv_ready.index(stage), kv_bytes)
+        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], kv_ready.index(stage), k_smem.index(stage))
+        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], kv_ready.index(stage), v_smem.index(stage))
+
+
+@gluon.jit
+def _dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ,
+               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
+               stride_ob, stride_oh, stride_on, stride_dqb, stride_dqh, stride_dqn,
+               stride_lse, stride_delta, H, N, qk_scale, sm_scale,
+               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """dQ (and delta) of one tile of 128 query rows of one (batch, head), causal; the last rows (most keys) first."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    BLOCK_M: gl.constexpr = CONSUMERS * TILE
+    start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
+    bh = gl.program_id(1)
+    b = (bh // H).to(gl.int64)
+    h = (bh % H).to(gl.int64)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[N, HEAD_DIM], strides=[stride_qn, 1],
+                                        block_shape=[TILE, HEAD_DIM], layout=q_layout)
+    do_desc = tma.make_tensor_descriptor(DO + b * stride_dob + h * stride_doh, shape=[N, HEAD_DIM],
+                                         strides=[stride_don, 1], block_shape=[TILE, HEAD_DIM], layout=q_layout)
+    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + h * stride_kh, shape=[N, HEAD_DIM], strides=[stride_kn, 1],
+                                        block_shape=[BLOCK_N, HEAD_DIM], layout=kv_layout)
+    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, shape=[N, HEAD_DIM], strides=[stride_vn, 1],
+                                        block_shape=[BLOCK_N, HEAD_DIM], layout=kv_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, TILE, HEAD_DIM], q_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, TILE, HEAD_DIM], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    qdo_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(CONSUMERS):
+        mbarrier.init(qdo_ready.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(kv_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=CONSUMERS)
+    fence_async_shared()
+    num_tiles = gl.cdiv(gl.minimum(start_m + BLOCK_M, N), BLOCK_N)  # key tiles up to the diagonal
+
+    shared = (q_smem, do_smem, k_smem, v_smem, qdo_ready, kv_ready, kv_empty,
+              O, DO, LSE, DELTA, DQ, b, h, bh, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
+              stride_dqb, stride_dqh, stride_dqn, stride_lse, stride_delta, N, start_m, num_tiles, qk_scale, sm_scale)
+    loads = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qdo_ready, kv_ready, kv_empty,
+             start_m, num_tiles)
+    gl.warp_specialize([(_dq_consumer, (shared, gl.constexpr(0), HEAD_DIM, BLOCK_N, STAGES)),
+                        (_dq_consumer, (shared, gl.constexpr(1), HEAD_DIM, BLOCK_N, STAGES)),
+                        (_dq_producer, (loads, HEAD_DIM, BLOCK_N, STAGES))],
+                       [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ------------------------------------------------------------------------------------------------
+# Launchers (the caller checks the scope and sets Triton's scratch allocator for the device-side TMA descriptors)
+# ------------------------------------------------------------------------------------------------
+def _strides3(t: Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def launch_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
+                stride_delta: int, dk: Tensor, dv: Tensor, sm_scale: float, qk_scale: float, block_m: int,
+                stages: int) -> None:
+    """Write the causal dK, dV of q, k, v, do (B, H, N, D) into dk, dv (k's shape, contiguous last dimension).
+    lse, delta: fp32 rows at t + (b·H + h)·stride with 16-byte aligned starts (1-D TMA). qk_scale = sm_scale·log2(e).
+    block_m: queries per streamed tile."""
+    B, H, N, D = q.shape
+    grid = (-(-N // (CONSUMERS.value * TILE.value)), B * H)
+    _dkdv_kernel[grid](q, k, v, do, lse, delta, dk, dv, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do),
+                       *_strides3(dk), *_strides3(dv), stride_lse, stride_delta, H, N, qk_scale, sm_scale,
+                       HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS[CONSUMERS.value],
+                       PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+
+
+def launch_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
+              stride_delta: int, dq: Tensor, sm_scale: float, qk_scale: float, block_n: int, stages: int) -> None:
+    """Write the causal dQ of q, k, v, do (B, H, N, D) into dq (q's shape, contiguous last dimension), and
+    delta = rowsum(dO ∘ O) into delta's rows (fp32, t + (b·H + h)·stride). block_n: keys per streamed tile."""
+    B, H, N, D = q.shape
+    grid = (-(-N // (CONSUMERS.value * TILE.value)), B * H)
+    _dq_kernel[grid](q, k, v, do, o, lse, delta, dq, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do),
+                     *_strides3(o), *_strides3(dq), stride_lse, stride_delta, H, N, qk_scale, sm_scale,
+                     HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS[CONSUMERS.value],
+                     PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
