@@ -492,8 +492,9 @@ _GPU_CONFIGS_FROM_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
 # - dK/dV at D=64 (flash_backward_specialized.py; NOTES.md P): 128 keys per program, 64-query tiles, 3 stages, ms
 #   against the Triton dK/dV kernel, H200, two runs: 16K (32 heads) 3.936/3.989 vs 3.913/4.134, 128K (12 heads) 88.9 vs
 #   90.8; slower below 16K (8K: 2.124/2.166 vs 2.036/2.084). At D=128 it ties at 32K and loses below: not used.
-# - dQ at D=128: 128 rows per program, 64-key tiles, 3 stages: 4K 0.662 vs 0.738, 16K 2.294 vs 2.594, 32K 8.82 vs
-#   10.07. At D=64 the Triton dQ kernel (128 rows over 8 warps) stays ahead at every length (16K: 2.82 vs 2.69).
+# - dQ at D=128: 128 rows per program, 64-key tiles, 3 stages: 16K 2.294 vs 2.594, 32K 8.82 vs 10.07; 4K 0.662 vs
+#   0.738 in one run, 0.712 vs 0.704 in another (2K 0.438 vs 0.448: a tie, left to Triton). At D=64 the Triton dQ
+#   kernel (128 rows over 8 warps) stays ahead at every length (16K: 2.82 vs 2.69).
 _SPECIALIZED_FROM_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
     ("fwd", 64): (8192, TileConfig(192, 128, 4, 3, tma=True, specialized=True)),
     ("fwd", 128): (4096, TileConfig(128, 128, 4, 3, tma=True, specialized=True)),
