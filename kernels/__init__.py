@@ -1,5 +1,5 @@
-"""minigpt's attention kernels (Triton; a Gluon forward for long sequences on Hopper), installed as `minigpt_kernels`
-(the folder is kernels/ in the source tree)."""
+"""minigpt's attention kernels (Triton; warp-specialized Gluon kernels for long sequences on Hopper), installed as
+`minigpt_kernels` (the folder is kernels/ in the source tree)."""
 from minigpt_kernels.flash_attention import flash_attention, flash_attention_with_lse
 
 __all__ = ["flash_attention", "flash_attention_with_lse"]
