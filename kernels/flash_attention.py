@@ -680,7 +680,7 @@ def _rows_in(t: Tensor) -> tuple[Tensor, int]:
 def _rows_for_tma(t: Tensor, stride: int) -> tuple[Tensor, int]:
     """(rows, stride) of a (B, H, N) fp32 input whose (b, h) rows must each start 16-byte aligned (a 1-D TMA
     descriptor's base): t itself when they do, else a copy into rows padded to a multiple of 4 (B·H·N·4 bytes)."""
-    if stride % 4 == 0 and t.data_ptr() % 16 == 0:
+    if _tma_ready(t) and (stride * t.element_size()) % 16 == 0:
         return t, stride
     B, H, N = t.shape
     padded = torch.empty((B, H, (N + 3) // 4 * 4), dtype=torch.float32, device=t.device)

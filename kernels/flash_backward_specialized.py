@@ -31,7 +31,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from minigpt_kernels.flash_forward_pingpong import CONSUMER_REGS, PRODUCER_REGS, _mma_layout
+from minigpt_kernels.flash_attention import _strides3
+from minigpt_kernels.flash_forward_pingpong import CONSUMER_REGS, PRODUCER_REGS, _head_rows, _mma_layout
 
 TILE = gl.constexpr(64)  # keys (dK/dV) or query rows (dQ) per consumer warpgroup: the M of one wgmma
 CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program (the warp_specialize lists below name two)
@@ -166,14 +167,10 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], dtype)
     qd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + h * stride_kh, shape=[N, HEAD_DIM], strides=[stride_kn, 1],
-                                        block_shape=[TILE, HEAD_DIM], layout=kv_layout)
-    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, shape=[N, HEAD_DIM], strides=[stride_vn, 1],
-                                        block_shape=[TILE, HEAD_DIM], layout=kv_layout)
-    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[N, HEAD_DIM], strides=[stride_qn, 1],
-                                        block_shape=[BLOCK_M, HEAD_DIM], layout=qd_layout)
-    do_desc = tma.make_tensor_descriptor(DO + b * stride_dob + h * stride_doh, shape=[N, HEAD_DIM],
-                                         strides=[stride_don, 1], block_shape=[BLOCK_M, HEAD_DIM], layout=qd_layout)
+    k_desc = _head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, TILE, HEAD_DIM, kv_layout)
+    v_desc = _head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, TILE, HEAD_DIM, kv_layout)
+    q_desc = _head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, BLOCK_M, HEAD_DIM, qd_layout)
+    do_desc = _head_rows(DO, b, h, stride_dob, stride_doh, stride_don, N, BLOCK_M, HEAD_DIM, qd_layout)
     lse_desc = tma.make_tensor_descriptor(LSE + bh.to(gl.int64) * stride_lse, shape=[N], strides=[1],
                                           block_shape=[BLOCK_M], layout=row_layout)
     delta_desc = tma.make_tensor_descriptor(DELTA + bh.to(gl.int64) * stride_delta, shape=[N], strides=[1],
@@ -327,14 +324,10 @@ def _dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ,
     h = (bh % H).to(gl.int64)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[N, HEAD_DIM], strides=[stride_qn, 1],
-                                        block_shape=[TILE, HEAD_DIM], layout=q_layout)
-    do_desc = tma.make_tensor_descriptor(DO + b * stride_dob + h * stride_doh, shape=[N, HEAD_DIM],
-                                         strides=[stride_don, 1], block_shape=[TILE, HEAD_DIM], layout=q_layout)
-    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + h * stride_kh, shape=[N, HEAD_DIM], strides=[stride_kn, 1],
-                                        block_shape=[BLOCK_N, HEAD_DIM], layout=kv_layout)
-    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, shape=[N, HEAD_DIM], strides=[stride_vn, 1],
-                                        block_shape=[BLOCK_N, HEAD_DIM], layout=kv_layout)
+    q_desc = _head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, TILE, HEAD_DIM, q_layout)
+    do_desc = _head_rows(DO, b, h, stride_dob, stride_doh, stride_don, N, TILE, HEAD_DIM, q_layout)
+    k_desc = _head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, BLOCK_N, HEAD_DIM, kv_layout)
+    v_desc = _head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, BLOCK_N, HEAD_DIM, kv_layout)
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, TILE, HEAD_DIM], q_layout)
     do_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, TILE, HEAD_DIM], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
@@ -364,10 +357,6 @@ def _dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ,
 # ------------------------------------------------------------------------------------------------
 # Launchers (the caller checks the scope and sets Triton's scratch allocator for the device-side TMA descriptors)
 # ------------------------------------------------------------------------------------------------
-def _strides3(t: Tensor) -> tuple[int, int, int]:
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
 def launch_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
                 stride_delta: int, dk: Tensor, dv: Tensor, sm_scale: float, qk_scale: float, block_m: int,
                 stages: int) -> None:

@@ -44,6 +44,15 @@ def _mma_layout(cols, num_warps):
 
 
 @gluon.jit
+def _head_rows(X, b, h, stride_b, stride_h, stride_n, N, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+               layout: gl.constexpr):
+    """One (batch, head)'s N rows of X (HEAD_DIM wide) as a TMA descriptor of ROWS-row tiles; rows past N read as 0.
+    Shared by the Gluon kernels (the backward's in flash_backward_specialized.py too)."""
+    return tma.make_tensor_descriptor(X + b * stride_b + h * stride_h, shape=[N, HEAD_DIM], strides=[stride_n, 1],
+                                      block_shape=[ROWS, HEAD_DIM], layout=layout)
+
+
+@gluon.jit
 def _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale):
     """Fold one tile of scores into the running row max m and row sum l (base 2). Returns (p, α, m_new, l_new):
     p = exp2(s·scale − m_new) are the tile's unnormalized probabilities, α = exp2(m_old − m_new) rescales what was
@@ -171,12 +180,9 @@ def _pingpong_fwd_kernel(Q, K, V, O, LSE,
     h = (bh % H).to(gl.int64)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS_PER_CONSUMER, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[N, HEAD_DIM], strides=[stride_qn, 1],
-                                        block_shape=[ROWS_PER_CONSUMER, HEAD_DIM], layout=q_layout)
-    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + h * stride_kh, shape=[N, HEAD_DIM], strides=[stride_kn, 1],
-                                        block_shape=[BLOCK_N, HEAD_DIM], layout=kv_layout)
-    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, shape=[N, HEAD_DIM], strides=[stride_vn, 1],
-                                        block_shape=[BLOCK_N, HEAD_DIM], layout=kv_layout)
+    q_desc = _head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, ROWS_PER_CONSUMER, HEAD_DIM, q_layout)
+    k_desc = _head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, BLOCK_N, HEAD_DIM, kv_layout)
+    v_desc = _head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, BLOCK_N, HEAD_DIM, kv_layout)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, ROWS_PER_CONSUMER, HEAD_DIM], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
@@ -216,7 +222,7 @@ def _pingpong_fwd_kernel(Q, K, V, O, LSE,
 def launch_forward_pingpong(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float, consumers: int,
                             block_n: int, stages: int) -> None:
     """Write causal attention of q, k, v (B, H, N, D) into o (q's shape) and lse ((B, H, N) fp32, contiguous, base 2).
-    qk_scale = softmax scale · log2(e). The caller checks the scope (flash_attention.pingpong_ready) and has set
+    qk_scale = softmax scale · log2(e). The caller checks the scope (flash_attention.specialized_ready) and has set
     Triton's scratch allocator for the device-side TMA descriptors."""
     B, H, N, D = q.shape
     grid = (-(-N // (consumers * ROWS_PER_CONSUMER.value)), B * H)

@@ -1,16 +1,16 @@
 """Ping-pong forward stage counts (H200, bf16 causal) against the Triton forward, one process.
 `python3 stages.py long` (D=64 16K-256K and D=128 32K: stages_long.json) or `stages.py d128` (D=128 8K-128K and D=64 8K:
-stages_d128.json)."""
+stages_d128.json). `specialized=True` was `pingpong=True` when these ran (renamed at d0ccfca)."""
 import importlib, json, math, os, sys
 import torch
 from triton.testing import do_bench
 fa = importlib.import_module("minigpt_kernels.flash_attention")
 TC = fa.TileConfig
 OUT = os.environ.get("OUT", "/tmp")
-CF = {64: {"triton": TC(64, 128, 4, 2, tma=True), "c3s3": TC(192, 128, 4, 3, tma=True, pingpong=True),
-           "c3s4": TC(192, 128, 4, 4, tma=True, pingpong=True), "c3s2": TC(192, 128, 4, 2, tma=True, pingpong=True)},
-      128: {"triton": TC(128, 64, 8, 3, tma=True), "c2s2": TC(128, 128, 4, 2, tma=True, pingpong=True),
-            "c2s3": TC(128, 128, 4, 3, tma=True, pingpong=True)}}
+CF = {64: {"triton": TC(64, 128, 4, 2, tma=True), "c3s3": TC(192, 128, 4, 3, tma=True, specialized=True),
+           "c3s4": TC(192, 128, 4, 4, tma=True, specialized=True), "c3s2": TC(192, 128, 4, 2, tma=True, specialized=True)},
+      128: {"triton": TC(128, 64, 8, 3, tma=True), "c2s2": TC(128, 128, 4, 2, tma=True, specialized=True),
+            "c2s3": TC(128, 128, 4, 3, tma=True, specialized=True)}}
 R, best = [], {}
 torch.manual_seed(0)
 MODE = sys.argv[1]

@@ -1,40 +1,50 @@
-"""Issue 10, session 22: the ping-pong dK/dV kernel (gluon_backward_ws.py here; kernels/flash_backward_specialized.py now) against float64 and the Triton
-dK/dV kernel, then timed next to it (bf16, causal). `check`: correctness only (run under `timeout`). `time [long]`."""
+"""Issue 10, session 22: the warp-specialized dK/dV kernel (gluon_backward_ws.py here; kernels/flash_backward_specialized.py
+now) against float64 and the Triton dK/dV kernel, then timed next to it (bf16, causal).
+`check [ss]`: correctness only (run under `timeout`); `time [long] [ss]`. The configurations below are the third run's
+(dkdv_*_run2.json); runs 0 and 1 timed the variants with turns and without overlap (their JSON names them).
+`ss`: the variant with Pᵀ/dSᵀ through shared memory (smem_operands/; first `patch -o smem_operands/ws6.py
+gluon_backward_ws.py smem_operands/ws6.patch`) next to the register version."""
 import importlib, importlib.util, json, math, os, sys
 import torch
 from triton.testing import do_bench
 import triton
 
 fa = importlib.import_module("minigpt_kernels.flash_attention")
-_spec = importlib.util.spec_from_file_location(
-    "gluon_backward_ws", os.path.join(os.path.dirname(os.path.abspath(__file__)), "gluon_backward_ws.py"))
-bp = importlib.util.module_from_spec(_spec); _spec.loader.exec_module(bp)  # the kernels as they ran (TURNS, OVERLAP)
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); return m
+
+
+SS = "ss" in sys.argv[2:]
+MODS = {"rs": _load("gluon_backward_ws", os.path.join(HERE, "gluon_backward_ws.py"))}  # as they ran (TURNS, OVERLAP)
+if SS:
+    MODS["ss"] = _load("ws6", os.path.join(HERE, "smem_operands", "ws6.py"))
 MODE = sys.argv[1]
 OUT = os.environ.get("OUT", "/tmp")
 R = {"env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": os.environ.get("MINIGPT_COMMIT")},
      "checks": [], "times": []}
-CFGS = {64: {"c2m64s3_free_ov": (2, 64, 3, 0, 1), "c2m64s4_free_ov": (2, 64, 4, 0, 1),
-             "c3m32s3_free_ov": (3, 32, 3, 0, 1), "c3m32s4_free_ov": (3, 32, 4, 0, 1), "c3m32s4_ov": (3, 32, 4, 1, 1)},
-        128: {"c2m32s3_free_ov": (2, 32, 3, 0, 1), "c2m32s4_free_ov": (2, 32, 4, 0, 1)}}
+# name: (module, consumers, query tile, stages, turns, overlap)
+CFGS = {64: {"c2m64s3_free_ov": ("rs", 2, 64, 3, 0, 1), "c2m64s4_free_ov": ("rs", 2, 64, 4, 0, 1),
+             "c3m32s3_free_ov": ("rs", 3, 32, 3, 0, 1), "c3m32s4_free_ov": ("rs", 3, 32, 4, 0, 1),
+             "c3m32s4_ov": ("rs", 3, 32, 4, 1, 1)},
+        128: {"c2m32s3_free_ov": ("rs", 2, 32, 3, 0, 1), "c2m32s4_free_ov": ("rs", 2, 32, 4, 0, 1)}}
+if SS:  # smem_operands/*.json
+    CFGS = {64: {"rs_c2m64s3": ("rs", 2, 64, 3, 0, 1), "ss_c2m64s3": ("ss", 2, 64, 3, 0, 1),
+                 "ss_c3m64s2": ("ss", 3, 64, 2, 0, 1), "ss_c3m64s3": ("ss", 3, 64, 3, 0, 1)},
+            128: {"rs_c2m32s3": ("rs", 2, 32, 3, 0, 1), "ss_c2m64s2": ("ss", 2, 64, 2, 0, 1)}}
 CFGS = {d: {n: c for n, c in v.items() if not os.environ.get("ONLY") or n in os.environ["ONLY"].split(",")}
         for d, v in CFGS.items()}
 
 
-def rows_for_tma(t):
-    B, H, N = t.shape
-    if t.is_contiguous() and N % 4 == 0:
-        return t, N
-    n_pad = (N + 3) // 4 * 4
-    buf = torch.zeros((B, H, n_pad), dtype=torch.float32, device=t.device)
-    buf[:, :, :N].copy_(t)
-    return buf, n_pad
-
-
 def pp_dkdv(do, q, k, v, lse, delta, cfg):
-    c, bm, st, turns, ov = cfg
+    mod, c, bm, st, turns, ov = cfg
+    bp = MODS[mod]
     D = q.shape[-1]
     dk, dv = fa._empty_in_layout_of(k), fa._empty_in_layout_of(v)
-    (lse, sl), (delta, sd) = rows_for_tma(lse), rows_for_tma(delta)
+    (lse, sl), (delta, sd) = fa._rows_for_tma(lse, lse.stride(1)), fa._rows_for_tma(delta, delta.stride(1))
     triton.set_allocator(fa._tma_scratch)
     bp.launch_dkdv_pingpong(do, q, k, v, lse, sl, delta, sd, dk, dv, 1 / math.sqrt(D), fa.LOG2E / math.sqrt(D), c, bm,
                             st, turns=bool(turns), overlap=bool(ov))
@@ -76,8 +86,9 @@ if MODE == "check":
     json.dump(R, open(f"{OUT}/dkdv_check.json", "w"), indent=1)
     sys.exit()
 
-SHAPES = {64: [(16, 32, 1024), (4, 32, 4096), (2, 32, 8192), (1, 32, 16384)], 128: [(4, 16, 4096), (1, 16, 16384)]}
-if sys.argv[2:] == ["long"]:
+SHAPES = {64: [(16, 32, 1024), (4, 32, 4096), (2, 32, 8192), (1, 32, 16384)],
+          128: [(8, 16, 2048)] * SS + [(4, 16, 4096), (1, 16, 16384)]}
+if "long" in sys.argv[2:]:
     SHAPES = {64: [(1, 12, 131072)], 128: [(1, 16, 32768)]}
 best = {}
 for p in range(2):
@@ -97,7 +108,7 @@ for p in range(2):
                 best[(D, N, name)] = min(best.get((D, N, name), float("inf")), ms)
                 R["times"].append(dict(D=D, N=N, B=B, H=H, cfg=name, pass_=p, ms=ms))
             del q, k, v, do, o, lse, do_c, delta
-            json.dump(R, open(f"{OUT}/dkdv_time{'_long' if sys.argv[2:] else ''}.json", "w"), indent=1)
+            json.dump(R, open(f"{OUT}/dkdv_time{'_long' if 'long' in sys.argv[2:] else ''}.json", "w"), indent=1)
 
 print("\ndK/dV kernel ms, min of 2 passes")
 for D, shapes in SHAPES.items():

@@ -1,5 +1,6 @@
 """Issue 10, session 22: the ping-pong dQ kernel (gluon_backward_ws.py here; kernels/flash_backward_specialized.py now) against float64 and the Triton
-dQ kernel (both also write delta), then timed next to it (bf16, causal). `check` | `time [long]`."""
+dQ kernel (both also write delta), then timed next to it (bf16, causal). `check` | `time [long|short]`; `short`: D=128 at
+1K-4K, a second machine (dq_time_short_d128.json)."""
 import importlib, importlib.util, json, math, os, sys
 import torch
 from triton.testing import do_bench
@@ -67,6 +68,9 @@ if MODE == "check":
 SHAPES = {64: [(16, 32, 1024), (4, 32, 4096), (2, 32, 8192), (1, 32, 16384)], 128: [(4, 16, 4096), (1, 16, 16384)]}
 if sys.argv[2:] == ["long"]:
     SHAPES = {64: [(1, 12, 131072)], 128: [(1, 16, 32768)]}
+if sys.argv[2:] == ["short"]:
+    SHAPES = {64: [], 128: [(16, 16, 1024), (8, 16, 2048), (4, 16, 4096)]}
+    CFGS[128] = {"c2n64s3_free_ov": (2, 64, 3, 0, 1), "c2n64s2_free_ov": (2, 64, 2, 0, 1)}
 best = {}
 for p in range(2):
     for D, shapes in SHAPES.items():
@@ -85,7 +89,7 @@ for p in range(2):
                 best[(D, N, name)] = min(best.get((D, N, name), float("inf")), ms)
                 R["times"].append(dict(D=D, N=N, B=B, H=H, cfg=name, pass_=p, ms=ms))
             del q, k, v, do, o, lse, do_c
-            json.dump(R, open(f"{OUT}/dq_time{'_long' if sys.argv[2:] else ''}.json", "w"), indent=1)
+            json.dump(R, open(f"{OUT}/dq_time{'_' + sys.argv[2] if sys.argv[2:] else ''}.json", "w"), indent=1)
 
 print("\ndQ kernel ms, min of 2 passes")
 for D, shapes in SHAPES.items():
