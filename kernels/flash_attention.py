@@ -11,13 +11,15 @@ the scale (exp(x) = exp2(x · log2 e)), which is one multiply cheaper per score.
 Backward (FlashAttention-2): one kernel owns a query tile and walks the key tiles to accumulate dQ; it also
 computes delta = rowsum(dO ∘ O) for its rows and leaves it for the other, which owns a key tile and walks the
 query tiles to accumulate dK and dV. No atomics: every output tile has one writer, so results are deterministic.
+(On an H100/H200 at head_dim 64 from 8K tokens the backward is instead the five-matmul one of
+flash_backward_specialized.py, which adds dQ with fp32 reduce-adds; torch.use_deterministic_algorithms keeps this one.)
 
 Tiles stream through TMA descriptors on Hopper (hardware bulk copies; rows past the end read as 0) when
 the inputs are 16-byte aligned, through masked pointer loads otherwise. On an H100/H200, long causal sequences
 (from 8K tokens at head_dim 64, 4K at 128; fp16/bf16) take the warp-specialized forward of flash_forward_pingpong.py
-instead (FlashAttention-3's producer warp and consumer warpgroups in ping-pong, written in Gluon), and some backward
-launches the warp-specialized dK/dV or dQ kernel of flash_backward_specialized.py (dK/dV at head_dim 64 from 16K
-tokens, dQ at head_dim 128 from 4K); they compute the same outputs as the Triton kernels here.
+instead (FlashAttention-3's producer warp and consumer warpgroups in ping-pong, written in Gluon), and the backward
+takes the warp-specialized kernels of flash_backward_specialized.py (the five-matmul dK/dV/dQ kernel at head_dim 64
+from 8K tokens, the dQ kernel at head_dim 128 from 4K); they compute the same outputs as the Triton kernels here.
 
 Causal masking: tiles entirely above the diagonal are never visited; only tiles on the diagonal pay for
 the mask. Sequence tails (seq not a multiple of the tile) are handled with masked loads and stores.
@@ -424,8 +426,8 @@ class TileConfig:
     tma: bool = False  # stream tiles through TMA descriptors (Hopper+, aligned inputs; else pointer loads)
     maxnreg: int | None = None  # cap on registers per thread, so more programs share an SM (GPU only)
     # the warp-specialized Gluon kernels (sm_90; num_warps is then per consumer warpgroup, maxnreg unused): the
-    # forward of flash_forward_pingpong.py with block_m/64 consumers of 64 query rows; the dK/dV and dQ kernels of
-    # flash_backward_specialized.py with two consumers: dK/dV block_n = 128 keys per program, block_m the streamed
+    # forward of flash_forward_pingpong.py with block_m/64 consumers of 64 query rows; the dK/dV/dQ and dQ kernels of
+    # flash_backward_specialized.py with two consumers: dK/dV/dQ block_n = 128 keys per program, block_m the streamed
     # query tile; dQ block_m = 128 rows per program, block_n the streamed key tile
     specialized: bool = False
 
@@ -489,16 +491,20 @@ _GPU_CONFIGS_FROM_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
 #   (225 KB of shared memory): 8K 0.968 vs 1.079, 16K 1.756 vs 2.177, 32K 7.12 vs 8.34, 128K with 12 heads 83.3 vs
 #   97.9 (2 stages: 1.074, 2.087, 7.87, 91.6), and from 4K tokens (4K: 0.562 vs 0.612; 2K a tie, 0.338 vs 0.333). At
 #   D=64 it is slower below 8K (4K: 0.771 vs 0.715).
-# - dK/dV at D=64 (flash_backward_specialized.py; NOTES.md P): 128 keys per program, 64-query tiles, 3 stages, ms
-#   against the Triton dK/dV kernel, H200, two runs: 16K (32 heads) 3.936/3.989 vs 3.913/4.134, 128K (12 heads) 88.9 vs
-#   90.8; slower below 16K (8K: 2.124/2.166 vs 2.036/2.084). At D=128 it ties at 32K and loses below: not used.
+# - dK/dV/dQ at D=64, the five-matmul backward (flash_backward_specialized.py; NOTES.md Q): 128 keys per program,
+#   64-query tiles, 3 stages, the whole backward in ms (delta, zeroed fp32 dQ accumulator, the kernel, the cast)
+#   against the seven-matmul one (dQ, then dK/dV), H200, one process, two runs: 8K (2 × 32 heads) 3.19/3.29 vs
+#   3.41/3.47, 16K (32 heads) 5.97/5.98 vs 6.31/6.48, 32K (12 heads) 8.59 vs 9.46, 128K (12 heads) 135.9 vs 148.7;
+#   slower below 8K (4K: 1.88/1.91 vs 1.87/1.72). cuDNN's backward: 3.30/3.34, 6.30/6.33. Not deterministic (dQ is
+#   summed by reduce-adds in arrival order), so deterministic mode (torch.use_deterministic_algorithms) keeps the
+#   seven-matmul backward.
 # - dQ at D=128: 128 rows per program, 64-key tiles, 3 stages: 16K 2.294 vs 2.594, 32K 8.82 vs 10.07; 4K 0.662 vs
 #   0.738 in one run, 0.712 vs 0.704 in another (2K 0.438 vs 0.448: a tie, left to Triton). At D=64 the Triton dQ
 #   kernel (128 rows over 8 warps) stays ahead at every length (16K: 2.82 vs 2.69).
 _SPECIALIZED_FROM_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
     ("fwd", 64): (8192, TileConfig(192, 128, 4, 3, tma=True, specialized=True)),
     ("fwd", 128): (4096, TileConfig(128, 128, 4, 3, tma=True, specialized=True)),
-    ("dkdv", 64): (16384, TileConfig(64, 128, 4, 3, tma=True, specialized=True)),
+    ("dkdvdq", 64): (8192, TileConfig(64, 128, 4, 3, tma=True, specialized=True)),
     ("dq", 128): (4096, TileConfig(128, 64, 4, 3, tma=True, specialized=True)),
 }
 # Small tiles under the CPU interpreter: fast there, and several tiles per test sequence so the
@@ -531,6 +537,17 @@ def tile_config(kernel: str, head_dim: int, causal: bool = True, dtype: torch.dt
         if from_seq is not None and seq_len >= from_seq[0]:
             return from_seq[1]
     return _GPU_CONFIGS[(kernel, head_dim)]
+
+
+def fused_backward_config(head_dim: int, causal: bool, dtype: torch.dtype, seq_len: int,
+                          specialized: bool) -> TileConfig | None:
+    """The five-matmul backward's configuration (the dK/dV/dQ kernel of flash_backward_specialized.py) where the table
+    sends these launches to it: causal 2-byte inputs that fit the warp-specialized kernels (specialized), long
+    enough. None elsewhere: the seven-matmul backward runs."""
+    entry = _SPECIALIZED_FROM_SEQ.get(("dkdvdq", head_dim))
+    if INTERPRET or not (specialized and causal and dtype in (torch.float16, torch.bfloat16)) or entry is None:
+        return None
+    return entry[1] if seq_len >= entry[0] else None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -751,16 +768,59 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
 
 def launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, sm_scale: float,
                     dkdv_cfg: TileConfig | None = None, dq_cfg: TileConfig | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Run the backward kernels (dQ, then dK/dV): (dq, dk, dv). The cfgs override the tile table. The dQ kernel also
+    """The backward: (dq, dk, dv). Where the table says so (long causal sequences at head_dim 64 on an H100/H200), the
+    five-matmul backward (launch_backward_fused), unless deterministic algorithms are asked for
+    (torch.use_deterministic_algorithms): its dQ is summed in a varying order. Otherwise the deterministic
+    seven-matmul backward: the dQ kernel, then the dK/dV kernel (the cfgs override their tiles). The dQ kernel also
     computes delta = rowsum(dO ∘ O) for its rows (it loads dO anyway) and leaves it for the dK/dV kernel, which
     saves a pass over O and dO: 1–3% of the backward at 1K–4K and at 128K tokens (kernels/NOTES.md, L)."""
     if do.stride(-1) != 1:
         do = do.contiguous()
     B, H, N = lse.shape
-    # rows start 16-byte aligned whatever N, as the warp-specialized dK/dV kernel's TMA reads them
+    if dkdv_cfg is None and dq_cfg is None and not torch.are_deterministic_algorithms_enabled():
+        ready = specialized_ready(q, k, v, causal, module="flash_backward_specialized", also=(do,))
+        cfg = fused_backward_config(q.shape[-1], causal, q.dtype, N, ready)
+        if cfg is not None:
+            return launch_backward_fused(do, q, k, v, o, lse, sm_scale, cfg)
+    # rows start 16-byte aligned whatever N, as TMA reads them
     delta = torch.empty((B, H, (N + 3) // 4 * 4), dtype=torch.float32, device=lse.device)[:, :, :N]
     dq = launch_backward_dq(do, q, k, v, lse, delta, causal, sm_scale, dq_cfg, o=o)
     dk, dv = launch_backward_dkdv(do, q, k, v, lse, delta, causal, sm_scale, dkdv_cfg)
+    return dq, dk, dv
+
+
+# The five-matmul backward's fp32 dQ accumulator takes at most this many bytes: inputs with more heads · tokens run it
+# head group by head group (from 128K tokens one head alone fills an H200), so its memory stays bounded.
+FUSED_DQ_ACC_BYTES = 256 << 20
+
+
+def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, sm_scale: float,
+                          cfg: TileConfig | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The causal five-matmul backward (kernels/NOTES.md Q): (dq, dk, dv) in the memory layouts of q, k, v. A delta
+    kernel, then the dK/dV/dQ kernel of flash_backward_specialized.py, which adds dQ into a zeroed fp32 accumulator
+    (a TMA reduce-add per query tile and block of 128 keys), then one cast into dq. No kernel recomputes QKᵀ and dO·Vᵀ
+    for dQ; dQ's summation order follows the programs' timing, so it can differ in the last bits between runs.
+    Needs inputs that fit the warp-specialized kernels (specialized_ready) and head_dim 64."""
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    B, H, N, D = q.shape
+    if D != 64 or not specialized_ready(q, k, v, True, module="flash_backward_specialized", also=(do,)):
+        raise ValueError(_NOT_SPECIALIZED.format("dK/dV/dQ kernel") + "; it takes head_dim 64")
+    c = cfg or _SPECIALIZED_FROM_SEQ[("dkdvdq", D)][1]
+    kernels = _gluon_module("flash_backward_specialized")
+    dq, dk, dv = _empty_in_layout_of(q), _empty_in_layout_of(k), _empty_in_layout_of(v)
+    group = max(1, min(H, FUSED_DQ_ACC_BYTES // (B * N * D * 4)))  # heads per launch
+    acc = torch.empty((B, group, N, D), dtype=torch.float32, device=q.device)
+    triton.set_allocator(_tma_scratch)
+    for h0 in range(0, H, group):
+        hs = slice(h0, min(H, h0 + group))
+        dq_acc = acc[:, :hs.stop - h0].zero_()
+        do_h, delta = launch_backward_delta(do[:, hs], o[:, hs], lse[:, hs])
+        (lse_h, stride_lse), (delta, stride_delta) = _rows_in(lse[:, hs]), _rows_in(delta)
+        (lse_h, stride_lse), (delta, stride_delta) = _rows_for_tma(lse_h, stride_lse), _rows_for_tma(delta, stride_delta)
+        kernels.launch_dkdv_dq(do_h, q[:, hs], k[:, hs], v[:, hs], lse_h, stride_lse, delta, stride_delta, dk[:, hs],
+                               dv[:, hs], dq_acc, sm_scale, sm_scale * LOG2E, c.block_m, c.num_stages)
+        dq[:, hs].copy_(dq_acc)
     return dq, dk, dv
 
 
@@ -790,17 +850,10 @@ def launch_backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tenso
     N_K = k.shape[2]
     dk, dv = _grad_outputs(out, accumulate, ("dk", "dv"), (k, v))
     (lse, stride_lse), (delta, stride_delta) = _rows_in(lse), _rows_in(delta)
-    ready = specialized_ready(q, k, v, causal, accumulate, module="flash_backward_specialized", also=(do,))
-    if cfg is not None and cfg.specialized and (not ready or cfg.block_n != 128):
-        raise ValueError(_NOT_SPECIALIZED.format("dK/dV kernel") + "; its block_n is 128")
-    c = cfg or tile_config("dkdv", D, causal, q.dtype, N_Q, specialized=ready)
-    if c.specialized:
-        (lse, stride_lse), (delta, stride_delta) = _rows_for_tma(lse, stride_lse), _rows_for_tma(delta, stride_delta)
-        triton.set_allocator(_tma_scratch)
-        _gluon_module("flash_backward_specialized").launch_dkdv(
-            do, q, k, v, lse, stride_lse, delta, stride_delta, dk, dv, sm_scale, sm_scale * LOG2E, c.block_m,
-            c.num_stages)
-        return dk, dv
+    if cfg is not None and cfg.specialized:
+        raise ValueError("flash_attention: the warp-specialized dK/dV kernel computes dQ too: launch_backward_fused "
+                         "runs it")
+    c = cfg or tile_config("dkdv", D, causal, q.dtype, N_Q)
     _bwd_dkdv_kernel[(triton.cdiv(N_K, c.block_n), B * H)](
         q, k, v, do, lse, delta, dk, dv, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do),
         *_strides3(dk), *_strides3(dv), stride_lse, stride_delta, H, N_Q, N_K, sm_scale * LOG2E, sm_scale,

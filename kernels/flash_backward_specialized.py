@@ -1,33 +1,41 @@
-"""The causal FlashAttention backward on Hopper, warp-specialized, in Gluon (Triton's explicit-layout dialect): the
-dK/dV kernel and the dQ kernel of flash_attention.py with the structure of the ping-pong forward
-(flash_forward_pingpong.py), for the sizes where that is faster (kernels/NOTES.md P).
+"""The causal FlashAttention backward on Hopper, warp-specialized, in Gluon (Triton's explicit-layout dialect), for
+the sizes where it is faster than the Triton kernels of flash_attention.py (kernels/NOTES.md P, Q):
 
     P = exp2(Q Kᵀ · scale·log2e − LSE),  dP = dO Vᵀ,  dS = P ∘ (dP − delta),  delta = rowsum(dO ∘ O)
     dV = Pᵀ dO,  dK = scale · dSᵀ Q,  dQ = scale · dS K                       (the same outputs as flash_attention.py)
 
-Each program splits its warps by role (`gl.warp_specialize`):
+Two kernels, each splitting its warps by role (`gl.warp_specialize`) like the ping-pong forward
+(flash_forward_pingpong.py):
 
-- one producer warp loads what the program keeps (K, V of its keys for dK/dV; Q, dO of its rows for dQ) once, then
-  streams the other side's tiles through a ring of STAGES shared-memory buffers with TMA (ready[s]: the copies
-  landed; empty[s]: both consumers are done with the buffer), so no CTA-wide barrier guards a refill;
-- two consumer warpgroups own 64 keys (dK/dV) or 64 query rows (dQ) each. Per tile a consumer issues the two score
-  matmuls of this tile and the accumulating matmul(s) of the previous one, waits for the scores only, computes the
-  elementwise part (exponentials, dS) while its own accumulation runs, then retires it.
+- **dK/dV/dQ** (head_dim 64): the five-matmul backward. One producer warp loads the program's 128 keys (K, V) once,
+  then streams the query tiles Q_t, dO_t and their LSE/delta rows through a ring of STAGES shared-memory buffers with
+  TMA (ready[s]: the copies landed; empty[s]: both consumers are done with the buffer). Two consumer warpgroups own 64
+  keys each: per tile a consumer issues Sᵀ_t, dPᵀ_t and the previous tile's dV, dK matmuls, waits for the scores only,
+  computes Pᵀ_t, dSᵀ_t while its accumulation runs, and hands dSᵀ_t to shared memory. A third warpgroup reads both
+  consumers' dSᵀ_t transposed, computes dQ_t = dS_t K over the 128 keys and adds it into an fp32 accumulator with a
+  TMA reduce-add; the caller zeroes the accumulator and casts it to dq. So no kernel recomputes QKᵀ and dO·Vᵀ for dQ,
+  at the price of an fp32 accumulator and a dQ whose summation order varies from run to run (not deterministic).
+- **dQ** (head_dim 128, the seven-matmul backward's dQ half, deterministic): one program owns 128 query rows (two
+  consumers of 64), keeps Q and dO, streams K_j, V_j; per tile S_j, dP_j and the previous tile's dQ matmul are
+  issued and dS_j is computed while the dQ matmul runs. Each consumer also writes its rows' delta for the Triton
+  dK/dV kernel.
 
-Unlike the forward, the consumers run free: ordering their matmuls by turns (as the forward does) was 5–12% slower
-here, since each step already holds four (dK/dV) or three (dQ) matmuls against one exponential per score. Every
-matmul is retired within its step (a wgmma result in flight at the loop's back-edge makes ptxas serialize them all,
-NOTES.md F). The register file is split by role (setmaxnreg): 24 registers per producer thread, 232 per consumer.
+The consumers run free: ordering their matmuls by turns (as the forward does) was 5–12% slower here, since each step
+already holds four (dK/dV) or three (dQ) matmuls against one exponential per score. Every matmul is retired within
+its step (a wgmma result in flight at the loop's back-edge makes ptxas serialize them all, NOTES.md F). The register
+file is split by role (setmaxnreg).
 
-Scope: causal, fp16/bf16, head_dim 64 or 128, one length for queries and keys, TMA-aligned inputs, sm_90; the dK/dV
-kernel reads LSE and delta rows through TMA, so their starts must be 16-byte aligned. flash_attention.py picks
-these kernels where its table says so and falls back to its Triton kernels otherwise.
+Scope: causal, fp16/bf16, head_dim 64 (dK/dV/dQ) or 128 (dQ), one length for queries and keys, TMA-aligned inputs,
+sm_90; the dK/dV/dQ kernel reads LSE and delta rows through TMA, so their starts must be 16-byte aligned.
+flash_attention.py picks these kernels where its table says so and falls back to its Triton kernels otherwise.
 """
 from __future__ import annotations
 
 from torch import Tensor
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
@@ -36,17 +44,29 @@ from minigpt_kernels.flash_forward_pingpong import CONSUMER_REGS, PRODUCER_REGS,
 
 TILE = gl.constexpr(64)  # keys (dK/dV) or query rows (dQ) per consumer warpgroup: the M of one wgmma
 CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program (the warp_specialize lists below name two)
+# registers per thread in the dK/dV/dQ kernel: 2 consumer warpgroups + the dQ warpgroup + the producer warp share the
+# 64K register file (2·128·208 + 128·88 + 32·24 ≤ 65536); below 208 the consumers' wgmmas serialize (ptxas C7512)
+FUSED_CONSUMER_REGS = 208
+REDUCER_REGS = 88
 
 
 # ------------------------------------------------------------------------------------------------
-# dK, dV: a program owns 128 keys; the producer streams the query tiles Q_t, dO_t with their LSE and delta rows
+# dK, dV and dQ: a program owns 128 keys; the producer streams the query tiles Q_t, dO_t with their LSE and delta
+# rows; a third warpgroup adds each tile's dQ into an fp32 accumulator
 # ------------------------------------------------------------------------------------------------
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """global[coord ...] += src (a shared-memory tile), by TMA (cp.reduce.async.bulk.tensor.add): Gluon 3.6 has the
+    op but no wrapper for it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
 @gluon.jit
-def _pT_dsT(sT, dpT, lse_smem, delta_smem, keys, rows, masked, qk_scale, dtype: gl.constexpr,
-            a_layout: gl.constexpr):
-    """Pᵀ and dSᵀ of one tile (keys × queries) from Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, as register A operands of the dV and dK
-    matmuls. Rows past N read LSE = 0 and delta = 0 (TMA zero fill), so Pᵀ = 1 there; their Q and dO rows are 0 too,
-    so they add exactly 0 to dV (Pᵀ dO) and dK (dSᵀ = Pᵀ ∘ (V dOᵀ − delta) = 0)."""
+def _pT_dsT(sT, dpT, lse_smem, delta_smem, keys, rows, masked, qk_scale, dtype: gl.constexpr):
+    """Pᵀ and dSᵀ of one tile (keys × queries) from Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, rounded to the input dtype. Rows past N
+    read LSE = 0 and delta = 0 (TMA zero fill), so Pᵀ = 1 there; their Q and dO rows are 0 too, so they add exactly 0
+    to dV (Pᵀ dO), and dSᵀ = Pᵀ ∘ (V dOᵀ − delta) = 0 adds 0 to dK and dQ."""
     col_layout: gl.constexpr = gl.SliceLayout(0, sT.type.layout)
     # Pᵀ = exp2(K Qᵀ · scale·log2e − LSE)
     pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse_smem.load(col_layout), 0))
@@ -54,14 +74,25 @@ def _pT_dsT(sT, dpT, lse_smem, delta_smem, keys, rows, masked, qk_scale, dtype: 
         pT = gl.where(gl.expand_dims(rows, 0) >= gl.expand_dims(keys, 1), pT, 0.0)
     # dSᵀ = Pᵀ ∘ (dPᵀ − delta)
     dsT = pT * (dpT - gl.expand_dims(delta_smem.load(col_layout), 0))
-    return gl.convert_layout(pT.to(dtype), a_layout), gl.convert_layout(dsT.to(dtype), a_layout)
+    return pT.to(dtype), dsT.to(dtype)
+
+
+@gluon.jit
+def _hand_over(ds_smem, ds_ready, ds_free, dsT16, t, ME: gl.constexpr):
+    """This consumer's dSᵀ_t into shared buffer t % 2 for the dQ warpgroup, once that has read what the buffer held
+    (tile t − 2). The store is fenced for the tensor cores (async proxy) before the arrive."""
+    u = t % 2
+    mbarrier.wait(ds_free.index(u), ((t // 2) & 1) ^ 1)
+    ds_smem.index(u * CONSUMERS + ME).store(dsT16)
+    fence_async_shared()
+    mbarrier.arrive(ds_ready.index(u), count=1)
 
 
 @gluon.jit
 def _dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     """Consumer warpgroup ME: dK, dV of keys start_n + 64·ME ... + 63 over query tiles 0 .. num_tiles−1 (tile t holds
-    queries start_n + t·BLOCK_M ...)."""
-    (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty,
+    queries start_n + t·BLOCK_M ...), handing each tile's dSᵀ to the dQ warpgroup."""
+    (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty, ds_smem, ds_ready, ds_free,
      DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
      N, start_n, num_tiles, qk_scale, sm_scale) = shared
     dtype: gl.constexpr = q_smem.dtype
@@ -86,7 +117,10 @@ def _dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl
     dpT = warpgroup_mma(v, do_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     sT, dpT = warpgroup_mma_wait(0, deps=(sT, dpT))
     pT16, dsT16 = _pT_dsT(sT, dpT, lse_smem.index(0), delta_smem.index(0), keys, cols, 0 < MASKED_TILES, qk_scale,
-                          dtype, a_layout)
+                          dtype)
+    _hand_over(ds_smem, ds_ready, ds_free, dsT16, 0, ME)
+    pT16 = gl.convert_layout(pT16, a_layout)
+    dsT16 = gl.convert_layout(dsT16, a_layout)
 
     for t in range(1, num_tiles):
         stage = t % STAGES
@@ -97,14 +131,15 @@ def _dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl
         dpT = warpgroup_mma(v, do_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dv = warpgroup_mma(pT16, do_smem.index(prev), dv, is_async=True)
         dk = warpgroup_mma(dsT16, q_smem.index(prev), dk, is_async=True)
-        # wait for Sᵀ_t, dPᵀ_t (wgmma groups retire in order); Pᵀ_t, dSᵀ_t while dV and dK still run
+        # wait for Sᵀ_t, dPᵀ_t (wgmma groups retire in order); Pᵀ_t, dSᵀ_t and the hand-over while dV and dK still run
         sT, dpT = warpgroup_mma_wait(2, deps=(sT, dpT))
         pT16_t, dsT16_t = _pT_dsT(sT, dpT, lse_smem.index(stage), delta_smem.index(stage), keys, cols + t * BLOCK_M,
-                                  t < MASKED_TILES, qk_scale, dtype, a_layout)
+                                  t < MASKED_TILES, qk_scale, dtype)
+        _hand_over(ds_smem, ds_ready, ds_free, dsT16_t, t, ME)
         dv, dk, pT16, dsT16 = warpgroup_mma_wait(0, deps=(dv, dk, pT16, dsT16))
         mbarrier.arrive(empty.index(prev), count=1)  # tile t−1's buffers no longer read by this consumer
-        pT16 = pT16_t
-        dsT16 = dsT16_t
+        pT16 = gl.convert_layout(pT16_t, a_layout)
+        dsT16 = gl.convert_layout(dsT16_t, a_layout)
 
     last = (num_tiles - 1) % STAGES
     dv = warpgroup_mma(pT16, do_smem.index(last), dv, is_async=True)
@@ -123,7 +158,34 @@ def _dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl
 
 
 @gluon.jit
-def _dkdv_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+def _dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """The dQ warpgroup: per query tile t, dQ_t = scale · dS_t K over the program's 128 keys (both consumers' dSᵀ_t,
+    read transposed from shared memory), staged in fp32 shared memory and added into the accumulator's rows by a TMA
+    reduce-add, which runs while the next tile's matmul does."""
+    (k_smem, ds_smem, dq_smem, kv_ready, ds_ready, ds_free, dq_desc, start_n, num_tiles, sm_scale) = dqs
+    dq_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)  # dQ_t: BLOCK_M (= 64) queries × HEAD_DIM
+    zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.wait(kv_ready.index(c), 0)
+    for t in range(num_tiles):
+        u = t % 2
+        mbarrier.wait(ds_ready.index(u), (t // 2) & 1)
+        # dQ_t = Σ_c dS_t[:, keys of c] K_c  (dS_t = (dSᵀ_t)ᵀ: the stored tile read transposed)
+        dq = warpgroup_mma(ds_smem.index(u * CONSUMERS).permute((1, 0)), k_smem.index(0), zero, use_acc=False,
+                           is_async=True)
+        dq = warpgroup_mma(ds_smem.index(u * CONSUMERS + 1).permute((1, 0)), k_smem.index(1), dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq,))
+        mbarrier.arrive(ds_free.index(u), count=1)  # the consumers may overwrite buffer u
+        staging = dq_smem.index(u)
+        tma.store_wait(1)  # the reduce issued from this staging buffer two tiles ago has read it
+        staging.store(dq * sm_scale)  # dS was taken w.r.t. the scaled scores
+        fence_async_shared()
+        _tma_reduce_add(dq_desc, [start_n + t * BLOCK_M, 0], staging)  # rows past N are clipped by TMA
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     """The producer warp: each consumer's K and V rows once, then query tile t (Q, dO, LSE, delta) into buffer
     t % STAGES as soon as both consumers have released what it held (tile t − STAGES). Rows past N read as 0."""
     (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
@@ -150,15 +212,16 @@ def _dkdv_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES:
 
 
 @gluon.jit
-def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
-                 stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                 stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
-                 stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                 stride_lse, stride_delta, H, N, qk_scale, sm_scale,
-                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                 CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """dK, dV of one block of 128 keys of one (batch, head), causal: over the queries from the block's first key on.
-    Program 0 holds the first keys (most queries), so the longest programs start first."""
+def _dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
+                   stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                   stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
+                   stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                   stride_accb, stride_acch, stride_accn, stride_lse, stride_delta, H, N, qk_scale, sm_scale,
+                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, REDUCER_REGS: gl.constexpr):
+    """dK, dV of one block of 128 keys of one (batch, head), causal, over the queries from the block's first key on,
+    and this block's share of dQ for those queries, added into DQ_ACC. Program 0 holds the first keys (most queries),
+    so the longest programs start first."""
     dtype: gl.constexpr = Q.dtype.element_ty
     start_n = gl.program_id(0) * (CONSUMERS * TILE)
     bh = gl.program_id(1)
@@ -166,11 +229,14 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
     h = (bh % H).to(gl.int64)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], dtype)
     qd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, BLOCK_M], dtype)
+    acc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32)
     row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     k_desc = _head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, TILE, HEAD_DIM, kv_layout)
     v_desc = _head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, TILE, HEAD_DIM, kv_layout)
     q_desc = _head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, BLOCK_M, HEAD_DIM, qd_layout)
     do_desc = _head_rows(DO, b, h, stride_dob, stride_doh, stride_don, N, BLOCK_M, HEAD_DIM, qd_layout)
+    dq_desc = _head_rows(DQ_ACC, b, h, stride_accb, stride_acch, stride_accn, N, BLOCK_M, HEAD_DIM, acc_layout)
     lse_desc = tma.make_tensor_descriptor(LSE + bh.to(gl.int64) * stride_lse, shape=[N], strides=[1],
                                           block_shape=[BLOCK_M], layout=row_layout)
     delta_desc = tma.make_tensor_descriptor(DELTA + bh.to(gl.int64) * stride_delta, shape=[N], strides=[1],
@@ -181,27 +247,36 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qd_layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, TILE, BLOCK_M], ds_layout)  # dSᵀ: 2 tiles in flight
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], acc_layout)  # dQ staging for the reduce
     kv_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(CONSUMERS):
         mbarrier.init(kv_ready.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=CONSUMERS)
+        mbarrier.init(ds_free.index(i), count=1)
     fence_async_shared()
     num_tiles = gl.cdiv(N - start_n, BLOCK_M)  # query tiles from the block's first key to the end
 
-    shared = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty,
+    shared = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty, ds_smem, ds_ready, ds_free,
               DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
               N, start_n, num_tiles, qk_scale, sm_scale)
     loads = (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
              delta_smem, kv_ready, ready, empty, start_n, num_tiles)
+    dqs = (k_smem, ds_smem, dq_smem, kv_ready, ds_ready, ds_free, dq_desc, start_n, num_tiles, sm_scale)
     # the first consumer is the default partition; the list is a literal for the compiler
     gl.warp_specialize([(_dkdv_consumer, (shared, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES)),
                         (_dkdv_consumer, (shared, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES)),
-                        (_dkdv_producer, (loads, HEAD_DIM, BLOCK_M, STAGES))],
-                       [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+                        (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES)),
+                        (_dq_reducer, (dqs, HEAD_DIM, BLOCK_M))],
+                       [4, 1, 4], [CONSUMER_REGS, PRODUCER_REGS, REDUCER_REGS])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -357,18 +432,20 @@ def _dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ,
 # ------------------------------------------------------------------------------------------------
 # Launchers (the caller checks the scope and sets Triton's scratch allocator for the device-side TMA descriptors)
 # ------------------------------------------------------------------------------------------------
-def launch_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
-                stride_delta: int, dk: Tensor, dv: Tensor, sm_scale: float, qk_scale: float, block_m: int,
-                stages: int) -> None:
-    """Write the causal dK, dV of q, k, v, do (B, H, N, D) into dk, dv (k's shape, contiguous last dimension).
-    lse, delta: fp32 rows at t + (b·H + h)·stride with 16-byte aligned starts (1-D TMA). qk_scale = sm_scale·log2(e).
-    block_m: queries per streamed tile."""
+def launch_dkdv_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
+                   stride_delta: int, dk: Tensor, dv: Tensor, dq_acc: Tensor, sm_scale: float, qk_scale: float,
+                   block_m: int, stages: int) -> None:
+    """Write the causal dK, dV of q, k, v, do (B, H, N, D) into dk, dv (k's shape, contiguous last dimension) and add
+    dQ into dq_acc (fp32, q's shape, zeroed by the caller, 16-byte aligned rows). lse, delta: fp32 rows at
+    t + (b·H + h)·stride with 16-byte aligned starts (1-D TMA). qk_scale = sm_scale·log2(e). block_m: queries per
+    streamed tile (64: the M of the dQ warpgroup's matmul)."""
     B, H, N, D = q.shape
     grid = (-(-N // (CONSUMERS.value * TILE.value)), B * H)
-    _dkdv_kernel[grid](q, k, v, do, lse, delta, dk, dv, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do),
-                       *_strides3(dk), *_strides3(dv), stride_lse, stride_delta, H, N, qk_scale, sm_scale,
-                       HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS[CONSUMERS.value],
-                       PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+    _dkdvdq_kernel[grid](q, k, v, do, lse, delta, dk, dv, dq_acc, *_strides3(q), *_strides3(k), *_strides3(v),
+                         *_strides3(do), *_strides3(dk), *_strides3(dv), *_strides3(dq_acc), stride_lse, stride_delta,
+                         H, N, qk_scale, sm_scale, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
+                         CONSUMER_REGS=FUSED_CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, REDUCER_REGS=REDUCER_REGS,
+                         num_warps=4)
 
 
 def launch_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,

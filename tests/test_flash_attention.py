@@ -173,24 +173,30 @@ def test_gpu_tile_tables_respect_the_kernels_shape_rules():
 
 def test_long_causal_launches_take_the_warp_specialized_kernels_only_where_they_fit(monkeypatch):
     """The GPU table sends causal fp16/bf16 launches to the warp-specialized Gluon kernels where they were measured
-    faster: the forward (flash_forward_pingpong.py) at head_dim 64/128 from 8K/4K tokens, the dK/dV kernel
-    (flash_backward_specialized.py) at head_dim 64 from 16K, the dQ kernel at head_dim 128 from 4K; and only when
+    faster: the forward (flash_forward_pingpong.py) at head_dim 64/128 from 8K/4K tokens, the five-matmul dK/dV/dQ
+    kernel (flash_backward_specialized.py) at head_dim 64 from 8K, the dQ kernel at head_dim 128 from 4K; and only when
     the inputs fit them. Anything else keeps the Triton kernels. Their numbers are checked on the GPU
     (tests/test_gpu.py); here, the choice and the refusals."""
     monkeypatch.setattr(fa, "INTERPRET", False)  # the GPU tables
+    lengths = (2048, 4096, 8192, 16384, 1 << 20)
     chosen = {(kernel, d, n): fa.tile_config(kernel, d, True, torch.bfloat16, n, specialized=True).specialized
-              for kernel in ("fwd", "dkdv", "dq") for d in (64, 128) for n in (2048, 4096, 8192, 16384, 1 << 20)}
+              for kernel in ("fwd", "dkdv", "dq") for d in (64, 128) for n in lengths}
+    chosen.update({("dkdvdq", d, n): fa.fused_backward_config(d, True, torch.bfloat16, n, True) is not None
+                   for d in (32, 64, 128) for n in lengths})
     assert {key for key, on in chosen.items() if on} == {
         *(("fwd", 64, n) for n in (8192, 16384, 1 << 20)), *(("fwd", 128, n) for n in (4096, 8192, 16384, 1 << 20)),
-        *(("dkdv", 64, n) for n in (16384, 1 << 20)), *(("dq", 128, n) for n in (4096, 8192, 16384, 1 << 20))}
+        *(("dkdvdq", 64, n) for n in (8192, 16384, 1 << 20)), *(("dq", 128, n) for n in (4096, 8192, 16384, 1 << 20))}
     assert fa.tile_config("fwd", 64, True, torch.bfloat16, 1 << 20, specialized=True).block_m % 64 == 0
-    assert fa.tile_config("dkdv", 64, True, torch.float16, 1 << 20, specialized=True).block_n == 128
+    assert fa.fused_backward_config(64, True, torch.float16, 1 << 20, True).block_n == 128
     assert fa.tile_config("dq", 128, True, torch.float16, 1 << 20, specialized=True).block_m == 128
-    for kernel, d in (("fwd", 64), ("dkdv", 64), ("dq", 128)):
+    for kernel, d in (("fwd", 64), ("dq", 128)):
         assert not fa.tile_config(kernel, d, True, torch.bfloat16, 1 << 20, specialized=False).specialized
         assert not fa.tile_config(kernel, d, False, torch.bfloat16, 1 << 20, specialized=True).specialized
         assert not fa.tile_config(kernel, d, True, torch.float32, 1 << 20, specialized=True).specialized
         assert not fa.tile_config(kernel, 32, True, torch.bfloat16, 1 << 20, specialized=True).specialized
+    for causal, dtype, ready in ((True, torch.bfloat16, False), (False, torch.bfloat16, True),
+                                 (True, torch.float32, True)):
+        assert fa.fused_backward_config(64, causal, dtype, 1 << 20, ready) is None
     monkeypatch.undo()
     # CPU tensors never fit them, and asking for one there is an error that says why
     _, q, k, v = split_qkv(1, 100, 2, 64, torch.float16, 3)
@@ -200,10 +206,35 @@ def test_long_causal_launches_take_the_warp_specialized_kernels_only_where_they_
         fa.launch_forward(q, k, v, True, 0.125, fa.TileConfig(192, 128, 4, 3, tma=True, specialized=True))
     o, lse = fa.launch_forward(q, k, v, True, 0.125)
     do, delta = fa.launch_backward_delta(torch.randn_like(o), o, lse)
-    with pytest.raises(ValueError, match="warp-specialized dK/dV"):
+    with pytest.raises(ValueError, match="computes dQ too"):
         fa.launch_backward_dkdv(do, q, k, v, lse, delta, True, 0.125, fa.TileConfig(64, 128, 4, 3, specialized=True))
+    with pytest.raises(ValueError, match="warp-specialized dK/dV/dQ"):
+        fa.launch_backward_fused(do, q, k, v, o, lse, 0.125)
     with pytest.raises(ValueError, match="warp-specialized dQ"):
         fa.launch_backward_dq(do, q, k, v, lse, delta, True, 0.125, fa.TileConfig(128, 64, 4, 3, specialized=True))
+
+
+def test_deterministic_mode_keeps_the_seven_matmul_backward(monkeypatch):
+    """Where the table picks the five-matmul backward (its dQ sums in a varying order), launch_backward takes it
+    unless torch.use_deterministic_algorithms(True) is on; then the deterministic kernels run. Here the table's
+    answer is forced, and the five-matmul launcher replaced by a recorder (it runs only on an H100/H200)."""
+    _, q, k, v = split_qkv(1, 70, 2, 64, torch.float32, 5)
+    o, lse = fa.launch_forward(q, k, v, True, 0.125)
+    do = torch.randn_like(o)
+    calls = []
+    monkeypatch.setattr(fa, "fused_backward_config", lambda *a: fa.TileConfig(64, 128, 4, 3, specialized=True))
+    monkeypatch.setattr(fa, "launch_backward_fused", lambda *a: calls.append(a) or ("fused",) * 3)
+    assert fa.launch_backward(do, q, k, v, o, lse, True, 0.125) == ("fused",) * 3 and len(calls) == 1
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        dq, dk, dv = fa.launch_backward(do, q, k, v, o, lse, True, 0.125)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert len(calls) == 1
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    refs = torch.autograd.grad(reference_attention(q64, k64, v64, True), (q64, k64, v64), do.double())
+    assert all(torch.allclose(ours.double(), ref, atol=1e-4) for ours, ref in zip((dq, dk, dv), refs))
 
 
 def test_lse_rows_for_tma_are_padded_only_when_unaligned():

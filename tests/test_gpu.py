@@ -84,9 +84,10 @@ def test_long_causal_forward_runs_the_pingpong_kernel(head_dim):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("seq,batch,heads", [(1, 1, 2), (65, 2, 3), (1000, 2, 3), (1001, 1, 2), (4100, 1, 2)])
 def test_specialized_backward_vs_float64(seq, batch, heads, head_dim, dtype):
-    """The warp-specialized dK/dV and dQ kernels on short and ragged sequences (the table sends them only to long
-    ones), on the model's qkv-split strides: gradients and delta against float64, errors no larger than the Triton
-    kernels'. N = 1001: LSE rows not 16-byte aligned (the dK/dV kernel's TMA reads a padded copy)."""
+    """The warp-specialized backward on short and ragged sequences (the table sends it only to long ones), on the
+    model's qkv-split strides, against float64 with errors no larger than the Triton kernels': the five-matmul
+    dK/dV/dQ kernel at head_dim 64 (dK, dV bitwise the Triton kernel's: the same tiles and order), the dQ kernel (and
+    its delta) at 128. N = 1001: LSE rows not 16-byte aligned (the TMA reads a padded copy)."""
     g = torch.Generator(device="cuda").manual_seed(seq * 5 + head_dim)
     qkv = torch.randn(batch, seq, 3, heads, head_dim, device="cuda", generator=g).to(dtype)
     q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
@@ -96,38 +97,75 @@ def test_specialized_backward_vs_float64(seq, batch, heads, head_dim, dtype):
     delta_t = torch.empty_like(lse)
     dq_t = fa.launch_backward_dq(do, q, k, v, lse, delta_t, True, scale, fa.TileConfig(64, 64, 4, 2, tma=True), o=o)
     dk_t, dv_t = fa.launch_backward_dkdv(do, q, k, v, lse, delta_t, True, scale, fa.TileConfig(64, 64, 4, 2, tma=True))
-    delta = torch.empty_like(lse)
-    dq = fa.launch_backward_dq(do, q, k, v, lse, delta, True, scale, fa.TileConfig(128, 64, 4, 3, specialized=True),
-                               o=o)
-    dk, dv = fa.launch_backward_dkdv(do, q, k, v, lse, delta, True, scale,
-                                     fa.TileConfig(64, 128, 4, 3, specialized=True))
+    if head_dim == 64:
+        dq, dk, dv = fa.launch_backward_fused(do, q, k, v, o, lse, scale)
+        assert torch.equal(dk, dk_t) and torch.equal(dv, dv_t)
+    else:
+        delta = torch.empty_like(lse)
+        dq = fa.launch_backward_dq(do, q, k, v, lse, delta, True, scale, fa.TileConfig(128, 64, 4, 3, specialized=True),
+                                   o=o)
+        dk, dv = dk_t, dv_t
+        assert (delta - delta_t).abs().max().item() < 1e-3
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     refs = torch.autograd.grad(reference_attention(q64, k64, v64, True), (q64, k64, v64), do.double())
     for ours, triton_, ref in zip((dq, dk, dv), (dq_t, dk_t, dv_t), refs):
         assert rel_err(ours, ref) < TOL[dtype] and rel_err(ours, ref) <= 1.05 * rel_err(triton_, ref) + 1e-6
-    assert (delta - delta_t).abs().max().item() < 1e-3
 
 
 @pytest.mark.skipif(not HOPPER, reason="the warp-specialized backward is written for sm_90 (wgmma)")
-@pytest.mark.parametrize("kernel,head_dim,seq", [("dkdv", 64, 16384), ("dq", 128, 4096)])
-def test_long_causal_backward_runs_the_specialized_kernels(kernel, head_dim, seq):
-    """Where the table says so, flash_attention's backward runs the warp-specialized kernel: its gradients equal a
-    forced launch's bitwise."""
+def test_fused_backward_runs_head_group_by_head_group(monkeypatch):
+    """With a dQ accumulator smaller than the input's heads need, the five-matmul backward runs head groups in turn
+    (here 2 + 2 + 1 heads, batch 2, the model's strides): the same gradients as in one launch, up to the last bits
+    that dQ's summation order may move."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    B, N, H, D = 2, 1000, 5, 64
+    qkv = torch.randn(B, N, 3, H, D, device="cuda", generator=g).to(torch.bfloat16)
+    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
+    do = torch.randn(q.shape, device="cuda", generator=g).to(torch.bfloat16)
+    o, lse = fa.launch_forward(q, k, v, True, 0.125)
+    whole = fa.launch_backward_fused(do, q, k, v, o, lse, 0.125)
+    monkeypatch.setattr(fa, "FUSED_DQ_ACC_BYTES", 2 * B * N * D * 4)
+    grouped = fa.launch_backward_fused(do, q, k, v, o, lse, 0.125)
+    assert torch.equal(grouped[1], whole[1]) and torch.equal(grouped[2], whole[2])
+    assert (grouped[0].float() - whole[0].float()).abs().max().item() < 1e-2 * whole[0].float().abs().max().item()
+    assert grouped[0].stride() == q.stride()
+
+
+@pytest.mark.skipif(not HOPPER, reason="the warp-specialized backward is written for sm_90 (wgmma)")
+@pytest.mark.parametrize("head_dim,seq", [(64, 8192), (128, 4096)])
+def test_long_causal_backward_runs_the_specialized_kernels(head_dim, seq):
+    """Where the table says so, flash_attention's backward runs the warp-specialized kernels: at head_dim 64 the
+    five-matmul backward (dK, dV equal a forced launch's bitwise, dQ up to its summation order), unless deterministic
+    algorithms are asked for, which give the seven-matmul backward's gradients bitwise; at 128 the dQ kernel."""
     g = torch.Generator(device="cuda").manual_seed(seq)
     q, k, v = (torch.randn(1, 2, seq, head_dim, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
-    cfg = fa.tile_config(kernel, head_dim, True, torch.bfloat16, seq, specialized=True)
-    assert cfg.specialized
     o = flash_attention(q, k, v)
     do = torch.randn(o.shape, device="cuda", generator=g, dtype=torch.bfloat16)
-    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
-    _, lse = fa.launch_forward(q.detach(), k.detach(), v.detach(), True, head_dim ** -0.5)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+    qd, kd, vd, od = q.detach(), k.detach(), v.detach(), o.detach()
+    _, lse = fa.launch_forward(qd, kd, vd, True, head_dim ** -0.5)
     delta = torch.empty_like(lse)
-    forced_dq = fa.launch_backward_dq(do, q.detach(), k.detach(), v.detach(), lse, delta, True, head_dim ** -0.5,
-                                      cfg if kernel == "dq" else None, o=o.detach())
-    forced_dk, forced_dv = fa.launch_backward_dkdv(do, q.detach(), k.detach(), v.detach(), lse, delta, True,
-                                                   head_dim ** -0.5, cfg if kernel == "dkdv" else None)
-    assert torch.equal(dq, forced_dq) and torch.equal(dk, forced_dk) and torch.equal(dv, forced_dv)
+    if head_dim == 64:
+        assert fa.fused_backward_config(head_dim, True, torch.bfloat16, seq, specialized=True) is not None
+        forced = fa.launch_backward_fused(do, qd, kd, vd, od, lse, head_dim ** -0.5)
+        assert torch.equal(dk, forced[1]) and torch.equal(dv, forced[2])
+        assert (dq.float() - forced[0].float()).abs().max().item() < 1e-2 * forced[0].float().abs().max().item()
+        seven = (fa.launch_backward_dq(do, qd, kd, vd, lse, delta, True, head_dim ** -0.5, o=od),
+                 *fa.launch_backward_dkdv(do, qd, kd, vd, lse, delta, True, head_dim ** -0.5))
+        was = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            deterministic = torch.autograd.grad(o, (q, k, v), do)
+        finally:
+            torch.use_deterministic_algorithms(was)
+        assert all(torch.equal(a, b) for a, b in zip(deterministic, seven))
+    else:
+        cfg = fa.tile_config("dq", head_dim, True, torch.bfloat16, seq, specialized=True)
+        assert cfg.specialized
+        forced_dq = fa.launch_backward_dq(do, qd, kd, vd, lse, delta, True, head_dim ** -0.5, cfg, o=od)
+        forced_dk, forced_dv = fa.launch_backward_dkdv(do, qd, kd, vd, lse, delta, True, head_dim ** -0.5)
+        assert torch.equal(dq, forced_dq) and torch.equal(dk, forced_dk) and torch.equal(dv, forced_dv)
 
 
 @pytest.mark.parametrize("head_dim", [16, 32, 256])
