@@ -767,17 +767,18 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
 
 
 def launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, sm_scale: float,
-                    dkdv_cfg: TileConfig | None = None, dq_cfg: TileConfig | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                    dkdv_cfg: TileConfig | None = None, dq_cfg: TileConfig | None = None,
+                    deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """The backward: (dq, dk, dv). Where the table says so (long causal sequences at head_dim 64 on an H100/H200), the
-    five-matmul backward (launch_backward_fused), unless deterministic algorithms are asked for
-    (torch.use_deterministic_algorithms): its dQ is summed in a varying order. Otherwise the deterministic
+    five-matmul backward (launch_backward_fused), unless deterministic results are asked for (deterministic=True or
+    torch.use_deterministic_algorithms): its dQ is summed in a varying order. Otherwise the deterministic
     seven-matmul backward: the dQ kernel, then the dK/dV kernel (the cfgs override their tiles). The dQ kernel also
     computes delta = rowsum(dO ∘ O) for its rows (it loads dO anyway) and leaves it for the dK/dV kernel, which
     saves a pass over O and dO: 1–3% of the backward at 1K–4K and at 128K tokens (kernels/NOTES.md, L)."""
     if do.stride(-1) != 1:
         do = do.contiguous()
     B, H, N = lse.shape
-    if dkdv_cfg is None and dq_cfg is None and not torch.are_deterministic_algorithms_enabled():
+    if dkdv_cfg is None and dq_cfg is None and not (deterministic or torch.are_deterministic_algorithms_enabled()):
         ready = specialized_ready(q, k, v, causal, module="flash_backward_specialized", also=(do,))
         cfg = fused_backward_config(q.shape[-1], causal, q.dtype, N, ready)
         if cfg is not None:
@@ -921,36 +922,37 @@ def _(q, k, v, causal, sm_scale):  # shapes and memory layouts of the outputs, f
 
 @torch.library.custom_op("minigpt::flash_attn_bwd", mutates_args=())
 def _flash_attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool,
-                    sm_scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    return launch_backward(do, q, k, v, o, lse, causal, sm_scale)
+                    sm_scale: float, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return launch_backward(do, q, k, v, o, lse, causal, sm_scale, deterministic=deterministic)
 
 
 @_flash_attn_bwd.register_fake
-def _(do, q, k, v, o, lse, causal, sm_scale):
+def _(do, q, k, v, o, lse, causal, sm_scale, deterministic):
     return _empty_in_layout_of(q), _empty_in_layout_of(k), _empty_in_layout_of(v)
 
 
 class FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float,
-                precomputed: tuple[Tensor, Tensor] | None) -> Tensor:
+                precomputed: tuple[Tensor, Tensor] | None, deterministic: bool) -> Tensor:
         if precomputed is None:
             o, lse = torch.ops.minigpt.flash_attn_fwd(q, k, v, causal, sm_scale)
         else:  # the caller ran this forward already (e.g. before a checkpoint recompute): reuse it
             o, lse = precomputed
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.sm_scale = causal, sm_scale
+        ctx.causal, ctx.sm_scale, ctx.deterministic = causal, sm_scale, deterministic
         return o
 
     @staticmethod
     def backward(ctx, do: Tensor):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = torch.ops.minigpt.flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.sm_scale)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = torch.ops.minigpt.flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.sm_scale,
+                                                      ctx.deterministic)
+        return dq, dk, dv, None, None, None, None
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, softmax_scale: float | None = None,
-                    precomputed: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                    precomputed: tuple[Tensor, Tensor] | None = None, deterministic: bool = False) -> Tensor:
     """softmax(softmax_scale · q kᵀ [+ causal mask]) v without materializing the scores; differentiable.
 
     q, k, v: (batch, heads, seq, head_dim) CUDA tensors of one dtype (fp16, bf16; fp32 runs with TF32 dots),
@@ -959,11 +961,13 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, softma
     like q: (B, N, H, D) rows for head-transposed views such as the model's, else contiguous.
     `precomputed=(o, lse)` from `flash_attention_with_lse` on the same inputs skips the forward kernel and
     only sets up the backward (activation checkpointing uses it to avoid recomputing the N² attention).
+    `deterministic=True` (or torch.use_deterministic_algorithms) keeps the bitwise-reproducible seven-matmul
+    backward where the five-matmul one would run (launch_backward).
     Unsupported inputs raise ValueError naming the problem.
     """
     _check_inputs(q, k, v)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    return FlashAttention.apply(q, k, v, causal, sm_scale, precomputed)
+    return FlashAttention.apply(q, k, v, causal, sm_scale, precomputed, deterministic)
 
 
 def flash_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,

@@ -133,10 +133,16 @@ class FlashAttention(AttentionBackend):
     name = "flash"
     returns_lse = True
 
+    def __init__(self, deterministic: bool = False):
+        self.deterministic = bool(deterministic)  # always the seven-matmul backward (bitwise reproducible)
+
+    def options(self) -> dict[str, object]:
+        return {"deterministic": self.deterministic}
+
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tensor:
         from minigpt_kernels.flash_attention import flash_attention
 
-        return flash_attention(q, k, v, causal=causal)
+        return flash_attention(q, k, v, causal=causal, deterministic=self.deterministic)
 
     def unsupported(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
         from minigpt_kernels.flash_attention import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
@@ -159,7 +165,7 @@ class FlashAttention(AttentionBackend):
     def attend_saved(self, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool = True) -> Tensor:
         from minigpt_kernels.flash_attention import flash_attention
 
-        return flash_attention(q, k, v, causal=causal, precomputed=(o, lse))
+        return flash_attention(q, k, v, causal=causal, precomputed=(o, lse), deterministic=self.deterministic)
 
 
 AttentionFn = Callable[..., Tensor]  # what the model calls: attend(q, k, v, causal=True) -> o

@@ -56,16 +56,24 @@ def _at_least(key: str, value: Any, low: int = 1) -> None:
 class AttentionConfig:
     name: str = "sdpa"  # a registered backend: naive | sdpa | flash
     sdpa_backend: str = "auto"  # sdpa only: pin PyTorch's kernel (auto | flash | efficient | cudnn | math)
+    # flash only: always the bitwise-reproducible seven-matmul backward; false (default) lets H100/H200 runs take the
+    # faster five-matmul backward from 8K tokens at head_dim 64, whose dQ sums in a varying order (last bits)
+    deterministic: bool = False
 
     def validate(self) -> None:
         _choice("attention", self.name, attention_names())
         _choice("attention.sdpa_backend", self.sdpa_backend, SDPA_BACKEND_CHOICES)
         if self.name != "sdpa" and self.sdpa_backend != "auto":
             raise ConfigError(f"attention.sdpa_backend={self.sdpa_backend}: only for attention=sdpa")
+        if self.name != "flash" and self.deterministic:
+            raise ConfigError("attention.deterministic=true: only for attention=flash (naive and sdpa follow "
+                              "torch.use_deterministic_algorithms)")
 
     def options(self) -> dict[str, Any]:
-        """The options of the chosen backend (only sdpa has any)."""
-        return {"sdpa_backend": self.sdpa_backend} if self.name == "sdpa" else {}
+        """The options of the chosen backend (sdpa's kernel, flash's backward)."""
+        if self.name == "sdpa":
+            return {"sdpa_backend": self.sdpa_backend}
+        return {"deterministic": self.deterministic} if self.name == "flash" else {}
 
 
 @dataclass

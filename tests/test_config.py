@@ -73,6 +73,7 @@ def test_cli_bad_override_is_one_line_and_nonzero(override, allowed):
     (["attention=flash", "model=tiny", "model.n_embd=80", "model.n_head=4"], "head_dim 20"),  # 80/4: not a kernel size
     (["attention=sdpa", "model.recompute_every=1", "model.keep_attention=true"], "model.keep_attention"),
     (["attention=naive", "attention.sdpa_backend=math"], "attention.sdpa_backend"),
+    (["attention=sdpa", "attention.deterministic=true"], "attention.deterministic"),
 ])
 def test_the_backend_capability_check_drives_config_errors(overrides, expected):
     """What a backend says it cannot run (registry: unsupported(), returns_lse) refuses the run before it starts."""

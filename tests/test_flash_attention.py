@@ -215,26 +215,36 @@ def test_long_causal_launches_take_the_warp_specialized_kernels_only_where_they_
 
 
 def test_deterministic_mode_keeps_the_seven_matmul_backward(monkeypatch):
-    """Where the table picks the five-matmul backward (its dQ sums in a varying order), launch_backward takes it
-    unless torch.use_deterministic_algorithms(True) is on; then the deterministic kernels run. Here the table's
-    answer is forced, and the five-matmul launcher replaced by a recorder (it runs only on an H100/H200)."""
-    _, q, k, v = split_qkv(1, 70, 2, 64, torch.float32, 5)
+    """Where the table picks the five-matmul backward (its dQ sums in a varying order), the backward takes it unless
+    deterministic results are asked for: torch.use_deterministic_algorithms(True), or deterministic=True (the flash
+    backend's attention.deterministic); then the deterministic kernels run. Here the table's answer is forced, and the
+    five-matmul launcher replaced by a recorder (it runs only on an H100/H200)."""
+    qkv, q, k, v = split_qkv(1, 70, 2, 64, torch.float32, 5)
     o, lse = fa.launch_forward(q, k, v, True, 0.125)
     do = torch.randn_like(o)
     calls = []
+
+    def recorder(do, q, k, v, *rest):
+        calls.append(q.shape)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
     monkeypatch.setattr(fa, "fused_backward_config", lambda *a: fa.TileConfig(64, 128, 4, 3, specialized=True))
-    monkeypatch.setattr(fa, "launch_backward_fused", lambda *a: calls.append(a) or ("fused",) * 3)
-    assert fa.launch_backward(do, q, k, v, o, lse, True, 0.125) == ("fused",) * 3 and len(calls) == 1
+    monkeypatch.setattr(fa, "launch_backward_fused", recorder)
+    assert not fa.launch_backward(do, q, k, v, o, lse, True, 0.125)[0].any() and len(calls) == 1
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    refs = torch.autograd.grad(reference_attention(q64, k64, v64, True), (q64, k64, v64), do.double())
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        dq, dk, dv = fa.launch_backward(do, q, k, v, o, lse, True, 0.125)
+        by_torch = fa.launch_backward(do, q, k, v, o, lse, True, 0.125)
     finally:
         torch.use_deterministic_algorithms(was)
+    by_flag = torch.autograd.grad(flash_attention(q, k, v, softmax_scale=0.125, deterministic=True), (q, k, v), do)
     assert len(calls) == 1
-    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    refs = torch.autograd.grad(reference_attention(q64, k64, v64, True), (q64, k64, v64), do.double())
-    assert all(torch.allclose(ours.double(), ref, atol=1e-4) for ours, ref in zip((dq, dk, dv), refs))
+    for grads in (by_torch, by_flag):
+        assert all(torch.allclose(ours.double(), ref, atol=1e-4) for ours, ref in zip(grads, refs))
+    torch.autograd.grad(flash_attention(q, k, v, softmax_scale=0.125), (q, k, v), do)  # the default takes the table's
+    assert len(calls) == 2
 
 
 def test_lse_rows_for_tma_are_padded_only_when_unaligned():
