@@ -19,7 +19,8 @@ the inputs are 16-byte aligned, through masked pointer loads otherwise. On an H1
 (from 8K tokens at head_dim 64, 4K at 128; fp16/bf16) take the warp-specialized forward of flash_forward_pingpong.py
 instead (FlashAttention-3's producer warp and consumer warpgroups in ping-pong, written in Gluon), and the backward
 takes the warp-specialized kernels of flash_backward_specialized.py (the five-matmul dK/dV/dQ kernel at head_dim 64
-from 8K tokens, the dQ kernel at head_dim 128 from 4K); they compute the same outputs as the Triton kernels here.
+from 8K tokens, the dQ kernel at head_dim 128 from 4K); they compute the same outputs as the Triton kernels here
+(the five-matmul dQ up to its summation order, which varies between runs).
 
 Causal masking: tiles entirely above the diagonal are never visited; only tiles on the diagonal pay for
 the mask. Sequence tails (seq not a multiple of the tile) are handled with masked loads and stores.
@@ -790,8 +791,9 @@ def launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse:
     return dq, dk, dv
 
 
-# The five-matmul backward's fp32 dQ accumulator takes at most this many bytes: inputs with more heads · tokens run it
-# head group by head group (from 128K tokens one head alone fills an H200), so its memory stays bounded.
+# The five-matmul backward's fp32 dQ accumulator takes at most this many bytes, or one head's (B·N·D·4) where that is
+# more: inputs with more heads · tokens run it head group by head group (from 128K tokens one head alone fills an
+# H200), so its memory stays bounded by the larger of the two.
 FUSED_DQ_ACC_BYTES = 256 << 20
 
 
@@ -806,7 +808,11 @@ def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
         do = do.contiguous()
     B, H, N, D = q.shape
     if D != 64 or not specialized_ready(q, k, v, True, module="flash_backward_specialized", also=(do,)):
-        raise ValueError(_NOT_SPECIALIZED.format("dK/dV/dQ kernel") + "; it takes head_dim 64")
+        raise ValueError("flash_attention: the warp-specialized dK/dV/dQ kernel takes causal fp16/bf16 inputs with "
+                         "head_dim 64, TMA-aligned, on an sm_90 GPU (see specialized_ready)")
+    if cfg is not None and not (cfg.specialized and cfg.block_m == 64 and cfg.block_n == 128):
+        raise ValueError(f"flash_attention: the dK/dV/dQ kernel runs 128 keys per program over 64-query tiles "
+                         f"(TileConfig(64, 128, ..., specialized=True)), got {cfg}")
     c = cfg or _SPECIALIZED_FROM_SEQ[("dkdvdq", D)][1]
     kernels = _gluon_module("flash_backward_specialized")
     dq, dk, dv = _empty_in_layout_of(q), _empty_in_layout_of(k), _empty_in_layout_of(v)

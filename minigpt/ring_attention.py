@@ -148,6 +148,7 @@ class Ring:
     """This rank's neighbours in a process group: it sends to rank+1 and receives from rank-1."""
 
     def __init__(self, group: dist.ProcessGroup | None):
+        super().__init__()  # the ring's backward is the deterministic seven-matmul one (its launchers accumulate)
         self.group = group
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size  # ranks in the group

@@ -248,7 +248,7 @@ def test_deterministic_mode_keeps_the_seven_matmul_backward(monkeypatch):
 
 
 def test_lse_rows_for_tma_are_padded_only_when_unaligned():
-    """The warp-specialized dK/dV kernel reads LSE/delta rows with 1-D TMA, whose base must be 16-byte aligned: rows
+    """The warp-specialized dK/dV/dQ kernel reads LSE/delta rows with 1-D TMA, whose base must be 16-byte aligned: rows
     of N % 4 != 0 floats are copied into padded rows (same values), aligned ones are used as they are."""
     aligned = torch.randn(2, 3, 8)
     assert fa._rows_for_tma(aligned, 8)[0] is aligned
