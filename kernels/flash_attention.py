@@ -12,7 +12,8 @@ Backward (FlashAttention-2): one kernel owns a query tile and walks the key tile
 computes delta = rowsum(dO ∘ O) for its rows and leaves it for the other, which owns a key tile and walks the
 query tiles to accumulate dK and dV. No atomics: every output tile has one writer, so results are deterministic.
 (On an H100/H200 at head_dim 64 from 8K tokens the backward is instead the five-matmul one of
-flash_backward_specialized.py, which adds dQ with fp32 reduce-adds; torch.use_deterministic_algorithms keeps this one.)
+flash_backward_specialized.py, which adds dQ with fp32 reduce-adds; deterministic=True, the flash backend's
+attention.deterministic or torch.use_deterministic_algorithms keep this one.)
 
 Tiles stream through TMA descriptors on Hopper (hardware bulk copies; rows past the end read as 0) when
 the inputs are 16-byte aligned, through masked pointer loads otherwise. On an H100/H200, long causal sequences
