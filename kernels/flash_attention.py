@@ -16,10 +16,11 @@ flash_backward_specialized.py, which adds dQ with fp32 reduce-adds; deterministi
 attention.deterministic or torch.use_deterministic_algorithms keep this one.)
 
 Tiles stream through TMA descriptors on Hopper (hardware bulk copies; rows past the end read as 0) when
-the inputs are 16-byte aligned, through masked pointer loads otherwise. On an H100/H200, long causal sequences
-(from 8K tokens at head_dim 64, 4K at 128; fp16/bf16) take the warp-specialized forward of flash_forward_pingpong.py
-instead (FlashAttention-3's producer warp and consumer warpgroups in ping-pong, written in Gluon), and the backward
-takes the warp-specialized kernels of flash_backward_specialized.py (the five-matmul dK/dV/dQ kernel at head_dim 64
+the inputs are 16-byte aligned, through masked pointer loads otherwise. On an H100/H200, causal sequences from 1K
+tokens (fp16/bf16, head_dim 64 or 128) take the warp-specialized forward of flash_forward_pingpong.py instead
+(FlashAttention-3's producer warp and consumer warpgroups in ping-pong, written in Gluon; persistent below 16K tokens
+at head_dim 64 and at every length at 128), and long ones the warp-specialized backward
+kernels of flash_backward_specialized.py (the five-matmul dK/dV/dQ kernel at head_dim 64
 from 8K tokens, the dQ kernel at head_dim 128 from 4K); they compute the same outputs as the Triton kernels here
 (the five-matmul dQ up to its summation order, which varies between runs).
 
@@ -432,6 +433,8 @@ class TileConfig:
     # flash_backward_specialized.py with two consumers: dK/dV/dQ block_n = 128 keys per program, block_m the streamed
     # query tile; dQ block_m = 128 rows per program, block_n the streamed key tile
     specialized: bool = False
+    # the forward only: the persistent variant (one program per SM walking a host-made list of query tiles)
+    persistent: bool = False
 
 
 # 2-byte inputs (bf16, fp16; the same tensor-core rate and tile bytes), causal. Chosen from
@@ -486,13 +489,18 @@ _GPU_CONFIGS_FROM_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
     **{("fwd", d): (8192, TileConfig(64, 128, 4, 2, tma=True)) for d in (16, 32, 64)},
 }
 # Causal 2-byte inputs on an H100/H200 (sm_90), by sequence length: the warp-specialized Gluon kernels where they are
-# faster (specialized_ready decides whether the inputs fit them; anything else takes the tables above).
-# - Forward (flash_forward_pingpong.py; NOTES.md O), ms against the Triton forward above, one process, H200: D=64 with
-#   3 consumer warpgroups (192 query rows), 128-key tiles, 3 stages: 8K 1.220 vs 1.260, 16K 2.169 vs 2.362, 128K with
-#   12 heads 49.9 vs 57.0 (4 stages: 2.219 at 16K, 50.2 at 128K); D=128 with 2 consumers, 128-key tiles, 3 stages
-#   (225 KB of shared memory): 8K 0.968 vs 1.079, 16K 1.756 vs 2.177, 32K 7.12 vs 8.34, 128K with 12 heads 83.3 vs
-#   97.9 (2 stages: 1.074, 2.087, 7.87, 91.6), and from 4K tokens (4K: 0.562 vs 0.612; 2K a tie, 0.338 vs 0.333). At
-#   D=64 it is slower below 8K (4K: 0.771 vs 0.715).
+# faster (specialized_ready decides whether the inputs fit them; anything else takes the tables above). Each key lists
+# (from this many tokens, config), shortest first; the last entry that applies wins.
+# - Forward (flash_forward_pingpong.py): ms, one process, H200, bf16, 16K tokens (NOTES.md O, S).
+#   - Persistent, head_dim 64, 2 consumers (128 query rows), 128-key tiles, 3 stages, from 1K tokens: 1K 0.241 vs the
+#     Triton forward's 0.260, 2K 0.377 vs 0.402, 4K 0.661 vs 0.719 (3 consumers: 0.267, 0.386, 0.679); 3 consumers
+#     from 8K: 1.208 vs 1.226 for 2 consumers and 1.257 for the plain ping-pong kernel.
+#   - The plain (one program per query tile) ping-pong kernel, head_dim 64, 3 consumers, from 16K: 2.331 vs 2.347
+#     persistent; 32K (12 heads) 3.112 vs 3.423, 128K (12 heads) 49.9 vs 55.8. Its consumer loop compiles 36
+#     instructions shorter per tile at 3 consumers, which matters once tiles are long (NOTES.md S).
+#   - Persistent, head_dim 128, 2 consumers, 3 stages (225 KB of shared memory), from 1K: 1K 0.176 vs 0.217 (Triton),
+#     2K 0.268 vs 0.339, 4K 0.450 vs 0.570 for the plain ping-pong kernel, 8K 0.914 vs 1.005, 16K 1.700 vs 1.827,
+#     128K (12 heads) 82.45 vs 82.53.
 # - dK/dV/dQ at D=64, the five-matmul backward (flash_backward_specialized.py; NOTES.md Q): 128 keys per program,
 #   64-query tiles, 3 stages, the whole backward in ms (delta, zeroed fp32 dQ accumulator, the kernel, the cast)
 #   against the seven-matmul one (dQ, then dK/dV), H200, one process, two runs: 8K (2 × 32 heads) 3.19/3.29 vs
@@ -503,12 +511,25 @@ _GPU_CONFIGS_FROM_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
 # - dQ at D=128: 128 rows per program, 64-key tiles, 3 stages: 16K 2.294 vs 2.594, 32K 8.82 vs 10.07; 4K 0.662 vs
 #   0.738 in one run, 0.712 vs 0.704 in another (2K 0.438 vs 0.448: a tie, left to Triton). At D=64 the Triton dQ
 #   kernel (128 rows over 8 warps) stays ahead at every length (16K: 2.82 vs 2.69).
-_SPECIALIZED_FROM_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
-    ("fwd", 64): (8192, TileConfig(192, 128, 4, 3, tma=True, specialized=True)),
-    ("fwd", 128): (4096, TileConfig(128, 128, 4, 3, tma=True, specialized=True)),
-    ("dkdvdq", 64): (8192, TileConfig(64, 128, 4, 3, tma=True, specialized=True)),
-    ("dq", 128): (4096, TileConfig(128, 64, 4, 3, tma=True, specialized=True)),
+_SPECIALIZED_FROM_SEQ: dict[tuple[str, int], list[tuple[int, TileConfig]]] = {
+    ("fwd", 64): [(1024, TileConfig(128, 128, 4, 3, tma=True, specialized=True, persistent=True)),
+                  (8192, TileConfig(192, 128, 4, 3, tma=True, specialized=True, persistent=True)),
+                  (16384, TileConfig(192, 128, 4, 3, tma=True, specialized=True))],
+    ("fwd", 128): [(1024, TileConfig(128, 128, 4, 3, tma=True, specialized=True, persistent=True))],
+    ("dkdvdq", 64): [(8192, TileConfig(64, 128, 4, 3, tma=True, specialized=True))],
+    ("dq", 128): [(4096, TileConfig(128, 64, 4, 3, tma=True, specialized=True))],
 }
+
+
+def _specialized_entry(kernel: str, head_dim: int, seq_len: int) -> TileConfig | None:
+    """The warp-specialized kernel's configuration for this length, None below the table's first length."""
+    chosen = None
+    for from_seq, cfg in _SPECIALIZED_FROM_SEQ.get((kernel, head_dim), []):
+        if seq_len >= from_seq:
+            chosen = cfg
+    return chosen
+
+
 # Small tiles under the CPU interpreter: fast there, and several tiles per test sequence so the
 # diagonal / full / ragged-tail paths all run. TMA on, as on the GPU (the interpreter emulates descriptors);
 # tests run the pointer path with explicit configs.
@@ -528,9 +549,9 @@ def tile_config(kernel: str, head_dim: int, causal: bool = True, dtype: torch.dt
         return _GPU_CONFIGS_FP32[(kernel, head_dim)]
     if not causal and (kernel, head_dim) in _GPU_CONFIGS_FULL:
         return _GPU_CONFIGS_FULL[(kernel, head_dim)]
-    gluon = _SPECIALIZED_FROM_SEQ.get((kernel, head_dim))
-    if specialized and causal and seq_len is not None and gluon is not None and seq_len >= gluon[0]:
-        return gluon[1]
+    gluon = _specialized_entry(kernel, head_dim, seq_len) if specialized and causal and seq_len is not None else None
+    if gluon is not None:
+        return gluon
     if causal and seq_len is not None:
         up_to = _GPU_CONFIGS_UP_TO_SEQ.get((kernel, head_dim))
         if up_to is not None and seq_len <= up_to[0]:
@@ -546,10 +567,9 @@ def fused_backward_config(head_dim: int, causal: bool, dtype: torch.dtype, seq_l
     """The five-matmul backward's configuration (the dK/dV/dQ kernel of flash_backward_specialized.py) where the table
     sends these launches to it: causal 2-byte inputs that fit the warp-specialized kernels (specialized), long
     enough. None elsewhere: the seven-matmul backward runs."""
-    entry = _SPECIALIZED_FROM_SEQ.get(("dkdvdq", head_dim))
-    if INTERPRET or not (specialized and causal and dtype in (torch.float16, torch.bfloat16)) or entry is None:
+    if INTERPRET or not (specialized and causal and dtype in (torch.float16, torch.bfloat16)):
         return None
-    return entry[1] if seq_len >= entry[0] else None
+    return _specialized_entry("dkdvdq", head_dim, seq_len)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -756,8 +776,9 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
                              f"{tuple(lse.shape)} {lse.dtype} with strides {lse.stride()}")
     if cfg.specialized:
         triton.set_allocator(_tma_scratch)  # its TMA descriptors are made on the device, like _use_tma's
-        _gluon_module("flash_forward_pingpong").launch_forward_pingpong(q, k, v, o, lse, sm_scale * LOG2E,
-                                                                        cfg.block_m // 64, cfg.block_n, cfg.num_stages)
+        kernels = _gluon_module("flash_forward_pingpong")
+        launch = kernels.launch_forward_persistent if cfg.persistent else kernels.launch_forward_pingpong
+        launch(q, k, v, o, lse, sm_scale * LOG2E, cfg.block_m // 64, cfg.block_n, cfg.num_stages)
         return o, lse
     grid = (triton.cdiv(N_Q, cfg.block_m), B * H)
     _fwd_kernel[grid](q, k, v, o, lse, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(o), _row_stride(lse),
@@ -814,7 +835,7 @@ def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
     if cfg is not None and not (cfg.specialized and cfg.block_m == 64 and cfg.block_n == 128):
         raise ValueError(f"flash_attention: the dK/dV/dQ kernel runs 128 keys per program over 64-query tiles "
                          f"(TileConfig(64, 128, ..., specialized=True)), got {cfg}")
-    c = cfg or _SPECIALIZED_FROM_SEQ[("dkdvdq", D)][1]
+    c = cfg or _SPECIALIZED_FROM_SEQ[("dkdvdq", D)][0][1]
     kernels = _gluon_module("flash_backward_specialized")
     dq, dk, dv = _empty_in_layout_of(q), _empty_in_layout_of(k), _empty_in_layout_of(v)
     group = max(1, min(H, FUSED_DQ_ACC_BYTES // (B * N * D * 4)))  # heads per launch

@@ -173,20 +173,25 @@ def test_gpu_tile_tables_respect_the_kernels_shape_rules():
 
 def test_long_causal_launches_take_the_warp_specialized_kernels_only_where_they_fit(monkeypatch):
     """The GPU table sends causal fp16/bf16 launches to the warp-specialized Gluon kernels where they were measured
-    faster: the forward (flash_forward_pingpong.py) at head_dim 64/128 from 8K/4K tokens, the five-matmul dK/dV/dQ
-    kernel (flash_backward_specialized.py) at head_dim 64 from 8K, the dQ kernel at head_dim 128 from 4K; and only when
-    the inputs fit them. Anything else keeps the Triton kernels. Their numbers are checked on the GPU
-    (tests/test_gpu.py); here, the choice and the refusals."""
+    faster: the forward (flash_forward_pingpong.py) at head_dim 64/128 from 1K tokens (persistent below 16K tokens
+    at 64, at every length at 128), the five-matmul dK/dV/dQ kernel (flash_backward_specialized.py) at head_dim 64
+    from 8K, the dQ kernel at head_dim 128 from 4K; and only when the inputs fit them. Anything else keeps the Triton
+    kernels. Their numbers are checked on the GPU (tests/test_gpu.py); here, the choice and the refusals."""
     monkeypatch.setattr(fa, "INTERPRET", False)  # the GPU tables
-    lengths = (2048, 4096, 8192, 16384, 1 << 20)
+    lengths = (512, 1024, 2048, 4096, 8192, 16384, 1 << 20)
     chosen = {(kernel, d, n): fa.tile_config(kernel, d, True, torch.bfloat16, n, specialized=True).specialized
               for kernel in ("fwd", "dkdv", "dq") for d in (64, 128) for n in lengths}
     chosen.update({("dkdvdq", d, n): fa.fused_backward_config(d, True, torch.bfloat16, n, True) is not None
                    for d in (32, 64, 128) for n in lengths})
     assert {key for key, on in chosen.items() if on} == {
-        *(("fwd", 64, n) for n in (8192, 16384, 1 << 20)), *(("fwd", 128, n) for n in (4096, 8192, 16384, 1 << 20)),
+        *(("fwd", d, n) for d in (64, 128) for n in lengths[1:]),
         *(("dkdvdq", 64, n) for n in (8192, 16384, 1 << 20)), *(("dq", 128, n) for n in (4096, 8192, 16384, 1 << 20))}
-    assert fa.tile_config("fwd", 64, True, torch.bfloat16, 1 << 20, specialized=True).block_m % 64 == 0
+    forward = {(d, n): fa.tile_config("fwd", d, True, torch.bfloat16, n, specialized=True) for d in (64, 128)
+               for n in lengths[1:]}
+    assert {key for key, cfg in forward.items() if cfg.persistent} == {
+        *((64, n) for n in (1024, 2048, 4096, 8192)), *((128, n) for n in lengths[1:])}
+    assert [forward[64, n].block_m for n in lengths[1:]] == [128, 128, 128, 192, 192, 192]
+    assert all(cfg.block_m % 64 == 0 and cfg.block_n == 128 for cfg in forward.values())
     assert fa.fused_backward_config(64, True, torch.float16, 1 << 20, True).block_n == 128
     assert fa.tile_config("dq", 128, True, torch.float16, 1 << 20, specialized=True).block_m == 128
     for kernel, d in (("fwd", 64), ("dq", 128)):
@@ -212,6 +217,26 @@ def test_long_causal_launches_take_the_warp_specialized_kernels_only_where_they_
         fa.launch_backward_fused(do, q, k, v, o, lse, 0.125)
     with pytest.raises(ValueError, match="warp-specialized dQ"):
         fa.launch_backward_dq(do, q, k, v, lse, delta, True, 0.125, fa.TileConfig(128, 64, 4, 3, specialized=True))
+
+
+@pytest.mark.parametrize("bh,n,block_m,programs", [(128, 4096, 192, 132), (48, 8192, 128, 132), (12, 1000, 128, 132),
+                                                    (3, 777, 192, 5), (1, 1, 128, 132), (64, 4096, 128, 114)])
+def test_the_persistent_forward_schedule_covers_every_tile_once(bh, n, block_m, programs):
+    """work_lists (the persistent forward's host-side schedule) gives every (batch·head, query tile) item to exactly
+    one program, each program's items in a list of their own, and its modelled finish is never later than head
+    after head's (the order a plain grid launches in), nor than the average load plus one item."""
+    pingpong = pytest.importorskip("minigpt_kernels.flash_forward_pingpong")
+    n_qtiles = -(-n // block_m)
+    programs = min(programs, bh * n_qtiles)
+    items, starts = pingpong.work_lists(bh, n, block_m, 128, programs)
+    assert sorted(items) == list(range(bh * n_qtiles))
+    assert len(starts) == programs + 1 and starts[0] == 0 and starts[-1] == len(items)
+    assert all(a <= b for a, b in zip(starts, starts[1:]))
+    cost = [-(-min((it % n_qtiles + 1) * block_m, n) // 128) + pingpong.MODEL_OVERHEAD_TILES for it in range(len(items))]
+    loads = [sum(cost[it] for it in items[a:b]) for a, b in zip(starts, starts[1:])]
+    head_after_head = [h * n_qtiles + t for h in range(bh) for t in reversed(range(n_qtiles))]
+    assert max(loads) <= pingpong._greedy(head_after_head, cost, programs)[0]
+    assert max(loads) <= sum(loads) / programs + max(cost)
 
 
 def test_deterministic_mode_keeps_the_seven_matmul_backward(monkeypatch):

@@ -4,11 +4,13 @@ Accuracy in bf16/fp16 against float64 up to 16K tokens (the long ones through th
 sm_90, which are also checked alone on short and ragged sequences), memory linear in N at 128K tokens, the same gpt2-small loss
 curve as SDPA, and torch.compile of the whole model with attention=flash.
 """
+import dataclasses
 import importlib
 import math
 
 import pytest
 import torch
+import triton
 
 from attention_reference import reference_attention, rel_err
 from minigpt_kernels import flash_attention
@@ -46,14 +48,15 @@ fa = importlib.import_module("minigpt_kernels.flash_attention")
 @pytest.mark.parametrize("head_dim,consumers,block_n,stages", [(64, 3, 128, 3), (64, 2, 128, 2), (128, 2, 128, 3),
                                                                (128, 2, 64, 3)])
 @pytest.mark.parametrize("seq,batch,heads", [(1, 1, 2), (65, 2, 3), (1000, 2, 3), (4100, 1, 2)])
-def test_pingpong_forward_vs_float64(seq, batch, heads, head_dim, consumers, block_n, stages, dtype):
-    """The warp-specialized forward on short and ragged sequences (the table sends it only ≥ 8K tokens): output and
-    LSE against float64, its error no larger than the Triton forward's, on the model's qkv-split strides."""
+@pytest.mark.parametrize("persistent", [False, True], ids=["plain", "persistent"])
+def test_pingpong_forward_vs_float64(seq, batch, heads, head_dim, consumers, block_n, stages, dtype, persistent):
+    """The warp-specialized forward, plain and persistent, on short and ragged sequences: output and LSE against
+    float64, its error no larger than the Triton forward's, on the model's qkv-split strides."""
     g = torch.Generator(device="cuda").manual_seed(seq * 7 + head_dim + consumers)
     qkv = torch.randn(batch, seq, 3, heads, head_dim, device="cuda", generator=g).to(dtype)
     q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
     scale = head_dim ** -0.5
-    cfg = fa.TileConfig(64 * consumers, block_n, 4, stages, tma=True, specialized=True)
+    cfg = fa.TileConfig(64 * consumers, block_n, 4, stages, tma=True, specialized=True, persistent=persistent)
     o, lse = fa.launch_forward(q, k, v, True, scale, cfg)
     o_triton, _ = fa.launch_forward(q, k, v, True, scale, fa.TileConfig(64, 64, 4, 3, tma=True))
     ref = reference_attention(q, k, v, True)
@@ -65,18 +68,49 @@ def test_pingpong_forward_vs_float64(seq, batch, heads, head_dim, consumers, blo
 
 
 @pytest.mark.skipif(not HOPPER, reason="the ping-pong forward is written for sm_90 (wgmma)")
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_long_causal_forward_runs_the_pingpong_kernel(head_dim):
-    """From 8K tokens the table's forward is the ping-pong kernel: the default launch equals a forced one bitwise
-    and differs from the Triton forward (other tiles, other rounding)."""
-    g = torch.Generator(device="cuda").manual_seed(head_dim)
-    q, k, v = (torch.randn(1, 2, 8192, head_dim, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
-    cfg = fa.tile_config("fwd", head_dim, True, torch.bfloat16, 8192, specialized=True)
-    assert cfg.specialized
+@pytest.mark.parametrize("head_dim,seq,persistent", [(64, 4096, True), (64, 8192, True), (64, 16384, False),
+                                                     (128, 2048, True)])
+def test_causal_forward_runs_the_pingpong_kernel(head_dim, seq, persistent, monkeypatch):
+    """From 1K tokens the table's forward is the ping-pong kernel, persistent where the table says: the default
+    launch goes through that launcher (a spy counts), equals the plain kernel bitwise (the same arithmetic per
+    query tile, whichever program computes it) and differs from the Triton forward (other tiles, other rounding)."""
+    g = torch.Generator(device="cuda").manual_seed(head_dim + seq)
+    q, k, v = (torch.randn(1, 2, seq, head_dim, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    cfg = fa.tile_config("fwd", head_dim, True, torch.bfloat16, seq, specialized=True)
+    assert cfg.specialized and cfg.persistent == persistent
+    kernels = fa._gluon_module("flash_forward_pingpong")
+    calls = []
+    launcher = kernels.launch_forward_persistent if persistent else kernels.launch_forward_pingpong
+    monkeypatch.setattr(kernels, launcher.__name__, lambda *a, **kw: calls.append(1) or launcher(*a, **kw))
     o, lse = fa.launch_forward(q, k, v, True, head_dim ** -0.5)
-    o_pp, lse_pp = fa.launch_forward(q, k, v, True, head_dim ** -0.5, cfg)
+    monkeypatch.undo()
+    assert calls == [1]
+    plain = dataclasses.replace(cfg, persistent=False)
+    o_pp, lse_pp = fa.launch_forward(q, k, v, True, head_dim ** -0.5, plain)
     o_tr, _ = fa.launch_forward(q, k, v, True, head_dim ** -0.5, fa.TileConfig(64, 64, 4, 3, tma=True))
     assert torch.equal(o, o_pp) and torch.equal(lse, lse_pp) and not torch.equal(o, o_tr)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the ping-pong forward is written for sm_90 (wgmma)")
+@pytest.mark.parametrize("head_dim,consumers", [(64, 2), (64, 3), (128, 2)])
+def test_persistent_forward_on_few_programs_matches_the_plain_kernel(head_dim, consumers):
+    """Few programs, many items each (the turn and ring counters run on across items, descriptors are rewritten
+    between heads): bitwise the plain ping-pong kernel's output and LSE, on ragged lengths and several heads."""
+    kernels = fa._gluon_module("flash_forward_pingpong")
+    triton.set_allocator(fa._tma_scratch)  # the kernels make their TMA descriptors on the device
+    scale = head_dim ** -0.5 * fa.LOG2E
+    for seq, batch, heads, programs in ((777, 2, 3, 3), (2048, 1, 5, 7), (4100, 2, 2, 1)):
+        g = torch.Generator(device="cuda").manual_seed(seq + consumers)
+        qkv = torch.randn(batch, seq, 3, heads, head_dim, device="cuda", generator=g).to(torch.bfloat16)
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
+        outs = []
+        for launch in (kernels.launch_forward_pingpong, kernels.launch_forward_persistent):
+            o, lse = torch.full_like(q, float("nan")), torch.full((batch, heads, seq), float("nan"), device="cuda")
+            kwargs = {"programs": programs} if launch is kernels.launch_forward_persistent else {}
+            launch(q, k, v, o, lse, scale, consumers, 128, 3, **kwargs)
+            outs.append((o, lse))
+        (o1, l1), (o2, l2) = outs
+        assert torch.equal(o1, o2) and torch.equal(l1, l2), (seq, programs)
 
 
 @pytest.mark.skipif(not HOPPER, reason="the warp-specialized backward is written for sm_90 (wgmma)")
