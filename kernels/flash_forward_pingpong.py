@@ -16,12 +16,13 @@ waiting on its own matmuls. Here one program owns 64·NUM_CONSUMERS query rows a
 
 The register file is split by role (setmaxnreg): 24 registers per producer thread, the rest to the consumers, whose
 64×BLOCK_N scores and 64×HEAD_DIM accumulator live in registers. Measured in kernels/NOTES.md (O): 12% faster than
-the Triton forward at 128K tokens (head_dim 64), a tie below 8K tokens, where it is not used.
+the Triton forward at 128K tokens (head_dim 64), slower below 8K tokens (each program pays its set-up for one query
+tile of little work); flash_attention.py runs it at head_dim 64 from 16K tokens.
 
 The persistent variant (`launch_forward_persistent`, NOTES.md S) runs one program per SM over a list of such tiles
 made on the host, so the set-up and pipeline fill of one tile overlap the last key tiles of the one before: the
 producer loads the next tile's Q and first K/V while the consumers finish. Shorter sequences, many tiles of little
-work each, gain most (head_dim 64 at 4K tokens: 8% faster than the Triton forward; 128: 21%).
+work each, gain most (4K tokens: 8% faster than the Triton forward at head_dim 64, 27% at 128).
 
 Scope: causal, fp16/bf16, head_dim 64 or 128, one length for queries and keys, TMA-aligned inputs, contiguous LSE,
 sm_90 (wgmma). flash_attention.py picks them by sequence length and falls back to its own forward otherwise.
@@ -245,10 +246,14 @@ def launch_forward_pingpong(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
 # ------------------------------------------------------------------------------------------------
 # The persistent variant: one program per SM, walking a list of (batch·head, query tile) items
 # ------------------------------------------------------------------------------------------------
-# Consumers stop at their own diagonal (keys past their last row are all masked) and only take their remaining turns,
-# by head dim as measured (H200, ms at 4K tokens): at 64, 3 consumers 0.679 skipping against 0.707 not; at 128,
-# 2 consumers 0.507 skipping against 0.450 not (also 0.643 vs 0.615 at 8K): there the lean loop is the faster one.
-SKIP_PAST_DIAGONAL = {64: True, 128: False}
+def consumers_can_stop_early(consumers: int, block_n: int) -> bool:
+    """Whether some consumer's 64 rows of a query tile end a key tile earlier than the tile's last row does (then it
+    skips the key tiles past its own diagonal, which are all masked for it, and only takes its remaining turns). Not
+    so for 2 consumers over 128-key tiles: both halves of a 128-row tile end in its last key tile. The pattern repeats
+    every block_n / 64 query tiles."""
+    block_m = 64 * consumers
+    return any((block_m * m + 64 * (c + 1) - 1) // block_n < (block_m * m + block_m - 1) // block_n
+               for m in range(block_n // 64 + 1) for c in range(consumers - 1))
 
 
 @gluon.jit
@@ -368,9 +373,13 @@ def _persistent_producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.conste
         bh, start_m, num_tiles = _work_item(WORK, first + i, n_qtiles, BLOCK_M, N, BLOCK_N)
         b = (bh // H).to(gl.int64)
         h = (bh % H).to(gl.int64)
-        if i > 0:  # the descriptors are rewritten in place: wait for the last copies through them
-            mbarrier.wait(k_ready.index((kv - 1) % STAGES), ((kv - 1) // STAGES) & 1)
-            mbarrier.wait(v_ready.index((kv - 1) % STAGES), ((kv - 1) // STAGES) & 1)
+        if i > 0:  # the descriptors are rewritten in place: every copy through them must have landed, i.e. the
+            # previous item's Q tiles and the K/V tiles still in the ring (older ones were consumed before reuse)
+            for c in gl.static_range(NUM_CONSUMERS):
+                mbarrier.wait(q_ready.index(c), (i - 1) & 1)
+            for t in range(gl.maximum(kv - STAGES, 0), kv):
+                mbarrier.wait(k_ready.index(t % STAGES), (t // STAGES) & 1)
+                mbarrier.wait(v_ready.index(t % STAGES), (t // STAGES) & 1)
         q_desc = _head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, ROWS_PER_CONSUMER, HEAD_DIM, q_layout)
         k_desc = _head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, BLOCK_N, HEAD_DIM, kv_layout)
         v_desc = _head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, BLOCK_N, HEAD_DIM, kv_layout)
@@ -482,7 +491,7 @@ def _launch_orders(bh: int, n_qtiles: int, programs: int):
 
 
 @functools.lru_cache(maxsize=64)
-def work_lists(bh: int, n: int, block_m: int, block_n: int, programs: int) -> tuple[list[int], list[int]]:
+def work_lists(bh: int, n: int, block_m: int, block_n: int, programs: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The persistent forward's schedule for bh (batch·head) sequences of n tokens in query tiles of block_m rows:
     (items, starts), program p taking items[starts[p]:starts[p+1]] in that order; every item exactly once."""
     n_qtiles = -(-n // block_m)
@@ -497,7 +506,7 @@ def work_lists(bh: int, n: int, block_m: int, block_n: int, programs: int) -> tu
     for lst in best[1]:
         items += lst
         starts.append(len(items))
-    return items, starts
+    return tuple(items), tuple(starts)
 
 
 @functools.lru_cache(maxsize=32)
@@ -516,6 +525,8 @@ def _sm_count(device: torch.device) -> int:
 def launch_forward_persistent(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float,
                               consumers: int, block_n: int, stages: int, programs: int | None = None) -> None:
     """launch_forward_pingpong's contract, on one program per SM (or `programs`) walking work_lists' schedule."""
+    if stages < 2:  # a consumer past its diagonal releases a ring buffer the others finished two tiles before
+        raise ValueError(f"the persistent forward needs at least 2 stages, got {stages}")
     B, H, N, D = q.shape
     block_m = consumers * ROWS_PER_CONSUMER.value
     n_qtiles = -(-N // block_m)
@@ -525,4 +536,4 @@ def launch_forward_persistent(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
         q, k, v, o, lse, work, work_start, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), H, N, n_qtiles,
         qk_scale, HEAD_DIM=D, NUM_CONSUMERS=consumers, BLOCK_N=block_n, STAGES=stages,
-        CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS, SKIP=SKIP_PAST_DIAGONAL[D], num_warps=4)
+        CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS, SKIP=consumers_can_stop_early(consumers, block_n), num_warps=4)

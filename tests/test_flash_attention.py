@@ -223,8 +223,8 @@ def test_long_causal_launches_take_the_warp_specialized_kernels_only_where_they_
                                                     (3, 777, 192, 5), (1, 1, 128, 132), (64, 4096, 128, 114)])
 def test_the_persistent_forward_schedule_covers_every_tile_once(bh, n, block_m, programs):
     """work_lists (the persistent forward's host-side schedule) gives every (batch·head, query tile) item to exactly
-    one program, each program's items in a list of their own, and its modelled finish is never later than head
-    after head's (the order a plain grid launches in), nor than the average load plus one item."""
+    one program, and its modelled finish is never later than head after head's (the order a plain grid launches in);
+    with a few items per program or more it is within 2% of a perfect balance (head after head: 3-7% over)."""
     pingpong = pytest.importorskip("minigpt_kernels.flash_forward_pingpong")
     n_qtiles = -(-n // block_m)
     programs = min(programs, bh * n_qtiles)
@@ -236,7 +236,23 @@ def test_the_persistent_forward_schedule_covers_every_tile_once(bh, n, block_m, 
     loads = [sum(cost[it] for it in items[a:b]) for a, b in zip(starts, starts[1:])]
     head_after_head = [h * n_qtiles + t for h in range(bh) for t in reversed(range(n_qtiles))]
     assert max(loads) <= pingpong._greedy(head_after_head, cost, programs)[0]
-    assert max(loads) <= sum(loads) / programs + max(cost)
+    if len(items) >= 4 * programs:
+        assert max(loads) <= 1.02 * sum(loads) / programs, (max(loads), sum(loads) / programs)
+
+
+def test_only_consumers_that_end_a_key_tile_early_skip_past_their_diagonal():
+    """A consumer skips the key tiles past its own rows only where it can end a tile earlier than its query tile:
+    3 consumers (192 rows) over 128-key tiles, or 64-key tiles; never 2 consumers (128 rows) over 128-key tiles,
+    where the skip would only add code (NOTES.md S)."""
+    pingpong = pytest.importorskip("minigpt_kernels.flash_forward_pingpong")
+    assert pingpong.consumers_can_stop_early(3, 128) and pingpong.consumers_can_stop_early(2, 64)
+    assert not pingpong.consumers_can_stop_early(2, 128) and not pingpong.consumers_can_stop_early(2, 256)
+    for consumers, block_n in ((2, 64), (2, 128), (3, 64), (3, 128), (2, 256)):  # against a direct count
+        block_m = 64 * consumers
+        tiles = lambda end: -(-end // block_n)  # noqa: E731
+        direct = any(tiles(start + 64 * (c + 1)) < tiles(start + block_m)
+                     for start in range(0, 64 * block_m, block_m) for c in range(consumers))
+        assert pingpong.consumers_can_stop_early(consumers, block_n) == direct, (consumers, block_n)
 
 
 def test_deterministic_mode_keeps_the_seven_matmul_backward(monkeypatch):

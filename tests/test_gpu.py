@@ -92,10 +92,13 @@ def test_causal_forward_runs_the_pingpong_kernel(head_dim, seq, persistent, monk
 
 
 @pytest.mark.skipif(not HOPPER, reason="the ping-pong forward is written for sm_90 (wgmma)")
-@pytest.mark.parametrize("head_dim,consumers", [(64, 2), (64, 3), (128, 2)])
-def test_persistent_forward_on_few_programs_matches_the_plain_kernel(head_dim, consumers):
+@pytest.mark.parametrize("head_dim,consumers,block_n,stages", [(64, 2, 128, 3), (64, 3, 128, 3), (64, 3, 128, 2),
+                                                               (128, 2, 128, 3), (128, 2, 64, 3)])
+def test_persistent_forward_on_few_programs_matches_the_plain_kernel(head_dim, consumers, block_n, stages):
     """Few programs, many items each (the turn and ring counters run on across items, descriptors are rewritten
-    between heads): bitwise the plain ping-pong kernel's output and LSE, on ragged lengths and several heads."""
+    between heads; consumers that end a key tile early skip past their diagonal where consumers_can_stop_early):
+    bitwise the plain ping-pong kernel's output and LSE, on ragged lengths and several heads; 2 stages is the
+    tightest ring for a consumer that releases buffers without reading them."""
     kernels = fa._gluon_module("flash_forward_pingpong")
     triton.set_allocator(fa._tma_scratch)  # the kernels make their TMA descriptors on the device
     scale = head_dim ** -0.5 * fa.LOG2E
@@ -107,7 +110,7 @@ def test_persistent_forward_on_few_programs_matches_the_plain_kernel(head_dim, c
         for launch in (kernels.launch_forward_pingpong, kernels.launch_forward_persistent):
             o, lse = torch.full_like(q, float("nan")), torch.full((batch, heads, seq), float("nan"), device="cuda")
             kwargs = {"programs": programs} if launch is kernels.launch_forward_persistent else {}
-            launch(q, k, v, o, lse, scale, consumers, 128, 3, **kwargs)
+            launch(q, k, v, o, lse, scale, consumers, block_n, stages, **kwargs)
             outs.append((o, lse))
         (o1, l1), (o2, l2) = outs
         assert torch.equal(o1, o2) and torch.equal(l1, l2), (seq, programs)
