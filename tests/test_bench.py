@@ -1,7 +1,6 @@
 """The attention benchmark's bookkeeping, without a GPU: timings are replaced by a script of numbers."""
 import itertools
 
-
 import torch
 
 from minigpt.experiments import bench
