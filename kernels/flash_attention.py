@@ -541,8 +541,8 @@ def tile_config(kernel: str, head_dim: int, causal: bool = True, dtype: torch.dt
                 seq_len: int | None = None, specialized: bool = False) -> TileConfig:
     """The launch configuration of one kernel ('fwd', 'dkdv' or 'dq') for this head_dim, causality and dtype, and,
     when seq_len is given, for that sequence length (causal 2-byte inputs have short- and long-sequence tiles).
-    specialized: the inputs fit the warp-specialized Gluon kernels (specialized_ready), which long causal sequences
-    then take where the table has one for this kernel and head_dim."""
+    specialized: the inputs fit the warp-specialized Gluon kernels (specialized_ready), which causal sequences then
+    take where the table (_SPECIALIZED_FROM_SEQ) has an entry for this kernel, head_dim and length."""
     if INTERPRET:
         return _INTERPRET_CONFIGS[kernel]
     if dtype == torch.float32:
