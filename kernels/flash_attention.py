@@ -11,7 +11,7 @@ the scale (exp(x) = exp2(x · log2 e)), which is one multiply cheaper per score.
 Backward (FlashAttention-2): one kernel owns a query tile and walks the key tiles to accumulate dQ; it also
 computes delta = rowsum(dO ∘ O) for its rows and leaves it for the other, which owns a key tile and walks the
 query tiles to accumulate dK and dV. No atomics: every output tile has one writer, so results are deterministic.
-(On an H100/H200 at head_dim 64 from 8K tokens the backward is instead the five-matmul one of
+(On an H100/H200 at head_dim 64 from 4K tokens the backward is instead the five-matmul one of
 flash_backward_specialized.py, which adds dQ with fp32 reduce-adds; deterministic=True, the flash backend's
 attention.deterministic or torch.use_deterministic_algorithms keep this one.)
 
@@ -19,9 +19,9 @@ Tiles stream through TMA descriptors on Hopper (hardware bulk copies; rows past 
 the inputs are 16-byte aligned, through masked pointer loads otherwise. On an H100/H200, causal sequences from 1K
 tokens (fp16/bf16, head_dim 64 or 128) take the warp-specialized forward of flash_forward_pingpong.py instead
 (FlashAttention-3's producer warp and consumer warpgroups in ping-pong, written in Gluon; persistent below 16K tokens
-at head_dim 64 and at every length at 128), and long ones the warp-specialized backward
-kernels of flash_backward_specialized.py (the five-matmul dK/dV/dQ kernel at head_dim 64
-from 8K tokens, the dQ kernel at head_dim 128 from 4K); they compute the same outputs as the Triton kernels here
+at head_dim 64 and at every length at 128), and from 4K tokens the warp-specialized backward kernels of
+flash_backward_specialized.py (the five-matmul dK/dV/dQ kernel at head_dim 64, persistent below 16K tokens; the dQ
+kernel at head_dim 128); they compute the same outputs as the Triton kernels here
 (the five-matmul dQ up to its summation order, which varies between runs).
 
 Causal masking: tiles entirely above the diagonal are never visited; only tiles on the diagonal pay for
@@ -501,13 +501,15 @@ _GPU_CONFIGS_FROM_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
 #   - Persistent, head_dim 128, 2 consumers, 3 stages (225 KB of shared memory), from 1K: 1K 0.176 vs 0.217 (Triton),
 #     2K 0.268 vs 0.339, 4K 0.450 vs 0.570 for the plain ping-pong kernel, 8K 0.914 vs 1.005, 16K 1.700 vs 1.827,
 #     128K (12 heads) 82.45 vs 82.53.
-# - dK/dV/dQ at D=64, the five-matmul backward (flash_backward_specialized.py; NOTES.md Q): 128 keys per program,
+# - dK/dV/dQ at D=64, the five-matmul backward (flash_backward_specialized.py; NOTES.md Q, T): 128 keys per program,
 #   64-query tiles, 3 stages, the whole backward in ms (delta, zeroed fp32 dQ accumulator, the kernel, the cast)
-#   against the seven-matmul one (dQ, then dK/dV), H200, one process, two runs: 8K (2 × 32 heads) 3.19/3.29 vs
-#   3.41/3.47, 16K (32 heads) 5.97/5.98 vs 6.31/6.48, 32K (12 heads) 8.59 vs 9.46, 128K (12 heads) 135.9 vs 148.7;
-#   slower below 8K (4K: 1.88/1.91 vs 1.87/1.72). cuDNN's backward: 3.30/3.34, 6.30/6.33. Not deterministic (dQ is
-#   summed by reduce-adds in arrival order), so deterministic mode (torch.use_deterministic_algorithms) keeps the
-#   seven-matmul backward.
+#   against the seven-matmul one (dQ, then dK/dV), H200, one process. Persistent (one program per SM over a
+#   host-made list of key blocks) from 4K tokens: 4K 1.761 vs 1.876 (plain five-matmul 1.875, cuDNN 1.811), 8K (2 ×
+#   32 heads) 3.114 vs 3.511 (plain 3.308, cuDNN 3.253), 8K with 4 × 12 heads 2.354 vs 2.413 (plain 2.509); 2K: the
+#   seven-matmul one stays (1.016 vs 1.130). The plain kernel from 16K: 16K (32 heads) 5.91 vs 6.02 persistent and
+#   6.63 seven-matmul, 32K (12 heads) 8.60 vs 8.76 and 9.76, 128K (12 heads) 135.9 vs 148.7 seven-matmul. Not
+#   deterministic (dQ is summed by reduce-adds in arrival order), so deterministic mode
+#   (torch.use_deterministic_algorithms) keeps the seven-matmul backward.
 # - dQ at D=128: 128 rows per program, 64-key tiles, 3 stages: 16K 2.294 vs 2.594, 32K 8.82 vs 10.07; 4K 0.662 vs
 #   0.738 in one run, 0.712 vs 0.704 in another (2K 0.438 vs 0.448: a tie, left to Triton). At D=64 the Triton dQ
 #   kernel (128 rows over 8 warps) stays ahead at every length (16K: 2.82 vs 2.69).
@@ -516,7 +518,8 @@ _SPECIALIZED_FROM_SEQ: dict[tuple[str, int], list[tuple[int, TileConfig]]] = {
                   (8192, TileConfig(192, 128, 4, 3, tma=True, specialized=True, persistent=True)),
                   (16384, TileConfig(192, 128, 4, 3, tma=True, specialized=True))],
     ("fwd", 128): [(1024, TileConfig(128, 128, 4, 3, tma=True, specialized=True, persistent=True))],
-    ("dkdvdq", 64): [(8192, TileConfig(64, 128, 4, 3, tma=True, specialized=True))],
+    ("dkdvdq", 64): [(4096, TileConfig(64, 128, 4, 3, tma=True, specialized=True, persistent=True)),
+                     (16384, TileConfig(64, 128, 4, 3, tma=True, specialized=True))],
     ("dq", 128): [(4096, TileConfig(128, 64, 4, 3, tma=True, specialized=True))],
 }
 
@@ -835,20 +838,21 @@ def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
     if cfg is not None and not (cfg.specialized and cfg.block_m == 64 and cfg.block_n == 128):
         raise ValueError(f"flash_attention: the dK/dV/dQ kernel runs 128 keys per program over 64-query tiles "
                          f"(TileConfig(64, 128, ..., specialized=True)), got {cfg}")
-    c = cfg or _SPECIALIZED_FROM_SEQ[("dkdvdq", D)][0][1]
+    c = cfg or _specialized_entry("dkdvdq", D, N) or _SPECIALIZED_FROM_SEQ[("dkdvdq", D)][0][1]
     kernels = _gluon_module("flash_backward_specialized")
     dq, dk, dv = _empty_in_layout_of(q), _empty_in_layout_of(k), _empty_in_layout_of(v)
     group = max(1, min(H, FUSED_DQ_ACC_BYTES // (B * N * D * 4)))  # heads per launch
-    acc = torch.empty((B, group, N, D), dtype=torch.float32, device=q.device)
+    acc = torch.empty(B * group * N * D, dtype=torch.float32, device=q.device)
     triton.set_allocator(_tma_scratch)
+    launch = kernels.launch_dkdv_dq_persistent if c.persistent else kernels.launch_dkdv_dq
     for h0 in range(0, H, group):
         hs = slice(h0, min(H, h0 + group))
-        dq_acc = acc[:, :hs.stop - h0].zero_()
+        dq_acc = acc[:B * (hs.stop - h0) * N * D].view(B, hs.stop - h0, N, D).zero_()  # contiguous
         do_h, delta = launch_backward_delta(do[:, hs], o[:, hs], lse[:, hs])
         (lse_h, stride_lse), (delta, stride_delta) = _rows_in(lse[:, hs]), _rows_in(delta)
         (lse_h, stride_lse), (delta, stride_delta) = _rows_for_tma(lse_h, stride_lse), _rows_for_tma(delta, stride_delta)
-        kernels.launch_dkdv_dq(do_h, q[:, hs], k[:, hs], v[:, hs], lse_h, stride_lse, delta, stride_delta, dk[:, hs],
-                               dv[:, hs], dq_acc, sm_scale, sm_scale * LOG2E, c.block_m, c.num_stages)
+        launch(do_h, q[:, hs], k[:, hs], v[:, hs], lse_h, stride_lse, delta, stride_delta, dk[:, hs], dv[:, hs], dq_acc,
+               sm_scale, sm_scale * LOG2E, c.block_m, c.num_stages)
         dq[:, hs].copy_(dq_acc)
     return dq, dk, dv
 

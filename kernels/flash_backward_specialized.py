@@ -40,7 +40,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from minigpt_kernels.flash_attention import _strides3
-from minigpt_kernels.flash_forward_pingpong import CONSUMER_REGS, PRODUCER_REGS, _head_rows, _mma_layout
+from minigpt_kernels.flash_forward_pingpong import (CONSUMER_REGS, PRODUCER_REGS, _device_schedule, _head_rows,
+                                                    _mma_layout, _sm_count)
 
 TILE = gl.constexpr(64)  # keys (dK/dV) or query rows (dQ) per consumer warpgroup: the M of one wgmma
 CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program (the warp_specialize lists below name two)
@@ -280,6 +281,247 @@ def _dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
 
 
 # ------------------------------------------------------------------------------------------------
+# The persistent dK/dV/dQ kernel: one program per SM walking a host-made list of (batch·head, 128-key block) items
+# ------------------------------------------------------------------------------------------------
+@gluon.jit
+def _key_block(WORK, index, n_kblocks, N, BLOCK_M: gl.constexpr):
+    """Item `index` of the list: (batch·head, first key, query tiles from that key to the end)."""
+    item = gl.load(WORK + index)
+    start_n = (item % n_kblocks) * (CONSUMERS * TILE)
+    return item // n_kblocks, start_n, gl.cdiv(N - start_n, BLOCK_M)
+
+
+@gluon.jit
+def _persistent_dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                              STAGES: gl.constexpr):
+    """_dkdv_consumer over this program's items. The ring and hand-over counters run on across items (g: the query
+    tiles of the items before); K and V alternate between two buffers, released to the producer (kv_free) after the
+    item's last matmul that reads them."""
+    (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty, ds_smem, ds_ready,
+     ds_free, DK, DV, H, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+     N, qk_scale, sm_scale, WORK, first, count, n_kblocks) = shared
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = _mma_layout(BLOCK_M, 4)
+    d_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
+    MASKED_TILES: gl.constexpr = (TILE * (ME + 1) + BLOCK_M - 1) // BLOCK_M
+    zero_s = gl.zeros([TILE, BLOCK_M], gl.float32, layout=s_layout)
+    g = 0
+    for i in range(count):
+        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M)
+        buf = i % 2
+        key0 = start_n + ME * TILE
+        keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
+        cols = start_n + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        dk = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
+        dv = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
+        k = k_smem.index(buf * CONSUMERS + ME)
+        v = v_smem.index(buf * CONSUMERS + ME)
+        mbarrier.wait(kv_ready.index(buf * CONSUMERS + ME), (i // 2) & 1)
+
+        # tile 0: Sᵀ_0 and dPᵀ_0 alone
+        mbarrier.wait(ready.index(g % STAGES), (g // STAGES) & 1)
+        sT = warpgroup_mma(k, q_smem.index(g % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dpT = warpgroup_mma(v, do_smem.index(g % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        sT, dpT = warpgroup_mma_wait(0, deps=(sT, dpT))
+        pT16, dsT16 = _pT_dsT(sT, dpT, lse_smem.index(g % STAGES), delta_smem.index(g % STAGES), keys, cols,
+                              0 < MASKED_TILES, qk_scale, dtype)
+        _hand_over(ds_smem, ds_ready, ds_free, dsT16, g, ME)
+        pT16 = gl.convert_layout(pT16, a_layout)
+        dsT16 = gl.convert_layout(dsT16, a_layout)
+
+        for t in range(1, num_tiles):  # _dkdv_consumer's step, at ring position g + t
+            gt = g + t
+            stage = gt % STAGES
+            prev = (gt - 1) % STAGES
+            mbarrier.wait(ready.index(stage), (gt // STAGES) & 1)
+            sT = warpgroup_mma(k, q_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            dpT = warpgroup_mma(v, do_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            dv = warpgroup_mma(pT16, do_smem.index(prev), dv, is_async=True)
+            dk = warpgroup_mma(dsT16, q_smem.index(prev), dk, is_async=True)
+            sT, dpT = warpgroup_mma_wait(2, deps=(sT, dpT))
+            pT16_t, dsT16_t = _pT_dsT(sT, dpT, lse_smem.index(stage), delta_smem.index(stage), keys,
+                                      cols + t * BLOCK_M, t < MASKED_TILES, qk_scale, dtype)
+            _hand_over(ds_smem, ds_ready, ds_free, dsT16_t, gt, ME)
+            dv, dk, pT16, dsT16 = warpgroup_mma_wait(0, deps=(dv, dk, pT16, dsT16))
+            mbarrier.arrive(empty.index(prev), count=1)
+            pT16 = gl.convert_layout(pT16_t, a_layout)
+            dsT16 = gl.convert_layout(dsT16_t, a_layout)
+        mbarrier.arrive(kv_free.index(buf), count=1)  # the last Sᵀ, dPᵀ (K, V) have retired
+
+        last = (g + num_tiles - 1) % STAGES
+        dv = warpgroup_mma(pT16, do_smem.index(last), dv, is_async=True)
+        dk = warpgroup_mma(dsT16, q_smem.index(last), dk, is_async=True)
+        dv, dk, pT16, dsT16 = warpgroup_mma_wait(0, deps=(dv, dk, pT16, dsT16))
+        mbarrier.arrive(empty.index(last), count=1)
+        g += num_tiles
+
+        b = (bh // H).to(gl.int64)
+        h = (bh % H).to(gl.int64)
+        dk = dk * sm_scale
+        out_keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, d_layout))
+        out_cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, d_layout)), 0)
+        rows64 = gl.expand_dims(out_keys.to(gl.int64), 1)
+        mask = gl.expand_dims(out_keys < N, 1)
+        gl.store(DK + b * stride_dkb + h * stride_dkh + rows64 * stride_dkn + out_cols, dk.to(DK.dtype.element_ty),
+                 mask=mask)
+        gl.store(DV + b * stride_dvb + h * stride_dvh + rows64 * stride_dvn + out_cols, dv.to(DV.dtype.element_ty),
+                 mask=mask)
+
+
+@gluon.jit
+def _persistent_dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """_dq_reducer over this program's items. The accumulator is one (B·H·N, HEAD_DIM) array, so its descriptor is
+    made once; a key block's last query tile may reach past its head's N rows into the next head's first ones, where
+    it adds exact zeros (queries past N have dS = 0)."""
+    (k_smem, ds_smem, dq_smem, kv_ready, kv_free, ds_ready, ds_free, dq_desc, N, sm_scale, WORK, first, count,
+     n_kblocks) = dqs
+    dq_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)
+    zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
+    g = 0
+    for i in range(count):
+        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M)
+        buf = i % 2
+        for c in gl.static_range(CONSUMERS):
+            mbarrier.wait(kv_ready.index(buf * CONSUMERS + c), (i // 2) & 1)
+        row0 = bh * N + start_n
+        for t in range(num_tiles):
+            gt = g + t
+            u = gt % 2
+            mbarrier.wait(ds_ready.index(u), (gt // 2) & 1)
+            dq = warpgroup_mma(ds_smem.index(u * CONSUMERS).permute((1, 0)), k_smem.index(buf * CONSUMERS), zero,
+                               use_acc=False, is_async=True)
+            dq = warpgroup_mma(ds_smem.index(u * CONSUMERS + 1).permute((1, 0)), k_smem.index(buf * CONSUMERS + 1),
+                               dq, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq,))
+            mbarrier.arrive(ds_free.index(u), count=1)
+            staging = dq_smem.index(u)
+            tma.store_wait(1)
+            staging.store(dq * sm_scale)
+            fence_async_shared()
+            _tma_reduce_add(dq_desc, [row0 + t * BLOCK_M, 0], staging)
+        mbarrier.arrive(kv_free.index(buf), count=1)  # its last dQ matmul (K) has retired
+        g += num_tiles
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _persistent_dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """_dkdvdq_producer over this program's items: the next item's K, V into the other buffer once its last users
+    released it (kv_free), then its query tiles into the ring. The per-head descriptors are rewritten in place once
+    every copy through them has landed."""
+    (Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_lse, stride_delta, H, N,
+     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty,
+     WORK, first, count, n_kblocks) = loads
+    dtype: gl.constexpr = q_smem.dtype
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], dtype)
+    qd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    kv_bytes: gl.constexpr = 2 * TILE * HEAD_DIM * dtype.primitive_bitwidth // 8
+    tile_bytes: gl.constexpr = 2 * BLOCK_M * HEAD_DIM * dtype.primitive_bitwidth // 8 + 2 * BLOCK_M * 4
+    g = 0
+    for i in range(count):
+        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M)
+        b = (bh // H).to(gl.int64)
+        h = (bh % H).to(gl.int64)
+        if i > 0:  # every copy through the descriptors below has landed: the last K/V and the tiles in the ring
+            for c in gl.static_range(CONSUMERS):
+                mbarrier.wait(kv_ready.index(((i - 1) % 2) * CONSUMERS + c), ((i - 1) // 2) & 1)
+            for t in range(gl.maximum(g - STAGES, 0), g):
+                mbarrier.wait(ready.index(t % STAGES), (t // STAGES) & 1)
+        k_desc = _head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, TILE, HEAD_DIM, kv_layout)
+        v_desc = _head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, TILE, HEAD_DIM, kv_layout)
+        q_desc = _head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, BLOCK_M, HEAD_DIM, qd_layout)
+        do_desc = _head_rows(DO, b, h, stride_dob, stride_doh, stride_don, N, BLOCK_M, HEAD_DIM, qd_layout)
+        lse_desc = tma.make_tensor_descriptor(LSE + bh.to(gl.int64) * stride_lse, shape=[N], strides=[1],
+                                              block_shape=[BLOCK_M], layout=row_layout)
+        delta_desc = tma.make_tensor_descriptor(DELTA + bh.to(gl.int64) * stride_delta, shape=[N], strides=[1],
+                                                block_shape=[BLOCK_M], layout=row_layout)
+        buf = i % 2
+        mbarrier.wait(kv_free.index(buf), ((i // 2) & 1) ^ 1)  # item i − 2's users are done with this buffer
+        for c in gl.static_range(CONSUMERS):
+            mbarrier.expect(kv_ready.index(buf * CONSUMERS + c), kv_bytes)
+            tma.async_copy_global_to_shared(k_desc, [start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
+                                            k_smem.index(buf * CONSUMERS + c))
+            tma.async_copy_global_to_shared(v_desc, [start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
+                                            v_smem.index(buf * CONSUMERS + c))
+        for t in range(num_tiles):
+            gt = g + t
+            stage = gt % STAGES
+            row = start_n + t * BLOCK_M
+            mbarrier.wait(empty.index(stage), ((gt // STAGES) & 1) ^ 1)
+            bar = ready.index(stage)
+            mbarrier.expect(bar, tile_bytes)
+            tma.async_copy_global_to_shared(q_desc, [row, 0], bar, q_smem.index(stage))
+            tma.async_copy_global_to_shared(do_desc, [row, 0], bar, do_smem.index(stage))
+            tma.async_copy_global_to_shared(lse_desc, [row], bar, lse_smem.index(stage))
+            tma.async_copy_global_to_shared(delta_desc, [row], bar, delta_smem.index(stage))
+        g += num_tiles
+
+
+@gluon.jit
+def _dkdvdq_persistent_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
+                              stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                              stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
+                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                              stride_lse, stride_delta, H, N, n_kblocks, acc_rows, qk_scale, sm_scale,
+                              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, REDUCER_REGS: gl.constexpr):
+    """_dkdvdq_kernel's work, program p taking items WORK[WORK_START[p] : WORK_START[p+1]] (item = bh · n_kblocks +
+    key block). DQ_ACC: contiguous fp32 (B·H·N, HEAD_DIM), acc_rows = B·H·N."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    first = gl.load(WORK_START + gl.program_id(0))
+    count = gl.load(WORK_START + gl.program_id(0) + 1) - first
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], dtype)
+    qd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, BLOCK_M], dtype)
+    acc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32)
+    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    dq_desc = tma.make_tensor_descriptor(DQ_ACC, shape=[acc_rows, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                         block_shape=[BLOCK_M, HEAD_DIM], layout=acc_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, TILE, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, TILE, HEAD_DIM], kv_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qd_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qd_layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, TILE, BLOCK_M], ds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], acc_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [2 * CONSUMERS, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2 * CONSUMERS):
+        mbarrier.init(kv_ready.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(kv_free.index(i), count=CONSUMERS + 1)  # both consumers and the dQ warpgroup
+        mbarrier.init(ds_ready.index(i), count=CONSUMERS)
+        mbarrier.init(ds_free.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    fence_async_shared()
+
+    shared = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty, ds_smem,
+              ds_ready, ds_free, DK, DV, H, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+              N, qk_scale, sm_scale, WORK, first, count, n_kblocks)
+    loads = (Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+             stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_lse, stride_delta, H, N,
+             k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty,
+             WORK, first, count, n_kblocks)
+    dqs = (k_smem, ds_smem, dq_smem, kv_ready, kv_free, ds_ready, ds_free, dq_desc, N, sm_scale, WORK, first, count,
+           n_kblocks)
+    gl.warp_specialize([(_persistent_dkdv_consumer, (shared, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES)),
+                        (_persistent_dkdv_consumer, (shared, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES)),
+                        (_persistent_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES)),
+                        (_persistent_dq_reducer, (dqs, HEAD_DIM, BLOCK_M))],
+                       [4, 1, 4], [CONSUMER_REGS, PRODUCER_REGS, REDUCER_REGS])
+
+
+# ------------------------------------------------------------------------------------------------
 # dQ: a program owns 128 query rows; the producer streams the key tiles K_j, V_j (the forward's structure)
 # ------------------------------------------------------------------------------------------------
 @gluon.jit
@@ -446,6 +688,26 @@ def launch_dkdv_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, str
                          H, N, qk_scale, sm_scale, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
                          CONSUMER_REGS=FUSED_CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, REDUCER_REGS=REDUCER_REGS,
                          num_warps=4)
+
+
+def launch_dkdv_dq_persistent(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int,
+                              delta: Tensor, stride_delta: int, dk: Tensor, dv: Tensor, dq_acc: Tensor, sm_scale: float,
+                              qk_scale: float, block_m: int, stages: int, programs: int | None = None) -> None:
+    """launch_dkdv_dq's contract with a contiguous dq_acc, on one program per SM (or `programs`) walking a schedule
+    of (batch·head, 128-key block) items (persistent_schedule), an item costing its query tiles."""
+    B, H, N, D = q.shape
+    if not dq_acc.is_contiguous():
+        raise ValueError("launch_dkdv_dq_persistent: dq_acc must be contiguous (B, H, N, D)")
+    keys = CONSUMERS.value * TILE.value
+    n_kblocks = -(-N // keys)
+    programs = min(programs or _sm_count(q.device), B * H * n_kblocks)
+    costs = tuple(float(-(-(N - kb * keys) // block_m)) for kb in range(n_kblocks))
+    work, work_start = _device_schedule(B * H, costs, programs, q.device)
+    _dkdvdq_persistent_kernel[(programs,)](
+        q, k, v, do, lse, delta, dk, dv, dq_acc, work, work_start, *_strides3(q), *_strides3(k), *_strides3(v),
+        *_strides3(do), *_strides3(dk), *_strides3(dv), stride_lse, stride_delta, H, N, n_kblocks, B * H * N, qk_scale,
+        sm_scale, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages, CONSUMER_REGS=FUSED_CONSUMER_REGS,
+        PRODUCER_REGS=PRODUCER_REGS, REDUCER_REGS=REDUCER_REGS, num_warps=4)
 
 
 def launch_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,

@@ -30,7 +30,6 @@ sm_90 (wgmma). flash_attention.py picks them by sequence length and falls back t
 from __future__ import annotations
 
 import functools
-import heapq
 
 import torch
 from torch import Tensor
@@ -38,6 +37,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+from minigpt_kernels.persistent_schedule import schedule
 
 ROWS_PER_CONSUMER = gl.constexpr(64)  # query rows per consumer warpgroup: the M of one wgmma
 PRODUCER_REGS = 24  # registers per producer thread; the consumers take what is left (setmaxnreg)
@@ -451,68 +452,22 @@ def _persistent_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
             [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
-# The host-side schedule. The hardware hands the next program of a plain grid to whichever SM frees first; the work
-# list replays that (greedy list scheduling) with a cost model, an item's key tiles plus MODEL_OVERHEAD_TILES for its
-# set-up, and picks among a few launch orders the one whose modelled finish is earliest. Head after head (longest
-# query tiles first) keeps one head's K/V hot in L2 but ends on a ragged tail; the candidates smooth that tail. On an
-# H200 the model's imbalance tracked the measured times (NOTES.md S); longest-first across all heads balanced
-# best but thrashed L2 (4K tokens: 0.740 vs 0.668 ms).
-MODEL_OVERHEAD_TILES = 2.0
-MAX_ITEMS_TO_COMPARE = 20_000  # past this, head after head only (long sequences: its tail is already small)
+def query_tile_costs(n: int, block_m: int, block_n: int) -> tuple[float, ...]:
+    """Each query tile's work in the causal forward: its key tiles, up to the tile's last row."""
+    return tuple(float(-(-min((t + 1) * block_m, n) // block_n)) for t in range(-(-n // block_m)))
 
 
-def _greedy(items: list[int], cost: list[float], programs: int) -> tuple[float, list[list[int]]]:
-    """Each item in turn to the program that is free first; the finish time of the last one, and each one's items."""
-    free_at = [(0.0, p) for p in range(programs)]
-    lists: list[list[int]] = [[] for _ in range(programs)]
-    for it in items:
-        t, p = heapq.heappop(free_at)
-        lists[p].append(it)
-        heapq.heappush(free_at, (t + cost[it], p))
-    return max(t for t, _ in free_at), lists
-
-
-def _launch_orders(bh: int, n_qtiles: int, programs: int):
-    """Candidate orders of the items bh · n_qtiles + query tile: head after head, longest first within a head;
-    the same with its last k·programs items longest first across their heads; groups of heads (about g0 items per
-    program in each) taken longest first across the group."""
-    head = [h * n_qtiles + t for h in range(bh) for t in reversed(range(n_qtiles))]
-    yield head
-    if len(head) > MAX_ITEMS_TO_COMPARE:
-        return
-    for k in (1, 2, 3, 4, 6):
-        tail = min(len(head), k * programs)
-        yield head[:-tail] + sorted(head[-tail:], key=lambda it: -(it % n_qtiles))
-    for g0 in (2, 3, 4):
-        groups = -(-bh // -(-g0 * programs // n_qtiles))
-        bounds = [round(i * bh / groups) for i in range(groups + 1)]
-        yield [h * n_qtiles + t for lo, hi in zip(bounds, bounds[1:]) for t in reversed(range(n_qtiles))
-               for h in range(lo, hi)]
-
-
-@functools.lru_cache(maxsize=64)
 def work_lists(bh: int, n: int, block_m: int, block_n: int, programs: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The persistent forward's schedule for bh (batch·head) sequences of n tokens in query tiles of block_m rows:
-    (items, starts), program p taking items[starts[p]:starts[p+1]] in that order; every item exactly once."""
-    n_qtiles = -(-n // block_m)
-    tile_cost = [-(-min((t + 1) * block_m, n) // block_n) + MODEL_OVERHEAD_TILES for t in range(n_qtiles)]
-    cost = [tile_cost[it % n_qtiles] for it in range(bh * n_qtiles)]
-    best = None
-    for order in _launch_orders(bh, n_qtiles, programs):
-        finish, lists = _greedy(order, cost, programs)
-        if best is None or finish < best[0] * 0.998:  # ties keep the earlier (more L2-friendly) order
-            best = (finish, lists)
-    items, starts = [], [0]
-    for lst in best[1]:
-        items += lst
-        starts.append(len(items))
-    return tuple(items), tuple(starts)
+    (items, starts), item = bh · query tiles + tile (persistent_schedule.schedule)."""
+    return schedule(bh, query_tile_costs(n, block_m, block_n), programs)
 
 
 @functools.lru_cache(maxsize=32)
-def _device_work_lists(bh: int, n: int, block_m: int, block_n: int, programs: int,
-                       device: torch.device) -> tuple[Tensor, Tensor]:
-    items, starts = work_lists(bh, n, block_m, block_n, programs)
+def _device_schedule(heads: int, position_costs: tuple[float, ...], programs: int,
+                     device: torch.device) -> tuple[Tensor, Tensor]:
+    """persistent_schedule.schedule's (items, starts) as int32 tensors on the device, made once per shape."""
+    items, starts = schedule(heads, position_costs, programs)
     return (torch.tensor(items, dtype=torch.int32, device=device),
             torch.tensor(starts, dtype=torch.int32, device=device))
 
@@ -531,7 +486,7 @@ def launch_forward_persistent(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     block_m = consumers * ROWS_PER_CONSUMER.value
     n_qtiles = -(-N // block_m)
     programs = min(programs or _sm_count(q.device), B * H * n_qtiles)
-    work, work_start = _device_work_lists(B * H, N, block_m, block_n, programs, q.device)
+    work, work_start = _device_schedule(B * H, query_tile_costs(N, block_m, block_n), programs, q.device)
     _persistent_fwd_kernel[(programs,)](
         q, k, v, o, lse, work, work_start, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), H, N, n_qtiles,

@@ -175,8 +175,9 @@ def test_long_causal_launches_take_the_warp_specialized_kernels_only_where_they_
     """The GPU table sends causal fp16/bf16 launches to the warp-specialized Gluon kernels where they were measured
     faster: the forward (flash_forward_pingpong.py) at head_dim 64/128 from 1K tokens (persistent below 16K tokens
     at 64, at every length at 128), the five-matmul dK/dV/dQ kernel (flash_backward_specialized.py) at head_dim 64
-    from 8K, the dQ kernel at head_dim 128 from 4K; and only when the inputs fit them. Anything else keeps the Triton
-    kernels. Their numbers are checked on the GPU (tests/test_gpu.py); here, the choice and the refusals."""
+    from 4K (persistent below 16K), the dQ kernel at head_dim 128 from 4K; and only when the inputs fit them. Anything
+    else keeps the Triton kernels. Their numbers are checked on the GPU (tests/test_gpu.py); here, the choice and the
+    refusals."""
     monkeypatch.setattr(fa, "INTERPRET", False)  # the GPU tables
     lengths = (512, 1024, 2048, 4096, 8192, 16384, 1 << 20)
     chosen = {(kernel, d, n): fa.tile_config(kernel, d, True, torch.bfloat16, n, specialized=True).specialized
@@ -185,7 +186,10 @@ def test_long_causal_launches_take_the_warp_specialized_kernels_only_where_they_
                    for d in (32, 64, 128) for n in lengths})
     assert {key for key, on in chosen.items() if on} == {
         *(("fwd", d, n) for d in (64, 128) for n in lengths[1:]),
-        *(("dkdvdq", 64, n) for n in (8192, 16384, 1 << 20)), *(("dq", 128, n) for n in (4096, 8192, 16384, 1 << 20))}
+        *(("dkdvdq", 64, n) for n in (4096, 8192, 16384, 1 << 20)),
+        *(("dq", 128, n) for n in (4096, 8192, 16384, 1 << 20))}
+    assert [fa.fused_backward_config(64, True, torch.bfloat16, n, True).persistent for n in lengths[3:]] == [
+        True, True, False, False]
     forward = {(d, n): fa.tile_config("fwd", d, True, torch.bfloat16, n, specialized=True) for d in (64, 128)
                for n in lengths[1:]}
     assert {key for key, cfg in forward.items() if cfg.persistent} == {
@@ -232,10 +236,12 @@ def test_the_persistent_forward_schedule_covers_every_tile_once(bh, n, block_m, 
     assert sorted(items) == list(range(bh * n_qtiles))
     assert len(starts) == programs + 1 and starts[0] == 0 and starts[-1] == len(items)
     assert all(a <= b for a, b in zip(starts, starts[1:]))
-    cost = [-(-min((it % n_qtiles + 1) * block_m, n) // 128) + pingpong.MODEL_OVERHEAD_TILES for it in range(len(items))]
+    from minigpt_kernels import persistent_schedule
+    cost = [-(-min((it % n_qtiles + 1) * block_m, n) // 128) + persistent_schedule.MODEL_OVERHEAD_TILES
+            for it in range(len(items))]
     loads = [sum(cost[it] for it in items[a:b]) for a, b in zip(starts, starts[1:])]
     head_after_head = [h * n_qtiles + t for h in range(bh) for t in reversed(range(n_qtiles))]
-    assert max(loads) <= pingpong._greedy(head_after_head, cost, programs)[0]
+    assert max(loads) <= persistent_schedule.greedy(head_after_head, cost, programs)[0]
     if len(items) >= 4 * programs:
         assert max(loads) <= 1.02 * sum(loads) / programs, (max(loads), sum(loads) / programs)
 

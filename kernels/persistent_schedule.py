@@ -1,0 +1,64 @@
+"""Work lists for the persistent Gluon kernels (one program per SM, each walking its own list of tiles).
+
+The hardware hands the next program of a plain grid to whichever SM frees first. `schedule` replays that on the host
+(greedy list scheduling) with a cost model, each item's tiles plus a constant for its set-up, and keeps, among a few
+launch orders, the one whose modelled finish is earliest. Head after head (longest items first within a head) keeps
+one head's keys and values hot in L2 but ends on a ragged tail; the other candidates smooth that tail: the same order
+with its last k·programs items re-sorted longest first, or groups of heads taken longest first across the group.
+Longest first across all heads balances best but thrashed L2 on an H200 (kernels/NOTES.md S), so it is not a
+candidate. Items are numbered head · tiles_per_head + position; the lists are cached per shape.
+"""
+from __future__ import annotations
+
+import functools
+import heapq
+
+MODEL_OVERHEAD_TILES = 2.0  # an item's set-up and pipeline fill, in tiles of work
+MAX_ITEMS_TO_COMPARE = 20_000  # past this, head after head only (long sequences: its tail is already small)
+
+
+def greedy(items: list[int], cost: list[float], programs: int) -> tuple[float, list[list[int]]]:
+    """Each item in turn to the program that is free first; the finish time of the last one, and each one's items."""
+    free_at = [(0.0, p) for p in range(programs)]
+    lists: list[list[int]] = [[] for _ in range(programs)]
+    for it in items:
+        t, p = heapq.heappop(free_at)
+        lists[p].append(it)
+        heapq.heappush(free_at, (t + cost[it], p))
+    return max(t for t, _ in free_at), lists
+
+
+def launch_orders(heads: int, position_costs: tuple[float, ...], programs: int):
+    """The candidate orders of the items head · len(position_costs) + position."""
+    per_head = len(position_costs)
+    longest_first = sorted(range(per_head), key=lambda pos: -position_costs[pos])
+    head = [h * per_head + pos for h in range(heads) for pos in longest_first]
+    yield head
+    if len(head) > MAX_ITEMS_TO_COMPARE:
+        return
+    for k in (1, 2, 3, 4, 6):
+        tail = min(len(head), k * programs)
+        yield head[:-tail] + sorted(head[-tail:], key=lambda it: -position_costs[it % per_head])
+    for g0 in (2, 3, 4):
+        groups = -(-heads // -(-g0 * programs // per_head))
+        bounds = [round(i * heads / groups) for i in range(groups + 1)]
+        yield [h * per_head + pos for lo, hi in zip(bounds, bounds[1:]) for pos in longest_first
+               for h in range(lo, hi)]
+
+
+@functools.lru_cache(maxsize=64)
+def schedule(heads: int, position_costs: tuple[float, ...], programs: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(items, starts): program p takes items[starts[p]:starts[p+1]] in that order; every item exactly once.
+    position_costs[pos]: the work of the item at that position of a head (its tiles), without the set-up."""
+    cost = [position_costs[it % len(position_costs)] + MODEL_OVERHEAD_TILES
+            for it in range(heads * len(position_costs))]
+    best = None
+    for order in launch_orders(heads, position_costs, programs):
+        finish, lists = greedy(order, cost, programs)
+        if best is None or finish < best[0] * 0.998:  # ties keep the earlier (more L2-friendly) order
+            best = (finish, lists)
+    items, starts = [], [0]
+    for lst in best[1]:
+        items += lst
+        starts.append(len(items))
+    return tuple(items), tuple(starts)
