@@ -15,6 +15,8 @@ Two kernels, each splitting its warps by role (`gl.warp_specialize`) like the pi
   consumers' dSᵀ_t transposed, computes dQ_t = dS_t K over the 128 keys and adds it into an fp32 accumulator with a
   TMA reduce-add; the caller zeroes the accumulator and casts it to dq. So no kernel recomputes QKᵀ and dO·Vᵀ for dQ,
   at the price of an fp32 accumulator and a dQ whose summation order varies from run to run (not deterministic).
+  Its persistent variant (NOTES.md T; below 16K tokens) runs one program per SM over a host-made list of key blocks
+  (persistent_schedule), with K and V double-buffered so that a block's loads overlap the last one's tail.
 - **dQ** (head_dim 128, the seven-matmul backward's dQ half, deterministic): one program owns 128 query rows (two
   consumers of 64), keeps Q and dO, streams K_j, V_j; per tile S_j, dP_j and the previous tile's dQ matmul are
   issued and dS_j is computed while the dQ matmul runs. Each consumer also writes its rows' delta for the Triton
