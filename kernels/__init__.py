@@ -1,4 +1,4 @@
-"""minigpt's attention kernels (Triton; warp-specialized Gluon kernels for long sequences on Hopper), installed as
+"""minigpt's attention kernels (Triton; warp-specialized Gluon kernels on Hopper, from 1K or 4K tokens), installed as
 `minigpt_kernels` (the folder is kernels/ in the source tree)."""
 from minigpt_kernels.flash_attention import flash_attention, flash_attention_with_lse
 

@@ -433,7 +433,8 @@ class TileConfig:
     # flash_backward_specialized.py with two consumers: dK/dV/dQ block_n = 128 keys per program, block_m the streamed
     # query tile; dQ block_m = 128 rows per program, block_n the streamed key tile
     specialized: bool = False
-    # the forward only: the persistent variant (one program per SM walking a host-made list of query tiles)
+    # the persistent variant of the forward or the dK/dV/dQ kernel: one program per SM walking a host-made list of
+    # query tiles or key blocks (kernels/persistent_schedule.py)
     persistent: bool = False
 
 
@@ -835,9 +836,9 @@ def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
     if D != 64 or not specialized_ready(q, k, v, True, module="flash_backward_specialized", also=(do,)):
         raise ValueError("flash_attention: the warp-specialized dK/dV/dQ kernel takes causal fp16/bf16 inputs with "
                          "head_dim 64, TMA-aligned, on an sm_90 GPU (see specialized_ready)")
-    if cfg is not None and not (cfg.specialized and cfg.block_m == 64 and cfg.block_n == 128):
-        raise ValueError(f"flash_attention: the dK/dV/dQ kernel runs 128 keys per program over 64-query tiles "
-                         f"(TileConfig(64, 128, ..., specialized=True)), got {cfg}")
+    if cfg is not None and not (cfg.specialized and cfg.block_m == 64 and cfg.block_n == 128 and cfg.num_stages >= 2):
+        raise ValueError(f"flash_attention: the dK/dV/dQ kernel runs 128 keys per program over 64-query tiles with at "
+                         f"least 2 stages (TileConfig(64, 128, 4, stages, specialized=True)), got {cfg}")
     c = cfg or _specialized_entry("dkdvdq", D, N) or _SPECIALIZED_FROM_SEQ[("dkdvdq", D)][0][1]
     kernels = _gluon_module("flash_backward_specialized")
     dq, dk, dv = _empty_in_layout_of(q), _empty_in_layout_of(k), _empty_in_layout_of(v)

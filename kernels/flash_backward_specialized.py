@@ -375,7 +375,7 @@ def _persistent_dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, 
 def _persistent_dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
     """_dq_reducer over this program's items. The accumulator is one (B·H·N, HEAD_DIM) array, so its descriptor is
     made once; a key block's last query tile may reach past its head's N rows into the next head's first ones, where
-    it adds exact zeros (queries past N have dS = 0)."""
+    it adds exact zeros (queries past N have dS = 0; a non-finite K would make those rows NaN, as it does its own)."""
     (k_smem, ds_smem, dq_smem, kv_ready, kv_free, ds_ready, ds_free, dq_desc, N, sm_scale, WORK, first, count,
      n_kblocks) = dqs
     dq_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)

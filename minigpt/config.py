@@ -57,7 +57,7 @@ class AttentionConfig:
     name: str = "sdpa"  # a registered backend: naive | sdpa | flash
     sdpa_backend: str = "auto"  # sdpa only: pin PyTorch's kernel (auto | flash | efficient | cudnn | math)
     # flash only: always the bitwise-reproducible seven-matmul backward; false (default) lets H100/H200 runs take the
-    # faster five-matmul backward from 8K tokens at head_dim 64, whose dQ sums in a varying order (last bits)
+    # faster five-matmul backward from 4K tokens at head_dim 64, whose dQ sums in a varying order (last bits)
     deterministic: bool = False
 
     def validate(self) -> None:

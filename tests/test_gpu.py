@@ -122,7 +122,7 @@ def test_persistent_backward_on_few_programs_matches_the_plain_kernel(stages, mo
     """The persistent five-matmul kernel on 3 programs, many (batch·head, key block) items each: the ring, hand-over
     and K/V-buffer counters run on across items, the descriptors are rewritten between heads, and a key block's last
     query tile reaches into the next head's accumulator rows (adding zeros). dK/dV bitwise the plain kernel's, dQ
-    equal to its rounding (another summation order), on ragged lengths and both layouts."""
+    equal to its rounding (another summation order), on ragged lengths, the model's strides."""
     kernels = fa._gluon_module("flash_backward_specialized")
     plain = fa.TileConfig(64, 128, 4, stages, tma=True, specialized=True)
     for seq, batch, heads in ((777, 2, 3), (2048, 1, 5), (4100, 2, 2)):
@@ -132,10 +132,13 @@ def test_persistent_backward_on_few_programs_matches_the_plain_kernel(stages, mo
         do = torch.randn(q.shape, device="cuda", generator=g).to(torch.bfloat16)
         o, lse = fa.launch_forward(q, k, v, True, 0.125)
         dq, dk, dv = fa.launch_backward_fused(do, q, k, v, o, lse, 0.125, plain)
+        launch, launched = kernels.launch_dkdv_dq_persistent, []
         monkeypatch.setattr(kernels, "_sm_count", lambda device: 3)
+        monkeypatch.setattr(kernels, "launch_dkdv_dq_persistent", lambda *a, **kw: launched.append(1) or launch(*a, **kw))
         dq_p, dk_p, dv_p = fa.launch_backward_fused(do, q, k, v, o, lse, 0.125,
                                                     dataclasses.replace(plain, persistent=True))
         monkeypatch.undo()
+        assert launched == [1], seq  # the persistent kernel ran, not the plain one twice
         assert torch.equal(dk, dk_p) and torch.equal(dv, dv_p), seq
         assert (dq.float() - dq_p.float()).abs().max().item() <= 2e-3 * dq.float().abs().max().item(), seq
 
@@ -145,7 +148,7 @@ def test_persistent_backward_on_few_programs_matches_the_plain_kernel(stages, mo
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("seq,batch,heads", [(1, 1, 2), (65, 2, 3), (1000, 2, 3), (1001, 1, 2), (4100, 1, 2)])
 def test_specialized_backward_vs_float64(seq, batch, heads, head_dim, dtype):
-    """The warp-specialized backward on short and ragged sequences (the table sends it only to long ones), on the
+    """The warp-specialized backward on short and ragged sequences (the table sends it from 4K tokens), on the
     model's qkv-split strides, against float64 with errors no larger than the Triton kernels': the five-matmul
     dK/dV/dQ kernel at head_dim 64 (dK, dV bitwise the Triton kernel's: the same tiles and order), the dQ kernel (and
     its delta) at 128. N = 1001: LSE rows not 16-byte aligned (the TMA reads a padded copy)."""
@@ -178,19 +181,21 @@ def test_specialized_backward_vs_float64(seq, batch, heads, head_dim, dtype):
 
 
 @pytest.mark.skipif(not HOPPER, reason="the warp-specialized backward is written for sm_90 (wgmma)")
-def test_fused_backward_runs_head_group_by_head_group(monkeypatch):
-    """With a dQ accumulator smaller than the input's heads need, the five-matmul backward runs head groups in turn
-    (here 2 + 2 + 1 heads, batch 2, the model's strides): the same gradients as in one launch, up to the last bits
-    that dQ's summation order may move."""
+@pytest.mark.parametrize("persistent", [False, True], ids=["plain", "persistent"])
+def test_fused_backward_runs_head_group_by_head_group(persistent, monkeypatch):
+    """With a dQ accumulator smaller than the input's heads need, the five-matmul backward (plain and persistent)
+    runs head groups in turn (here 2 + 2 + 1 heads, batch 2, the model's strides): the same gradients as in one
+    launch, up to the last bits that dQ's summation order may move."""
     g = torch.Generator(device="cuda").manual_seed(5)
     B, N, H, D = 2, 1000, 5, 64
+    cfg = fa.TileConfig(64, 128, 4, 3, tma=True, specialized=True, persistent=persistent)
     qkv = torch.randn(B, N, 3, H, D, device="cuda", generator=g).to(torch.bfloat16)
     q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
     do = torch.randn(q.shape, device="cuda", generator=g).to(torch.bfloat16)
     o, lse = fa.launch_forward(q, k, v, True, 0.125)
-    whole = fa.launch_backward_fused(do, q, k, v, o, lse, 0.125)
+    whole = fa.launch_backward_fused(do, q, k, v, o, lse, 0.125, cfg)
     monkeypatch.setattr(fa, "FUSED_DQ_ACC_BYTES", 2 * B * N * D * 4)
-    grouped = fa.launch_backward_fused(do, q, k, v, o, lse, 0.125)
+    grouped = fa.launch_backward_fused(do, q, k, v, o, lse, 0.125, cfg)
     assert torch.equal(grouped[1], whole[1]) and torch.equal(grouped[2], whole[2])
     assert (grouped[0].float() - whole[0].float()).abs().max().item() < 1e-2 * whole[0].float().abs().max().item()
     assert grouped[0].stride() == fa._empty_in_layout_of(q).stride()  # (B, N, H, D) rows, as q
@@ -206,6 +211,11 @@ def test_long_causal_backward_runs_the_specialized_kernels(head_dim, seq, monkey
     fused = fa.launch_backward_fused
     calls = []
     monkeypatch.setattr(fa, "launch_backward_fused", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
+    kernels = fa._gluon_module("flash_backward_specialized")
+    persistent = kernels.launch_dkdv_dq_persistent
+    persistent_calls = []  # below 16K tokens the five-matmul backward is the persistent kernel
+    monkeypatch.setattr(kernels, "launch_dkdv_dq_persistent",
+                        lambda *a, **kw: persistent_calls.append(1) or persistent(*a, **kw))
     g = torch.Generator(device="cuda").manual_seed(seq)
     q, k, v = (torch.randn(1, 2, seq, head_dim, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
@@ -216,7 +226,7 @@ def test_long_causal_backward_runs_the_specialized_kernels(head_dim, seq, monkey
     _, lse = fa.launch_forward(qd, kd, vd, True, head_dim ** -0.5)
     delta = torch.empty_like(lse)
     if head_dim == 64:
-        assert len(calls) == 1  # the default backward took the five-matmul kernel
+        assert len(calls) == 1 and len(persistent_calls) == 1  # the default backward took the persistent kernel
         forced = fused(do, qd, kd, vd, od, lse, head_dim ** -0.5)
         assert torch.equal(dk, forced[1]) and torch.equal(dv, forced[2])
         assert (dq.float() - forced[0].float()).abs().max().item() < 1e-2 * forced[0].float().abs().max().item()
