@@ -42,8 +42,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from minigpt_kernels.flash_attention import _strides3
-from minigpt_kernels.flash_forward_pingpong import (CONSUMER_REGS, PRODUCER_REGS, _device_schedule, _head_rows,
-                                                    _mma_layout, _sm_count)
+from minigpt_kernels.flash_forward_pingpong import CONSUMER_REGS, PRODUCER_REGS, _head_rows, _mma_layout
+from minigpt_kernels.persistent_schedule import device_schedule, sm_count
 
 TILE = gl.constexpr(64)  # keys (dK/dV) or query rows (dQ) per consumer warpgroup: the M of one wgmma
 CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program (the warp_specialize lists below name two)
@@ -92,13 +92,93 @@ def _hand_over(ds_smem, ds_ready, ds_free, dsT16, t, ME: gl.constexpr):
 
 
 @gluon.jit
+def _dkdv_first(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, t, ME: gl.constexpr,
+                STAGES: gl.constexpr, zero_s, keys, cols, masked, qk_scale, a_layout: gl.constexpr):
+    """A key block's first query tile (ring position t): Sᵀ = K Qᵀ and dPᵀ = V dOᵀ alone (no dV, dK yet), then Pᵀ, dSᵀ
+    and the hand-over. Returns (Pᵀ, dSᵀ) as the next step's register operands."""
+    mbarrier.wait(ready.index(t % STAGES), (t // STAGES) & 1)
+    sT = warpgroup_mma(k, q_smem.index(t % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dpT = warpgroup_mma(v, do_smem.index(t % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    sT, dpT = warpgroup_mma_wait(0, deps=(sT, dpT))
+    pT16, dsT16 = _pT_dsT(sT, dpT, lse_smem.index(t % STAGES), delta_smem.index(t % STAGES), keys, cols, masked,
+                          qk_scale, q_smem.dtype)
+    _hand_over(ds_smem, ds_ready, ds_free, dsT16, t, ME)
+    return gl.convert_layout(pT16, a_layout), gl.convert_layout(dsT16, a_layout)
+
+
+@gluon.jit
+def _dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready, ds_free, t,
+               ME: gl.constexpr, STAGES: gl.constexpr, zero_s, dv, dk, pT16, dsT16, keys, cols, masked, qk_scale,
+               a_layout: gl.constexpr):
+    """One query tile at ring position t: issue Sᵀ_t = K Q_tᵀ, dPᵀ_t = V dO_tᵀ, then dV += Pᵀ_{t−1} dO_{t−1} and
+    dK += dSᵀ_{t−1} Q_{t−1}; wait for Sᵀ_t, dPᵀ_t only (wgmma groups retire in order) and compute Pᵀ_t, dSᵀ_t and the
+    hand-over while dV and dK still run; then release tile t−1's buffers. Returns (dV, dK, Pᵀ_t, dSᵀ_t)."""
+    stage = t % STAGES
+    prev = (t - 1) % STAGES
+    mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+    sT = warpgroup_mma(k, q_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dpT = warpgroup_mma(v, do_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dv = warpgroup_mma(pT16, do_smem.index(prev), dv, is_async=True)
+    dk = warpgroup_mma(dsT16, q_smem.index(prev), dk, is_async=True)
+    sT, dpT = warpgroup_mma_wait(2, deps=(sT, dpT))
+    pT16_t, dsT16_t = _pT_dsT(sT, dpT, lse_smem.index(stage), delta_smem.index(stage), keys, cols, masked, qk_scale,
+                              q_smem.dtype)
+    _hand_over(ds_smem, ds_ready, ds_free, dsT16_t, t, ME)
+    dv, dk, pT16, dsT16 = warpgroup_mma_wait(0, deps=(dv, dk, pT16, dsT16))
+    mbarrier.arrive(empty.index(prev), count=1)  # tile t−1's buffers no longer read by this consumer
+    return dv, dk, gl.convert_layout(pT16_t, a_layout), gl.convert_layout(dsT16_t, a_layout)
+
+
+@gluon.jit
+def _dkdv_last(q_smem, do_smem, t, STAGES: gl.constexpr, dv, dk, pT16, dsT16):
+    """The last tile's (ring position t) dV += Pᵀ dO and dK += dSᵀ Q."""
+    dv = warpgroup_mma(pT16, do_smem.index(t % STAGES), dv, is_async=True)
+    dk = warpgroup_mma(dsT16, q_smem.index(t % STAGES), dk, is_async=True)
+    dv, dk, pT16, dsT16 = warpgroup_mma_wait(0, deps=(dv, dk, pT16, dsT16))
+    return dv, dk
+
+
+@gluon.jit
+def _write_dkdv(dk, dv, DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0,
+                sm_scale, HEAD_DIM: gl.constexpr):
+    """dK (scaled: dS was taken w.r.t. the scaled scores) and dV of this consumer's 64 keys; keys past N not written."""
+    d_layout: gl.constexpr = dk.type.layout
+    dk = dk * sm_scale
+    out_keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, d_layout))
+    out_cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, d_layout)), 0)
+    rows64 = gl.expand_dims(out_keys.to(gl.int64), 1)
+    mask = gl.expand_dims(out_keys < N, 1)
+    gl.store(DK + b * stride_dkb + h * stride_dkh + rows64 * stride_dkn + out_cols, dk.to(DK.dtype.element_ty),
+             mask=mask)
+    gl.store(DV + b * stride_dvb + h * stride_dvh + rows64 * stride_dvn + out_cols, dv.to(DV.dtype.element_ty),
+             mask=mask)
+
+
+@gluon.jit
+def _dq_tile(k0, k1, ds_smem, dq_smem, ds_ready, ds_free, dq_desc, t, row, zero, sm_scale):
+    """The dQ warpgroup's tile at hand-over position t: dQ_t = scale · Σ_c dS_t[:, keys of c] K_c (dS_t = (dSᵀ_t)ᵀ:
+    the stored tiles read transposed), staged in fp32 shared memory and added into the accumulator's rows from `row`
+    on by a TMA reduce-add, which runs while the next tile's matmul does."""
+    u = t % 2
+    mbarrier.wait(ds_ready.index(u), (t // 2) & 1)
+    dq = warpgroup_mma(ds_smem.index(u * CONSUMERS).permute((1, 0)), k0, zero, use_acc=False, is_async=True)
+    dq = warpgroup_mma(ds_smem.index(u * CONSUMERS + 1).permute((1, 0)), k1, dq, is_async=True)
+    dq = warpgroup_mma_wait(0, deps=(dq,))
+    mbarrier.arrive(ds_free.index(u), count=1)  # the consumers may overwrite buffer u
+    staging = dq_smem.index(u)
+    tma.store_wait(1)  # the reduce issued from this staging buffer two tiles ago has read it
+    staging.store(dq * sm_scale)  # dS was taken w.r.t. the scaled scores
+    fence_async_shared()
+    _tma_reduce_add(dq_desc, [row, 0], staging)  # rows past the array's end are clipped by TMA
+
+
+@gluon.jit
 def _dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     """Consumer warpgroup ME: dK, dV of keys start_n + 64·ME ... + 63 over query tiles 0 .. num_tiles−1 (tile t holds
     queries start_n + t·BLOCK_M ...), handing each tile's dSᵀ to the dQ warpgroup."""
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty, ds_smem, ds_ready, ds_free,
      DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
      N, start_n, num_tiles, qk_scale, sm_scale) = shared
-    dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = _mma_layout(BLOCK_M, 4)   # Sᵀ, dPᵀ: 64 keys × BLOCK_M queries
     d_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)  # dK, dV: 64 keys × HEAD_DIM
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)  # Pᵀ, dSᵀ in registers
@@ -113,51 +193,15 @@ def _dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl
     k = k_smem.index(ME)
     v = v_smem.index(ME)
     mbarrier.wait(kv_ready.index(ME), 0)
-
-    # tile 0: Sᵀ_0 = K Q_0ᵀ and dPᵀ_0 = V dO_0ᵀ alone (no dV, dK yet)
-    mbarrier.wait(ready.index(0), 0)
-    sT = warpgroup_mma(k, q_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    dpT = warpgroup_mma(v, do_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    sT, dpT = warpgroup_mma_wait(0, deps=(sT, dpT))
-    pT16, dsT16 = _pT_dsT(sT, dpT, lse_smem.index(0), delta_smem.index(0), keys, cols, 0 < MASKED_TILES, qk_scale,
-                          dtype)
-    _hand_over(ds_smem, ds_ready, ds_free, dsT16, 0, ME)
-    pT16 = gl.convert_layout(pT16, a_layout)
-    dsT16 = gl.convert_layout(dsT16, a_layout)
-
+    pT16, dsT16 = _dkdv_first(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, 0, ME,
+                              STAGES, zero_s, keys, cols, 0 < MASKED_TILES, qk_scale, a_layout)
     for t in range(1, num_tiles):
-        stage = t % STAGES
-        prev = (t - 1) % STAGES
-        mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
-        # issue Sᵀ_t = K Q_tᵀ, dPᵀ_t = V dO_tᵀ, then dV += Pᵀ_{t−1} dO_{t−1} and dK += dSᵀ_{t−1} Q_{t−1}
-        sT = warpgroup_mma(k, q_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        dpT = warpgroup_mma(v, do_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        dv = warpgroup_mma(pT16, do_smem.index(prev), dv, is_async=True)
-        dk = warpgroup_mma(dsT16, q_smem.index(prev), dk, is_async=True)
-        # wait for Sᵀ_t, dPᵀ_t (wgmma groups retire in order); Pᵀ_t, dSᵀ_t and the hand-over while dV and dK still run
-        sT, dpT = warpgroup_mma_wait(2, deps=(sT, dpT))
-        pT16_t, dsT16_t = _pT_dsT(sT, dpT, lse_smem.index(stage), delta_smem.index(stage), keys, cols + t * BLOCK_M,
-                                  t < MASKED_TILES, qk_scale, dtype)
-        _hand_over(ds_smem, ds_ready, ds_free, dsT16_t, t, ME)
-        dv, dk, pT16, dsT16 = warpgroup_mma_wait(0, deps=(dv, dk, pT16, dsT16))
-        mbarrier.arrive(empty.index(prev), count=1)  # tile t−1's buffers no longer read by this consumer
-        pT16 = gl.convert_layout(pT16_t, a_layout)
-        dsT16 = gl.convert_layout(dsT16_t, a_layout)
-
-    last = (num_tiles - 1) % STAGES
-    dv = warpgroup_mma(pT16, do_smem.index(last), dv, is_async=True)
-    dk = warpgroup_mma(dsT16, q_smem.index(last), dk, is_async=True)
-    dv, dk, pT16, dsT16 = warpgroup_mma_wait(0, deps=(dv, dk, pT16, dsT16))
-
-    dk = dk * sm_scale  # dS was taken w.r.t. the scaled scores
-    out_keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, d_layout))
-    out_cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, d_layout)), 0)
-    rows64 = gl.expand_dims(out_keys.to(gl.int64), 1)
-    mask = gl.expand_dims(out_keys < N, 1)
-    gl.store(DK + b * stride_dkb + h * stride_dkh + rows64 * stride_dkn + out_cols, dk.to(DK.dtype.element_ty),
-             mask=mask)
-    gl.store(DV + b * stride_dvb + h * stride_dvh + rows64 * stride_dvn + out_cols, dv.to(DV.dtype.element_ty),
-             mask=mask)
+        dv, dk, pT16, dsT16 = _dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready,
+                                         ds_free, t, ME, STAGES, zero_s, dv, dk, pT16, dsT16, keys, cols + t * BLOCK_M,
+                                         t < MASKED_TILES, qk_scale, a_layout)
+    dv, dk = _dkdv_last(q_smem, do_smem, num_tiles - 1, STAGES, dv, dk, pT16, dsT16)
+    _write_dkdv(dk, dv, DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0,
+                sm_scale, HEAD_DIM)
 
 
 @gluon.jit
@@ -171,19 +215,8 @@ def _dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
     for c in gl.static_range(CONSUMERS):
         mbarrier.wait(kv_ready.index(c), 0)
     for t in range(num_tiles):
-        u = t % 2
-        mbarrier.wait(ds_ready.index(u), (t // 2) & 1)
-        # dQ_t = Σ_c dS_t[:, keys of c] K_c  (dS_t = (dSᵀ_t)ᵀ: the stored tile read transposed)
-        dq = warpgroup_mma(ds_smem.index(u * CONSUMERS).permute((1, 0)), k_smem.index(0), zero, use_acc=False,
-                           is_async=True)
-        dq = warpgroup_mma(ds_smem.index(u * CONSUMERS + 1).permute((1, 0)), k_smem.index(1), dq, is_async=True)
-        dq = warpgroup_mma_wait(0, deps=(dq,))
-        mbarrier.arrive(ds_free.index(u), count=1)  # the consumers may overwrite buffer u
-        staging = dq_smem.index(u)
-        tma.store_wait(1)  # the reduce issued from this staging buffer two tiles ago has read it
-        staging.store(dq * sm_scale)  # dS was taken w.r.t. the scaled scores
-        fence_async_shared()
-        _tma_reduce_add(dq_desc, [start_n + t * BLOCK_M, 0], staging)  # rows past N are clipped by TMA
+        _dq_tile(k_smem.index(0), k_smem.index(1), ds_smem, dq_smem, ds_ready, ds_free, dq_desc, t,
+                 start_n + t * BLOCK_M, zero, sm_scale)  # rows past N are clipped by TMA
     tma.store_wait(0)
 
 
@@ -302,7 +335,6 @@ def _persistent_dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, 
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty, ds_smem, ds_ready,
      ds_free, DK, DV, H, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
      N, qk_scale, sm_scale, WORK, first, count, n_kblocks) = shared
-    dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = _mma_layout(BLOCK_M, 4)
     d_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
@@ -321,54 +353,18 @@ def _persistent_dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, 
         v = v_smem.index(buf * CONSUMERS + ME)
         mbarrier.wait(kv_ready.index(buf * CONSUMERS + ME), (i // 2) & 1)
 
-        # tile 0: Sᵀ_0 and dPᵀ_0 alone
-        mbarrier.wait(ready.index(g % STAGES), (g // STAGES) & 1)
-        sT = warpgroup_mma(k, q_smem.index(g % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        dpT = warpgroup_mma(v, do_smem.index(g % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        sT, dpT = warpgroup_mma_wait(0, deps=(sT, dpT))
-        pT16, dsT16 = _pT_dsT(sT, dpT, lse_smem.index(g % STAGES), delta_smem.index(g % STAGES), keys, cols,
-                              0 < MASKED_TILES, qk_scale, dtype)
-        _hand_over(ds_smem, ds_ready, ds_free, dsT16, g, ME)
-        pT16 = gl.convert_layout(pT16, a_layout)
-        dsT16 = gl.convert_layout(dsT16, a_layout)
-
-        for t in range(1, num_tiles):  # _dkdv_consumer's step, at ring position g + t
-            gt = g + t
-            stage = gt % STAGES
-            prev = (gt - 1) % STAGES
-            mbarrier.wait(ready.index(stage), (gt // STAGES) & 1)
-            sT = warpgroup_mma(k, q_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            dpT = warpgroup_mma(v, do_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            dv = warpgroup_mma(pT16, do_smem.index(prev), dv, is_async=True)
-            dk = warpgroup_mma(dsT16, q_smem.index(prev), dk, is_async=True)
-            sT, dpT = warpgroup_mma_wait(2, deps=(sT, dpT))
-            pT16_t, dsT16_t = _pT_dsT(sT, dpT, lse_smem.index(stage), delta_smem.index(stage), keys,
-                                      cols + t * BLOCK_M, t < MASKED_TILES, qk_scale, dtype)
-            _hand_over(ds_smem, ds_ready, ds_free, dsT16_t, gt, ME)
-            dv, dk, pT16, dsT16 = warpgroup_mma_wait(0, deps=(dv, dk, pT16, dsT16))
-            mbarrier.arrive(empty.index(prev), count=1)
-            pT16 = gl.convert_layout(pT16_t, a_layout)
-            dsT16 = gl.convert_layout(dsT16_t, a_layout)
+        pT16, dsT16 = _dkdv_first(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, g,
+                                  ME, STAGES, zero_s, keys, cols, 0 < MASKED_TILES, qk_scale, a_layout)
+        for t in range(1, num_tiles):
+            dv, dk, pT16, dsT16 = _dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
+                                             ds_ready, ds_free, g + t, ME, STAGES, zero_s, dv, dk, pT16, dsT16, keys,
+                                             cols + t * BLOCK_M, t < MASKED_TILES, qk_scale, a_layout)
         mbarrier.arrive(kv_free.index(buf), count=1)  # the last Sᵀ, dPᵀ (K, V) have retired
-
-        last = (g + num_tiles - 1) % STAGES
-        dv = warpgroup_mma(pT16, do_smem.index(last), dv, is_async=True)
-        dk = warpgroup_mma(dsT16, q_smem.index(last), dk, is_async=True)
-        dv, dk, pT16, dsT16 = warpgroup_mma_wait(0, deps=(dv, dk, pT16, dsT16))
-        mbarrier.arrive(empty.index(last), count=1)
+        dv, dk = _dkdv_last(q_smem, do_smem, g + num_tiles - 1, STAGES, dv, dk, pT16, dsT16)
+        mbarrier.arrive(empty.index((g + num_tiles - 1) % STAGES), count=1)
         g += num_tiles
-
-        b = (bh // H).to(gl.int64)
-        h = (bh % H).to(gl.int64)
-        dk = dk * sm_scale
-        out_keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, d_layout))
-        out_cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, d_layout)), 0)
-        rows64 = gl.expand_dims(out_keys.to(gl.int64), 1)
-        mask = gl.expand_dims(out_keys < N, 1)
-        gl.store(DK + b * stride_dkb + h * stride_dkh + rows64 * stride_dkn + out_cols, dk.to(DK.dtype.element_ty),
-                 mask=mask)
-        gl.store(DV + b * stride_dvb + h * stride_dvh + rows64 * stride_dvn + out_cols, dv.to(DV.dtype.element_ty),
-                 mask=mask)
+        _write_dkdv(dk, dv, DK, DV, (bh // H).to(gl.int64), (bh % H).to(gl.int64), stride_dkb, stride_dkh, stride_dkn,
+                    stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM)
 
 
 @gluon.jit
@@ -388,20 +384,8 @@ def _persistent_dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
             mbarrier.wait(kv_ready.index(buf * CONSUMERS + c), (i // 2) & 1)
         row0 = bh * N + start_n
         for t in range(num_tiles):
-            gt = g + t
-            u = gt % 2
-            mbarrier.wait(ds_ready.index(u), (gt // 2) & 1)
-            dq = warpgroup_mma(ds_smem.index(u * CONSUMERS).permute((1, 0)), k_smem.index(buf * CONSUMERS), zero,
-                               use_acc=False, is_async=True)
-            dq = warpgroup_mma(ds_smem.index(u * CONSUMERS + 1).permute((1, 0)), k_smem.index(buf * CONSUMERS + 1),
-                               dq, is_async=True)
-            dq = warpgroup_mma_wait(0, deps=(dq,))
-            mbarrier.arrive(ds_free.index(u), count=1)
-            staging = dq_smem.index(u)
-            tma.store_wait(1)
-            staging.store(dq * sm_scale)
-            fence_async_shared()
-            _tma_reduce_add(dq_desc, [row0 + t * BLOCK_M, 0], staging)
+            _dq_tile(k_smem.index(buf * CONSUMERS), k_smem.index(buf * CONSUMERS + 1), ds_smem, dq_smem, ds_ready,
+                     ds_free, dq_desc, g + t, row0 + t * BLOCK_M, zero, sm_scale)
         mbarrier.arrive(kv_free.index(buf), count=1)  # its last dQ matmul (K) has retired
         g += num_tiles
     tma.store_wait(0)
@@ -702,9 +686,9 @@ def launch_dkdv_dq_persistent(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
         raise ValueError("launch_dkdv_dq_persistent: dq_acc must be contiguous (B, H, N, D)")
     keys = CONSUMERS.value * TILE.value
     n_kblocks = -(-N // keys)
-    programs = min(programs or _sm_count(q.device), B * H * n_kblocks)
+    programs = min(programs or sm_count(q.device), B * H * n_kblocks)
     costs = tuple(float(-(-(N - kb * keys) // block_m)) for kb in range(n_kblocks))
-    work, work_start = _device_schedule(B * H, costs, programs, q.device)
+    work, work_start = device_schedule(B * H, costs, programs, q.device)
     _dkdvdq_persistent_kernel[(programs,)](
         q, k, v, do, lse, delta, dk, dv, dq_acc, work, work_start, *_strides3(q), *_strides3(k), *_strides3(v),
         *_strides3(do), *_strides3(dk), *_strides3(dv), stride_lse, stride_delta, H, N, n_kblocks, B * H * N, qk_scale,

@@ -29,16 +29,13 @@ sm_90 (wgmma). flash_attention.py picks them by sequence length and falls back t
 """
 from __future__ import annotations
 
-import functools
-
-import torch
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from minigpt_kernels.persistent_schedule import schedule
+from minigpt_kernels.persistent_schedule import device_schedule, sm_count
 
 ROWS_PER_CONSUMER = gl.constexpr(64)  # query rows per consumer warpgroup: the M of one wgmma
 PRODUCER_REGS = 24  # registers per producer thread; the consumers take what is left (setmaxnreg)
@@ -81,13 +78,75 @@ def _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale):
 
 
 @gluon.jit
+def _first_scores(q, k_smem, k_ready, turn, t, turn_phase, ME: gl.constexpr, NEXT: gl.constexpr, STAGES: gl.constexpr,
+                  no_scores, m_i, l_i, rows, cols, masked, qk_scale, p_layout: gl.constexpr):
+    """A query tile's first key tile (ring position t), at this consumer's turn: S_0 = Q K_0ᵀ alone (there is no P V
+    yet), then its softmax. Returns (P_0 in the input dtype as the next matmul's operand, m, l)."""
+    mbarrier.wait(turn.index(ME), turn_phase)
+    mbarrier.wait(k_ready.index(t % STAGES), (t // STAGES) & 1)
+    s = warpgroup_mma(q, k_smem.index(t % STAGES).permute((1, 0)), no_scores, use_acc=False, is_async=True)
+    mbarrier.arrive(turn.index(NEXT), count=1)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, rows, cols, 0, masked, qk_scale)
+    return gl.convert_layout(p.to(q.dtype), p_layout), m_i, l_i
+
+
+@gluon.jit
+def _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, t, turn_phase, ME: gl.constexpr,
+                   NEXT: gl.constexpr, STAGES: gl.constexpr, no_scores, acc, p16, m_i, l_i, rows, cols, key0, masked,
+                   qk_scale, p_layout: gl.constexpr, row_o: gl.constexpr):
+    """One key tile at ring position t: at this consumer's turn issue S_j = Q K_jᵀ and O += P_{j-1} V_{j-1}; then the
+    softmax of S_j while the other consumers' matmuls run. Both matmuls are retired within the step: ptxas serializes
+    every wgmma of a loop whose in-flight results cross the back-edge (NOTES.md F). Returns (acc, P_j, m, l)."""
+    stage = t % STAGES
+    prev = (t - 1) % STAGES
+    mbarrier.wait(turn.index(ME), turn_phase)
+    mbarrier.wait(k_ready.index(stage), (t // STAGES) & 1)
+    s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), no_scores, use_acc=False, is_async=True)
+    mbarrier.wait(v_ready.index(prev), ((t - 1) // STAGES) & 1)
+    acc = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
+    mbarrier.arrive(turn.index(NEXT), count=1)
+    s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale)
+    acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
+    mbarrier.arrive(kv_empty.index(prev), count=1)  # K_{j-1} and V_{j-1} no longer read by this consumer
+    # acc = α·acc: what P_{j-1} V_{j-1} added was under the old max, as was the rest
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    return acc, gl.convert_layout(p.to(q.dtype), p_layout), m_i, l_i
+
+
+@gluon.jit
+def _last_pv(v_smem, v_ready, turn, t, turn_phase, ME: gl.constexpr, NEXT: gl.constexpr, STAGES: gl.constexpr, acc,
+             p16):
+    """The last O += P V (ring position t), at one more turn: the turns stay in step across consumers."""
+    mbarrier.wait(turn.index(ME), turn_phase)
+    mbarrier.wait(v_ready.index(t % STAGES), (t // STAGES) & 1)
+    acc = warpgroup_mma(p16, v_smem.index(t % STAGES), acc, is_async=True)
+    mbarrier.arrive(turn.index(NEXT), count=1)
+    acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
+    return acc
+
+
+@gluon.jit
+def _write_rows(acc, m_i, l_i, O, LSE, b, h, bh, stride_ob, stride_oh, stride_on, N, row0, rows,
+                HEAD_DIM: gl.constexpr, row_o: gl.constexpr):
+    """o = acc / l and LSE = m + log2(l) for this consumer's 64 rows (rows past N are not written)."""
+    o = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+    gl.store(LSE + bh.to(gl.int64) * N + rows, m_i + gl.log2(l_i), mask=rows < N)
+    out_rows = row0 + gl.arange(0, ROWS_PER_CONSUMER, layout=row_o)
+    out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc.type.layout))
+    offs = b * stride_ob + h * stride_oh + gl.expand_dims(out_rows.to(gl.int64), 1) * stride_on \
+        + gl.expand_dims(out_cols, 0)
+    gl.store(O + offs, o.to(O.dtype.element_ty), mask=gl.expand_dims(out_rows < N, 1))
+
+
+@gluon.jit
 def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr):
     """Consumer warpgroup ME: attention of query rows start_m + 64·ME ... + 63 over key tiles 0 .. num_tiles−1.
     `shared`: what every consumer gets alike (buffers, barriers, output pointers, the tile's position)."""
     (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn,
      O, LSE, b, h, bh, stride_ob, stride_oh, stride_on, N, start_m, num_tiles, qk_scale) = shared
-    dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = _mma_layout(BLOCK_N, 4)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P from registers
@@ -106,51 +165,14 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
     if ME == NUM_CONSUMERS - 1:  # the last consumer opens the first turn, so consumer 0 goes first
         mbarrier.arrive(turn.index(0), count=1)
 
-    # tile 0: S_0 = Q K_0ᵀ alone (there is no P V yet)
-    mbarrier.wait(turn.index(ME), 0)
-    mbarrier.wait(k_ready.index(0), 0)
-    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), no_scores, use_acc=False, is_async=True)
-    mbarrier.arrive(turn.index(NEXT), count=1)
-    s = warpgroup_mma_wait(0, deps=(s,))
-    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, rows, cols, 0, 0 >= full_tiles, qk_scale)
-    p16 = gl.convert_layout(p.to(dtype), p_layout)
-
-    # tile j: at this consumer's turn issue S_j = Q K_jᵀ and O += P_{j-1} V_{j-1}; then softmax of S_j while the
-    # other consumers' matmuls run. Both matmuls are retired within the step: ptxas serializes every wgmma of a
-    # loop whose in-flight results cross the back-edge (NOTES.md F).
-    for j in range(1, num_tiles):
-        stage = j % STAGES
-        prev = (j - 1) % STAGES
-        mbarrier.wait(turn.index(ME), j & 1)  # this consumer's (j+1)-th turn
-        mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
-        s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), no_scores, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-        acc = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
-        mbarrier.arrive(turn.index(NEXT), count=1)
-        s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
-        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, rows, cols, j * BLOCK_N, j >= full_tiles, qk_scale)
-        acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
-        mbarrier.arrive(kv_empty.index(prev), count=1)  # K_{j-1} and V_{j-1} no longer read by this consumer
-        # acc = α·acc: what P_{j-1} V_{j-1} added was under the old max, as was the rest
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        p16 = gl.convert_layout(p.to(dtype), p_layout)
-
-    # the last O += P V, at one more turn (the turns stay in step across consumers)
-    last = (num_tiles - 1) % STAGES
-    mbarrier.wait(turn.index(ME), num_tiles & 1)
-    mbarrier.wait(v_ready.index(last), ((num_tiles - 1) // STAGES) & 1)
-    acc = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
-    mbarrier.arrive(turn.index(NEXT), count=1)
-    acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
-
-    # o = acc / l;  LSE = m + log2(l)
-    o = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
-    gl.store(LSE + bh.to(gl.int64) * N + rows, m_i + gl.log2(l_i), mask=rows < N)
-    out_rows = row0 + gl.arange(0, ROWS_PER_CONSUMER, layout=row_o)
-    out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    offs = b * stride_ob + h * stride_oh + gl.expand_dims(out_rows.to(gl.int64), 1) * stride_on \
-        + gl.expand_dims(out_cols, 0)
-    gl.store(O + offs, o.to(dtype), mask=gl.expand_dims(out_rows < N, 1))
+    p16, m_i, l_i = _first_scores(q, k_smem, k_ready, turn, 0, 0, ME, NEXT, STAGES, no_scores, m_i, l_i, rows, cols,
+                                  0 >= full_tiles, qk_scale, p_layout)
+    for j in range(1, num_tiles):  # this consumer's (j+1)-th turn
+        acc, p16, m_i, l_i = _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, j, j & 1, ME, NEXT,
+                                            STAGES, no_scores, acc, p16, m_i, l_i, rows, cols, j * BLOCK_N,
+                                            j >= full_tiles, qk_scale, p_layout, row_o)
+    acc = _last_pv(v_smem, v_ready, turn, num_tiles - 1, num_tiles & 1, ME, NEXT, STAGES, acc, p16)
+    _write_rows(acc, m_i, l_i, O, LSE, b, h, bh, stride_ob, stride_oh, stride_on, N, row0, rows, HEAD_DIM, row_o)
 
 
 @gluon.jit
@@ -272,7 +294,6 @@ def _persistent_consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, 
     at turn kv + i: each item before took one turn per key tile and one more), so no barrier is reset."""
     (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
      O, LSE, H, stride_ob, stride_oh, stride_on, N, qk_scale, WORK, first, count, n_qtiles) = shared
-    dtype: gl.constexpr = q_smem.dtype
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * ROWS_PER_CONSUMER
     s_layout: gl.constexpr = _mma_layout(BLOCK_N, 4)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)
@@ -300,59 +321,23 @@ def _persistent_consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, 
         acc = gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], gl.float32, layout=o_layout)
         mbarrier.wait(q_ready.index(ME), i & 1)
 
-        # tile 0: S_0 = Q K_0ᵀ alone
-        mbarrier.wait(turn.index(ME), turns & 1)
-        mbarrier.wait(k_ready.index(kv % STAGES), (kv // STAGES) & 1)
-        s = warpgroup_mma(q, k_smem.index(kv % STAGES).permute((1, 0)), no_scores, use_acc=False, is_async=True)
-        mbarrier.arrive(turn.index(NEXT), count=1)
-        s = warpgroup_mma_wait(0, deps=(s,))
-        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, rows, cols, 0, 0 >= full_tiles, qk_scale)
-        p16 = gl.convert_layout(p.to(dtype), p_layout)
-
-        # tiles 1 .. my_tiles − 1: _consumer's step (S_j and P_{j-1} V_{j-1} at this consumer's turn)
-        for j in range(1, my_tiles):
-            t = kv + j
-            stage = t % STAGES
-            prev = (t - 1) % STAGES
-            mbarrier.wait(turn.index(ME), (turns + j) & 1)
-            mbarrier.wait(k_ready.index(stage), (t // STAGES) & 1)
-            s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), no_scores, use_acc=False, is_async=True)
-            mbarrier.wait(v_ready.index(prev), ((t - 1) // STAGES) & 1)
-            acc = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
-            mbarrier.arrive(turn.index(NEXT), count=1)
-            s = warpgroup_mma_wait(1, deps=(s,))
-            p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, rows, cols, j * BLOCK_N, j >= full_tiles, qk_scale)
-            acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
-            mbarrier.arrive(kv_empty.index(prev), count=1)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            p16 = gl.convert_layout(p.to(dtype), p_layout)
+        p16, m_i, l_i = _first_scores(q, k_smem, k_ready, turn, kv, turns & 1, ME, NEXT, STAGES, no_scores, m_i, l_i,
+                                      rows, cols, 0 >= full_tiles, qk_scale, p_layout)
+        for j in range(1, my_tiles):  # this consumer's own key tiles
+            acc, p16, m_i, l_i = _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, kv + j,
+                                                (turns + j) & 1, ME, NEXT, STAGES, no_scores, acc, p16, m_i, l_i, rows,
+                                                cols, j * BLOCK_N, j >= full_tiles, qk_scale, p_layout, row_o)
         mbarrier.arrive(q_empty.index(ME), count=1)  # every S of this item has retired: the producer may reload Q
-
-        # the last O += P V, at turn my_tiles
-        last = kv + my_tiles - 1
-        mbarrier.wait(turn.index(ME), (turns + my_tiles) & 1)
-        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-        acc = warpgroup_mma(p16, v_smem.index(last % STAGES), acc, is_async=True)
-        mbarrier.arrive(turn.index(NEXT), count=1)
-        acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
-        mbarrier.arrive(kv_empty.index(last % STAGES), count=1)
+        acc = _last_pv(v_smem, v_ready, turn, kv + my_tiles - 1, (turns + my_tiles) & 1, ME, NEXT, STAGES, acc, p16)
+        mbarrier.arrive(kv_empty.index((kv + my_tiles - 1) % STAGES), count=1)
         # key tiles past this consumer's rows: its turns and buffer releases only, so the others stay in step
         for j in range(my_tiles + 1, num_tiles + 1):
             mbarrier.wait(turn.index(ME), (turns + j) & 1)
             mbarrier.arrive(turn.index(NEXT), count=1)
             mbarrier.arrive(kv_empty.index((kv + j - 1) % STAGES), count=1)
         kv += num_tiles
-
-        # o = acc / l;  LSE = m + log2(l)
-        b = (bh // H).to(gl.int64)
-        h = (bh % H).to(gl.int64)
-        o = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
-        gl.store(LSE + bh.to(gl.int64) * N + rows, m_i + gl.log2(l_i), mask=rows < N)
-        out_rows = row0 + gl.arange(0, ROWS_PER_CONSUMER, layout=row_o)
-        out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        offs = b * stride_ob + h * stride_oh + gl.expand_dims(out_rows.to(gl.int64), 1) * stride_on \
-            + gl.expand_dims(out_cols, 0)
-        gl.store(O + offs, o.to(dtype), mask=gl.expand_dims(out_rows < N, 1))
+        _write_rows(acc, m_i, l_i, O, LSE, (bh // H).to(gl.int64), (bh % H).to(gl.int64), bh, stride_ob, stride_oh,
+                    stride_on, N, row0, rows, HEAD_DIM, row_o)
 
 
 @gluon.jit
@@ -457,38 +442,20 @@ def query_tile_costs(n: int, block_m: int, block_n: int) -> tuple[float, ...]:
     return tuple(float(-(-min((t + 1) * block_m, n) // block_n)) for t in range(-(-n // block_m)))
 
 
-def work_lists(bh: int, n: int, block_m: int, block_n: int, programs: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The persistent forward's schedule for bh (batch·head) sequences of n tokens in query tiles of block_m rows:
-    (items, starts), item = bh · query tiles + tile (persistent_schedule.schedule)."""
-    return schedule(bh, query_tile_costs(n, block_m, block_n), programs)
-
-
-@functools.lru_cache(maxsize=32)
-def _device_schedule(heads: int, position_costs: tuple[float, ...], programs: int,
-                     device: torch.device) -> tuple[Tensor, Tensor]:
-    """persistent_schedule.schedule's (items, starts) as int32 tensors on the device, made once per shape."""
-    items, starts = schedule(heads, position_costs, programs)
-    return (torch.tensor(items, dtype=torch.int32, device=device),
-            torch.tensor(starts, dtype=torch.int32, device=device))
-
-
-@functools.lru_cache(maxsize=8)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def launch_forward_persistent(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float,
                               consumers: int, block_n: int, stages: int, programs: int | None = None) -> None:
-    """launch_forward_pingpong's contract, on one program per SM (or `programs`) walking work_lists' schedule."""
+    """launch_forward_pingpong's contract, on one program per SM (or `programs`) walking persistent_schedule's
+    work list (an item costing its key tiles, query_tile_costs)."""
     if stages < 2:  # a consumer past its diagonal releases a ring buffer the others finished two tiles before
         raise ValueError(f"the persistent forward needs at least 2 stages, got {stages}")
     B, H, N, D = q.shape
     block_m = consumers * ROWS_PER_CONSUMER.value
     n_qtiles = -(-N // block_m)
-    programs = min(programs or _sm_count(q.device), B * H * n_qtiles)
-    work, work_start = _device_schedule(B * H, query_tile_costs(N, block_m, block_n), programs, q.device)
+    programs = min(programs or sm_count(q.device), B * H * n_qtiles)
+    work, work_start = device_schedule(B * H, query_tile_costs(N, block_m, block_n), programs, q.device)
     _persistent_fwd_kernel[(programs,)](
         q, k, v, o, lse, work, work_start, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), H, N, n_qtiles,
         qk_scale, HEAD_DIM=D, NUM_CONSUMERS=consumers, BLOCK_N=block_n, STAGES=stages,
-        CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS, SKIP=consumers_can_stop_early(consumers, block_n), num_warps=4)
+        CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS,
+        SKIP=consumers_can_stop_early(consumers, block_n), num_warps=4)

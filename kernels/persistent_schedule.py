@@ -13,6 +13,9 @@ from __future__ import annotations
 import functools
 import heapq
 
+import torch
+from torch import Tensor
+
 MODEL_OVERHEAD_TILES = 2.0  # an item's set-up and pipeline fill, in tiles of work
 MAX_ITEMS_TO_COMPARE = 20_000  # past this, head after head only (long sequences: its tail is already small)
 
@@ -62,3 +65,18 @@ def schedule(heads: int, position_costs: tuple[float, ...], programs: int) -> tu
         items += lst
         starts.append(len(items))
     return tuple(items), tuple(starts)
+
+
+@functools.lru_cache(maxsize=32)
+def device_schedule(heads: int, position_costs: tuple[float, ...], programs: int,
+                    device: torch.device) -> tuple[Tensor, Tensor]:
+    """schedule's (items, starts) as int32 tensors on the device, made once per shape."""
+    items, starts = schedule(heads, position_costs, programs)
+    return (torch.tensor(items, dtype=torch.int32, device=device),
+            torch.tensor(starts, dtype=torch.int32, device=device))
+
+
+@functools.lru_cache(maxsize=8)
+def sm_count(device: torch.device) -> int:
+    """The GPU's SMs: a persistent kernel's programs."""
+    return torch.cuda.get_device_properties(device).multi_processor_count

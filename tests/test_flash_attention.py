@@ -226,17 +226,17 @@ def test_long_causal_launches_take_the_warp_specialized_kernels_only_where_they_
 @pytest.mark.parametrize("bh,n,block_m,programs", [(128, 4096, 192, 132), (48, 8192, 128, 132), (12, 1000, 128, 132),
                                                     (3, 777, 192, 5), (1, 1, 128, 132), (64, 4096, 128, 114)])
 def test_the_persistent_forward_schedule_covers_every_tile_once(bh, n, block_m, programs):
-    """work_lists (the persistent forward's host-side schedule) gives every (batch·head, query tile) item to exactly
+    """persistent_schedule.schedule with the forward's costs (query_tile_costs) gives every (batch·head, query tile) item to exactly
     one program, and its modelled finish is never later than head after head's (the order a plain grid launches in);
     with a few items per program or more it is within 2% of a perfect balance (head after head: 3-7% over)."""
     pingpong = pytest.importorskip("minigpt_kernels.flash_forward_pingpong")
     n_qtiles = -(-n // block_m)
     programs = min(programs, bh * n_qtiles)
-    items, starts = pingpong.work_lists(bh, n, block_m, 128, programs)
+    from minigpt_kernels import persistent_schedule
+    items, starts = persistent_schedule.schedule(bh, pingpong.query_tile_costs(n, block_m, 128), programs)
     assert sorted(items) == list(range(bh * n_qtiles))
     assert len(starts) == programs + 1 and starts[0] == 0 and starts[-1] == len(items)
     assert all(a <= b for a, b in zip(starts, starts[1:]))
-    from minigpt_kernels import persistent_schedule
     cost = [-(-min((it % n_qtiles + 1) * block_m, n) // 128) + persistent_schedule.MODEL_OVERHEAD_TILES
             for it in range(len(items))]
     loads = [sum(cost[it] for it in items[a:b]) for a, b in zip(starts, starts[1:])]

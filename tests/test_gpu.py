@@ -133,7 +133,7 @@ def test_persistent_backward_on_few_programs_matches_the_plain_kernel(stages, mo
         o, lse = fa.launch_forward(q, k, v, True, 0.125)
         dq, dk, dv = fa.launch_backward_fused(do, q, k, v, o, lse, 0.125, plain)
         launch, launched = kernels.launch_dkdv_dq_persistent, []
-        monkeypatch.setattr(kernels, "_sm_count", lambda device: 3)
+        monkeypatch.setattr(kernels, "sm_count", lambda device: 3)
         monkeypatch.setattr(kernels, "launch_dkdv_dq_persistent", lambda *a, **kw: launched.append(1) or launch(*a, **kw))
         dq_p, dk_p, dv_p = fa.launch_backward_fused(do, q, k, v, o, lse, 0.125,
                                                     dataclasses.replace(plain, persistent=True))
