@@ -42,6 +42,7 @@ Triton's CPU interpreter).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import os
@@ -606,8 +607,14 @@ def _strides3(t: Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+@functools.lru_cache(maxsize=16)
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The GPU's compute capability, asked once per device (torch's query costs a few µs per launch)."""
+    return torch.cuda.get_device_capability(device)
+
+
 def _hopper_or_newer(t: Tensor) -> bool:
-    return INTERPRET or (t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9)
+    return INTERPRET or (t.is_cuda and _capability(t.device)[0] >= 9)
 
 
 def _tma_ready(*tensors: Tensor) -> bool:
@@ -658,7 +665,7 @@ def specialized_ready(q: Tensor, k: Tensor, v: Tensor, causal: bool, accumulate:
     return (not INTERPRET and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in (64, 128)
             and causal and not accumulate and q.shape == k.shape == v.shape
             and (out is None or (out[0].dtype == q.dtype and out[1].is_contiguous()))
-            and torch.cuda.get_device_capability(q.device) == (9, 0) and _tma_ready(q, k, v, *also)
+            and _capability(q.device) == (9, 0) and _tma_ready(q, k, v, *also)
             and all(t.stride(-1) == 1 for t in (q, k, v, *also))
             and _gluon_module(module) is not None)
 
@@ -964,14 +971,23 @@ def _(do, q, k, v, o, lse, causal, sm_scale, deterministic):
     return _empty_in_layout_of(q), _empty_in_layout_of(k), _empty_in_layout_of(v)
 
 
+def _traced(t: Tensor) -> bool:
+    """Whether torch.compile is tracing this call (Dynamo, or AOTAutograd's fake/functional tensors): then the
+    kernels are reached through the custom ops above, which it treats as opaque. Eager calls launch them directly:
+    the custom-op dispatch costs more host time than the launches themselves (kernels/NOTES.md U)."""
+    return torch.compiler.is_compiling() or type(t) is not Tensor
+
+
 class FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float,
                 precomputed: tuple[Tensor, Tensor] | None, deterministic: bool) -> Tensor:
-        if precomputed is None:
-            o, lse = torch.ops.minigpt.flash_attn_fwd(q, k, v, causal, sm_scale)
-        else:  # the caller ran this forward already (e.g. before a checkpoint recompute): reuse it
+        if precomputed is not None:  # the caller ran this forward already (e.g. before a checkpoint recompute)
             o, lse = precomputed
+        elif _traced(q):
+            o, lse = torch.ops.minigpt.flash_attn_fwd(q, k, v, causal, sm_scale)
+        else:
+            o, lse = launch_forward(q, k, v, causal, sm_scale)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal, ctx.sm_scale, ctx.deterministic = causal, sm_scale, deterministic
         return o
@@ -979,8 +995,12 @@ class FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do: Tensor):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = torch.ops.minigpt.flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.sm_scale,
-                                                      ctx.deterministic)
+        if _traced(do):
+            dq, dk, dv = torch.ops.minigpt.flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.sm_scale,
+                                                          ctx.deterministic)
+        else:
+            dq, dk, dv = launch_backward(do, q, k, v, o, lse, ctx.causal, ctx.sm_scale,
+                                         deterministic=ctx.deterministic)
         return dq, dk, dv, None, None, None, None
 
 
@@ -1008,4 +1028,6 @@ def flash_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, causal: bool = Tru
     """Forward only (no autograd): the output and the row log-sum-exp (base 2, fp32, (batch, heads, seq))."""
     _check_inputs(q, k, v)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    return torch.ops.minigpt.flash_attn_fwd(q, k, v, causal, sm_scale)
+    if _traced(q):
+        return torch.ops.minigpt.flash_attn_fwd(q, k, v, causal, sm_scale)
+    return launch_forward(q, k, v, causal, sm_scale)

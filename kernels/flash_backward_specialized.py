@@ -33,6 +33,8 @@ flash_attention.py picks these kernels where its table says so and falls back to
 """
 from __future__ import annotations
 
+import functools
+
 from torch import Tensor
 from triton._C.libtriton import ir
 from triton.experimental import gluon
@@ -676,6 +678,12 @@ def launch_dkdv_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, str
                          num_warps=4)
 
 
+@functools.lru_cache(maxsize=64)
+def key_block_costs(n: int, keys: int, block_m: int) -> tuple[float, ...]:
+    """Each block of `keys` keys' work in the causal backward: its query tiles, from the block's first key on."""
+    return tuple(float(-(-(n - kb * keys) // block_m)) for kb in range(-(-n // keys)))
+
+
 def launch_dkdv_dq_persistent(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int,
                               delta: Tensor, stride_delta: int, dk: Tensor, dv: Tensor, dq_acc: Tensor, sm_scale: float,
                               qk_scale: float, block_m: int, stages: int, programs: int | None = None) -> None:
@@ -687,8 +695,7 @@ def launch_dkdv_dq_persistent(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
     keys = CONSUMERS.value * TILE.value
     n_kblocks = -(-N // keys)
     programs = min(programs or sm_count(q.device), B * H * n_kblocks)
-    costs = tuple(float(-(-(N - kb * keys) // block_m)) for kb in range(n_kblocks))
-    work, work_start = device_schedule(B * H, costs, programs, q.device)
+    work, work_start = device_schedule(B * H, key_block_costs(N, keys, block_m), programs, q.device)
     _dkdvdq_persistent_kernel[(programs,)](
         q, k, v, do, lse, delta, dk, dv, dq_acc, work, work_start, *_strides3(q), *_strides3(k), *_strides3(v),
         *_strides3(do), *_strides3(dk), *_strides3(dv), stride_lse, stride_delta, H, N, n_kblocks, B * H * N, qk_scale,

@@ -29,6 +29,8 @@ sm_90 (wgmma). flash_attention.py picks them by sequence length and falls back t
 """
 from __future__ import annotations
 
+import functools
+
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -437,6 +439,7 @@ def _persistent_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
             [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
+@functools.lru_cache(maxsize=64)
 def query_tile_costs(n: int, block_m: int, block_n: int) -> tuple[float, ...]:
     """Each query tile's work in the causal forward: its key tiles, up to the tile's last row."""
     return tuple(float(-(-min((t + 1) * block_m, n) // block_n)) for t in range(-(-n // block_m)))

@@ -17,6 +17,7 @@ from torch import Tensor
 from minigpt.attention import AttentionBackend, AttentionFn
 from minigpt.config import ModelConfig
 from minigpt.levers import BlockRecompute, chunked, chunked_sum
+from minigpt_kernels.rotary import qkv_rotary, rotary_fits
 
 
 class Rotary(nn.Module):
@@ -60,9 +61,13 @@ class CausalSelfAttention(nn.Module):
     def heads(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q, k (rotated) and v as (B, N, H, D), each in its own buffer: the attention keeps all three for its
         backward, and views would keep the whole qkv matmul output alive with them (3 KB more per token
-        and layer). RoPE is applied in this layout so the caller's transposes are free strided views."""
+        and layer). RoPE is applied in this layout so the caller's transposes are free strided views.
+        On a GPU, eager runs do the split and RoPE in one Triton pass each way (kernels/rotary.py: a dozen
+        elementwise passes fewer); compiled regions keep the PyTorch code, which Inductor fuses itself."""
         B, N, C = x.shape
         qkv = self.c_attn(x).view(B, N, 3, self.n_head, self.head_dim)
+        if rotary_fits(qkv) and not torch.compiler.is_compiling():
+            return qkv_rotary(qkv, cos, sin)
         q, k = apply_rotary(qkv[:, :, 0], cos, sin), apply_rotary(qkv[:, :, 1], cos, sin)
         return q, k, qkv[:, :, 2].contiguous()
 

@@ -327,6 +327,28 @@ def test_outputs_are_laid_out_like_the_inputs():
     assert flash_attention(*plain).is_contiguous()
 
 
+def test_eager_calls_launch_directly_and_torch_compile_traces_the_custom_ops():
+    """Eager calls skip the custom ops' dispatch (host time); under torch.compile (here Dynamo + AOTAutograd, the
+    GPU suite runs Inductor) the ops are what gets traced: one graph, the eager outputs and gradients."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    plain = torch.zeros(1)
+    assert not fa._traced(plain)
+    with FakeTensorMode() as mode:
+        assert fa._traced(mode.from_tensor(plain))
+    qkv, q, k, v = split_qkv(1, 37, 2, 16, torch.float32, seed=11)
+    do = torch.randn(1, 2, 37, 16, generator=torch.Generator().manual_seed(12))
+
+    def step(attend):
+        o = attend(q, k, v)
+        return (o, *torch.autograd.grad(o, (q, k, v), do))
+
+    torch._dynamo.reset()
+    eager = step(flash_attention)
+    compiled = step(torch.compile(flash_attention, backend="aot_eager", fullgraph=True))
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
+
+
 def test_softmax_scale_and_contiguous_inputs():
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 3, 45, 32, generator=g) for _ in range(3))

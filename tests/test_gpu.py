@@ -353,6 +353,27 @@ def test_gpt2_small_loss_curve_matches_sdpa(tmp_path):
     assert flash[-1] < flash[0] - 1.0  # and it learns
 
 
+def test_qkv_rotary_kernel_matches_the_pytorch_rotary_in_bf16():
+    """kernels/rotary.py on the GPU (bf16, the trainer's layout, a ragged token count) against the model's PyTorch
+    RoPE: equal to one bf16 rounding (the kernel may fuse a multiply-add), forward and the qkv gradient."""
+    from minigpt.model import Rotary, apply_rotary
+    from minigpt_kernels.rotary import qkv_rotary
+    B, N, H, D = 2, 1000, 12, 64
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(B, N, 3 * H * D, device="cuda", generator=g).to(torch.bfloat16).view(B, N, 3, H, D)
+    qkv.requires_grad_()
+    cos, sin = Rotary(D).cuda()(N)
+    got = qkv_rotary(qkv, cos, sin)
+    want = (apply_rotary(qkv[:, :, 0], cos, sin), apply_rotary(qkv[:, :, 1], cos, sin), qkv[:, :, 2])
+    grads = [torch.randn(B, N, H, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3)]
+    (dgot,) = torch.autograd.grad(got, qkv, grads)
+    (dwant,) = torch.autograd.grad(want, qkv, grads)
+    for a, b in [*zip(got, want), (dgot, dwant)]:
+        assert a.shape == b.shape and torch.isfinite(a).all()
+        assert ((a.float() - b.float()).abs() <= b.float().abs() * 2 ** -7 + 1e-6).all()  # one bf16 ulp
+    assert torch.equal(got[2], want[2])
+
+
 def test_torch_compile_with_flash_has_no_graph_break():
     from minigpt.attention import get_attention
     from minigpt.config import ModelConfig

@@ -1,0 +1,120 @@
+"""The attention's inputs from the qkv projection in one pass: q and k rotated (RoPE), v split off.
+
+    qkv (B, N, 3, H, D)  ->  q = rot(qkv[:, :, 0]), k = rot(qkv[:, :, 1]), v = qkv[:, :, 2]     each (B, N, H, D)
+    rot([x1, x2]) = [x1 cos - x2 sin, x1 sin + x2 cos]          (x1, x2: the two halves of a head's D values)
+
+Why a kernel: eager PyTorch spends about a dozen elementwise passes on this (fp32 casts, the four products,
+the concatenation; in the backward a zero-filled qkv-sized gradient per slice, then their sum), which at 8K tokens ×
+batch 4 in gpt2-small took 2.2 ms per layer against 3.4 ms for the attention itself (H200, kernels/NOTES.md U).
+Here the forward reads qkv once and writes q, k, v once; the backward reads their gradients once and writes the
+qkv gradient once. The rotation is orthogonal, so its backward is the rotation by the opposite angle:
+    dx1 = g1 cos + g2 sin,   dx2 = g2 cos - g1 sin.
+Both compute in fp32 and round once to the input dtype, as minigpt.model.apply_rotary does.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from minigpt_kernels.flash_attention import INTERPRET
+
+BLOCK_TOKENS = 32  # tokens per program (each program rotates one head of them)
+
+
+@triton.jit
+def _rotate(x1, x2, c, s, INVERSE: tl.constexpr):
+    """The halves of rot(x) (INVERSE: of rot⁻¹(x), the rotation by −angle), in fp32."""
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    if INVERSE:
+        return x1 * c + x2 * s, x2 * c - x1 * s
+    return x1 * c - x2 * s, x1 * s + x2 * c
+
+
+@triton.jit
+def _qkv_rotary_kernel(PACKED, Q, K, V, COS, SIN, N, H,
+                       stride_pb, stride_pn, stride_pp, stride_ph,  # PACKED (B, N, 3, H, D): part p, token n, head h
+                       stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,  # Q, K, V (B, N, H, D)
+                       stride_vb, stride_vn, stride_vh, stride_cn,
+                       BACKWARD: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    """One head of BLOCK tokens. Forward: q, k rotated and v copied from the qkv projection PACKED into Q, K, V.
+    BACKWARD: their gradients Q, K, V rotated back (k's and q's) and copied (v's) into the projection's gradient
+    PACKED."""
+    bh = tl.program_id(1)
+    b, h = (bh // H).to(tl.int64), bh % H
+    n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rows = n.to(tl.int64)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    ok = (n < N)[:, None]
+    angle = n[:, None] * stride_cn + d  # cos, sin: (N, HALF) tables at the tokens' positions
+    c = tl.load(COS + angle, mask=ok, other=0.0)
+    s = tl.load(SIN + angle, mask=ok, other=0.0)
+    packed = PACKED + b * stride_pb + rows * stride_pn + h * stride_ph + d
+    q = Q + b * stride_qb + rows * stride_qn + h * stride_qh + d
+    k = K + b * stride_kb + rows * stride_kn + h * stride_kh + d
+    v = V + b * stride_vb + rows * stride_vn + h * stride_vh + d
+    for part in tl.static_range(2):  # q, then k: [x1, x2] -> rot or rot⁻¹, in fp32, rounded once
+        one = q if part == 0 else k
+        src, dst = (one, packed + part * stride_pp) if BACKWARD else (packed + part * stride_pp, one)
+        x1 = tl.load(src, mask=ok).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=ok).to(tl.float32)
+        if BACKWARD:  # rot⁻¹: the rotation by −angle
+            y1, y2 = x1 * c + x2 * s, x2 * c - x1 * s
+        else:
+            y1, y2 = x1 * c - x2 * s, x1 * s + x2 * c
+        tl.store(dst, y1.to(dst.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF, y2.to(dst.dtype.element_ty), mask=ok)
+    src, dst = (v, packed + 2 * stride_pp) if BACKWARD else (packed + 2 * stride_pp, v)
+    for half in tl.static_range(2):  # v as it is
+        tl.store(dst + half * HALF, tl.load(src + half * HALF, mask=ok), mask=ok)
+
+
+def _launch(packed: Tensor, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> None:
+    B, N, _, H, D = packed.shape
+    grid = (triton.cdiv(N, BLOCK_TOKENS), B * H)
+    _qkv_rotary_kernel[grid](packed, q, k, v, cos, sin, N, H, *packed.stride()[:4],
+                             *(st for t in (q, k, v) for st in (t.stride(0), t.stride(1), t.stride(2))),
+                             cos.stride(0), BACKWARD=backward, HALF=D // 2, BLOCK=BLOCK_TOKENS, num_warps=4)
+
+
+class QKVRotary(torch.autograd.Function):
+    """q, k (rotated) and v, each in a (B, N, H, D) buffer of its own, from qkv (B, N, 3, H, D)."""
+
+    @staticmethod
+    def forward(ctx, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        B, N, _, H, D = qkv.shape
+        q, k, v = (torch.empty((B, N, H, D), dtype=qkv.dtype, device=qkv.device) for _ in range(3))
+        _launch(qkv, q, k, v, cos, sin, backward=False)
+        ctx.save_for_backward(cos, sin)
+        ctx.shape = qkv.shape
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor):
+        cos, sin = ctx.saved_tensors
+        dq, dk, dv = (g if g.stride(-1) == 1 else g.contiguous() for g in (dq, dk, dv))
+        dqkv = torch.empty(ctx.shape, dtype=dq.dtype, device=dq.device)
+        _launch(dqkv, dq, dk, dv, cos, sin, backward=True)
+        return dqkv, None, None
+
+
+def rotary_fits(qkv: Tensor) -> bool:
+    """Whether qkv_rotary takes this projection output: (B, N, 3, H, D) with (3, H, D) contiguous and D/2 a power
+    of two, on a GPU (or under Triton's CPU interpreter)."""
+    B, N, three, H, D = qkv.shape
+    return (three == 3 and D >= 4 and (D & (D - 1)) == 0 and qkv.stride(4) == 1 and qkv.stride(3) == D
+            and qkv.stride(2) == H * D and (qkv.is_cuda or INTERPRET))
+
+
+def qkv_rotary(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k rotated by the tokens' angles (cos, sin: (N, D/2) fp32, or (N, 1, D/2) as minigpt.model.Rotary makes them)
+    and v, each a (B, N, H, D) contiguous buffer, from the qkv projection (B, N, 3, H, D) (rotary_fits); differentiable."""
+    if not rotary_fits(qkv):
+        raise ValueError(f"qkv_rotary: qkv (B, N, 3, H, D) with contiguous (3, H, D), D a power of two, on a GPU "
+                         f"expected, got shape {tuple(qkv.shape)}, strides {qkv.stride()}, device {qkv.device}")
+    N, D = qkv.shape[1], qkv.shape[4]
+    cos, sin = cos.reshape(N, D // 2), sin.reshape(N, D // 2)
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.stride(1) != 1 or sin.stride() != cos.stride():
+        raise ValueError("qkv_rotary: cos and sin must be fp32 (N, D/2) tables with contiguous rows, laid out alike")
+    return QKVRotary.apply(qkv, cos, sin)

@@ -1,0 +1,108 @@
+"""kernels/rotary.py: the qkv split + RoPE kernel against a float64 rotation, its backward against autograd's, and the
+model using it (under Triton's CPU interpreter here; tests/test_gpu.py checks bf16 on the GPU)."""
+import importlib
+
+import pytest
+import torch
+
+from minigpt.model import Rotary, apply_rotary
+
+rotary = importlib.import_module("minigpt_kernels.rotary")
+pytestmark = pytest.mark.skipif(not rotary.INTERPRET, reason="runs the Triton kernel under TRITON_INTERPRET=1")
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch):
+    """Every tensor the kernel's wrapper allocates starts as NaN, so an element it fails to write fails the test."""
+    real_empty = torch.empty
+    monkeypatch.setattr(rotary.torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
+
+
+def rotate64(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [x1 cos - x2 sin, x1 sin + x2 cos] in float64; x (B, N, H, D), angles (N, D/2)."""
+    x1, x2 = x.double().chunk(2, dim=-1)
+    c, s = angles.double().cos()[:, None], angles.double().sin()[:, None]
+    return torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+
+
+CASES = [(1, 1, 1, 8, torch.float32), (2, 37, 3, 16, torch.float32), (1, 70, 2, 64, torch.float16),
+         (3, 33, 1, 32, torch.float32), (1, 5, 4, 128, torch.float16)]
+
+
+@pytest.mark.parametrize("B,N,H,D,dtype", CASES, ids=[f"b{c[0]}-n{c[1]}-h{c[2]}-d{c[3]}-{str(c[4])[6:]}" for c in CASES])
+def test_matches_a_float64_rotation_and_its_gradient(B, N, H, D, dtype):
+    g = torch.Generator().manual_seed(N * D + H)
+    qkv = torch.randn(B, N, 3, H, D, generator=g).to(dtype).requires_grad_()
+    positions = torch.arange(N) * 3 + 1000  # a rank's share of a longer sequence (context parallelism)
+    cos, sin = Rotary(D)(N, positions)
+    angles = torch.outer(positions.float(), Rotary(D).inv_freq)
+    q, k, v = rotary.qkv_rotary(qkv, cos, sin)
+    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    for got, part in ((q, 0), (k, 1)):
+        assert got.shape == (B, N, H, D) and got.dtype == dtype and got.is_contiguous()
+        assert (got.double() - rotate64(qkv[:, :, part].detach(), angles)).abs().max() <= tol * 4
+    assert torch.equal(v, qkv[:, :, 2]) and v.is_contiguous()
+    # the gradient of the projection: rot⁻¹ of dq and dk, dv as it is; against autograd through the float64 rotation
+    dq, dk, dv = (torch.randn(B, N, H, D, generator=g).to(dtype) for _ in range(3))
+    (dqkv,) = torch.autograd.grad((q, k, v), qkv, (dq, dk, dv))
+    ref = qkv.detach().double().requires_grad_()
+    (want,) = torch.autograd.grad((rotate64(ref[:, :, 0], angles), rotate64(ref[:, :, 1], angles), ref[:, :, 2]),
+                                  ref, (dq.double(), dk.double(), dv.double()))
+    assert dqkv.dtype == dtype and (dqkv.double() - want).abs().max() <= tol * 4
+
+
+def test_equals_the_models_pytorch_rotary_and_takes_gradients_of_any_strides():
+    """Same math as minigpt.model.apply_rotary (fp32, rounded once), so the model's eager path and its compiled
+    regions (which keep apply_rotary) agree; autograd may hand the backward strided gradients."""
+    g = torch.Generator().manual_seed(5)
+    B, N, H, D = 2, 29, 3, 32
+    qkv = torch.randn(B, N, 3, H, D, generator=g, dtype=torch.float16, requires_grad=True)
+    cos, sin = Rotary(D)(N)
+    q, k, v = rotary.qkv_rotary(qkv, cos, sin)
+    want_q, want_k = apply_rotary(qkv[:, :, 0], cos, sin), apply_rotary(qkv[:, :, 1], cos, sin)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    grads = [torch.randn(B, H, N, D, generator=g, dtype=torch.float16).transpose(1, 2) for _ in range(3)]  # strided
+    (got,) = torch.autograd.grad((q, k, v), qkv, grads)
+    (want,) = torch.autograd.grad((want_q, want_k, qkv[:, :, 2]), qkv, grads)
+    assert torch.equal(got, want)
+
+
+def test_inputs_it_does_not_take_are_refused_and_the_model_falls_back():
+    qkv = torch.randn(1, 4, 3, 2, 16)
+    cos, sin = Rotary(16)(4)
+    assert rotary.rotary_fits(qkv)
+    assert not rotary.rotary_fits(torch.randn(1, 4, 3, 2, 12))  # D/2 not a power of two
+    assert not rotary.rotary_fits(torch.randn(1, 4, 2, 3, 16).transpose(2, 3))  # (3, H, D) not contiguous
+    with pytest.raises(ValueError, match="contiguous"):
+        rotary.qkv_rotary(torch.randn(1, 4, 2, 3, 16).transpose(2, 3), cos, sin)
+    with pytest.raises(ValueError, match="fp32"):
+        rotary.qkv_rotary(qkv, cos.double(), sin.double())
+
+
+@pytest.mark.parametrize("attention", ["naive", "flash"])
+def test_the_model_trains_the_same_with_the_kernel_and_without(tiny_config, monkeypatch, attention):
+    from minigpt.attention import get_attention
+    from minigpt.model import GPT
+    cfg = tiny_config(f"attention={attention}")
+
+    def two_steps():
+        torch.manual_seed(0)
+        model = GPT(cfg.model, 256, get_attention(cfg.attention.name))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x, y = torch.randint(0, 256, (2, 40)), torch.randint(0, 256, (2, 40))
+        out = []
+        for _ in range(2):
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        return out
+
+    calls = []
+    real = rotary.qkv_rotary
+    monkeypatch.setattr("minigpt.model.qkv_rotary", lambda *a: calls.append(1) or real(*a))
+    with_kernel = two_steps()
+    assert calls  # the model took the kernel ...
+    monkeypatch.setattr("minigpt.model.rotary_fits", lambda qkv: False)
+    assert two_steps() == pytest.approx(with_kernel, rel=1e-6)  # ... and the PyTorch path gives the same losses
