@@ -1,5 +1,5 @@
 """minigpt's attention kernels (Triton; warp-specialized Gluon kernels on Hopper, from 1K or 4K tokens), installed as
-`minigpt_kernels` (the folder is kernels/ in the source tree)."""
+`minigpt_kernels` (the folder is kernels/ in the source tree). rotary.py: the model's qkv split + RoPE in one pass."""
 from minigpt_kernels.flash_attention import flash_attention, flash_attention_with_lse
 
 __all__ = ["flash_attention", "flash_attention_with_lse"]
