@@ -972,9 +972,10 @@ def _(do, q, k, v, o, lse, causal, sm_scale, deterministic):
 
 
 def _traced(t: Tensor) -> bool:
-    """Whether torch.compile is tracing this call (Dynamo, or AOTAutograd's fake/functional tensors): then the
-    kernels are reached through the custom ops above, which it treats as opaque. Eager calls launch them directly:
-    the custom-op dispatch costs more host time than the launches themselves (kernels/NOTES.md U)."""
+    """Whether to reach the kernels through the custom ops above: when torch.compile traces the call (Dynamo, or
+    AOTAutograd's fake/functional tensors; any other tensor subclass takes them too), which treats them as opaque.
+    Plain eager calls launch the kernels directly: the custom-op dispatch costs more host time than the launches
+    (kernels/NOTES.md U)."""
     return torch.compiler.is_compiling() or type(t) is not Tensor
 
 
@@ -995,7 +996,7 @@ class FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do: Tensor):
         q, k, v, o, lse = ctx.saved_tensors
-        if _traced(do):
+        if _traced(do) or torch.is_grad_enabled():  # create_graph: the op's missing formula says so, loudly
             dq, dk, dv = torch.ops.minigpt.flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.sm_scale,
                                                           ctx.deterministic)
         else:
@@ -1028,6 +1029,6 @@ def flash_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, causal: bool = Tru
     """Forward only (no autograd): the output and the row log-sum-exp (base 2, fp32, (batch, heads, seq))."""
     _check_inputs(q, k, v)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    if _traced(q):
-        return torch.ops.minigpt.flash_attn_fwd(q, k, v, causal, sm_scale)
+    if _traced(q) or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+        return torch.ops.minigpt.flash_attn_fwd(q, k, v, causal, sm_scale)  # no gradient: the op says so if asked
     return launch_forward(q, k, v, causal, sm_scale)

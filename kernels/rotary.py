@@ -5,7 +5,7 @@
 
 Why a kernel: eager PyTorch spends about a dozen elementwise passes on this (fp32 casts, the four products,
 the concatenation; in the backward a zero-filled qkv-sized gradient per slice, then their sum), which at 8K tokens ×
-batch 4 in gpt2-small took 2.2 ms per layer against 3.4 ms for the attention itself (H200, kernels/NOTES.md U).
+batch 4 in gpt2-small took 2.47 ms per layer (forward and backward) against 3.4 ms for the attention itself (H200, kernels/NOTES.md U).
 Here the forward reads qkv once and writes q, k, v once; the backward reads their gradients once and writes the
 qkv gradient once. The rotation is orthogonal, so its backward is the rotation by the opposite angle:
     dx1 = g1 cos + g2 sin,   dx2 = g2 cos - g1 sin.
@@ -24,16 +24,7 @@ BLOCK_TOKENS = 32  # tokens per program (each program rotates one head of them)
 
 
 @triton.jit
-def _rotate(x1, x2, c, s, INVERSE: tl.constexpr):
-    """The halves of rot(x) (INVERSE: of rot⁻¹(x), the rotation by −angle), in fp32."""
-    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
-    if INVERSE:
-        return x1 * c + x2 * s, x2 * c - x1 * s
-    return x1 * c - x2 * s, x1 * s + x2 * c
-
-
-@triton.jit
-def _qkv_rotary_kernel(PACKED, Q, K, V, COS, SIN, N, H,
+def _qkv_rotary_kernel(PACKED, Q, K, V, COS, SIN, N, H, n_blocks,
                        stride_pb, stride_pn, stride_pp, stride_ph,  # PACKED (B, N, 3, H, D): part p, token n, head h
                        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,  # Q, K, V (B, N, H, D)
                        stride_vb, stride_vn, stride_vh, stride_cn,
@@ -41,13 +32,14 @@ def _qkv_rotary_kernel(PACKED, Q, K, V, COS, SIN, N, H,
     """One head of BLOCK tokens. Forward: q, k rotated and v copied from the qkv projection PACKED into Q, K, V.
     BACKWARD: their gradients Q, K, V rotated back (k's and q's) and copied (v's) into the projection's gradient
     PACKED."""
-    bh = tl.program_id(1)
-    b, h = (bh // H).to(tl.int64), bh % H
-    n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    pid = tl.program_id(0)  # one grid axis: no per-axis limit on heads · batch or on tokens
+    bh = (pid // n_blocks).to(tl.int64)
+    b, h = bh // H, bh % H
+    n = (pid % n_blocks) * BLOCK + tl.arange(0, BLOCK)
     rows = n.to(tl.int64)[:, None]
     d = tl.arange(0, HALF)[None, :]
     ok = (n < N)[:, None]
-    angle = n[:, None] * stride_cn + d  # cos, sin: (N, HALF) tables at the tokens' positions
+    angle = rows * stride_cn + d  # cos, sin: (N, HALF) tables at the tokens' positions
     c = tl.load(COS + angle, mask=ok, other=0.0)
     s = tl.load(SIN + angle, mask=ok, other=0.0)
     packed = PACKED + b * stride_pb + rows * stride_pn + h * stride_ph + d
@@ -72,8 +64,8 @@ def _qkv_rotary_kernel(PACKED, Q, K, V, COS, SIN, N, H,
 
 def _launch(packed: Tensor, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> None:
     B, N, _, H, D = packed.shape
-    grid = (triton.cdiv(N, BLOCK_TOKENS), B * H)
-    _qkv_rotary_kernel[grid](packed, q, k, v, cos, sin, N, H, *packed.stride()[:4],
+    n_blocks = triton.cdiv(N, BLOCK_TOKENS)
+    _qkv_rotary_kernel[(n_blocks * B * H,)](packed, q, k, v, cos, sin, N, H, n_blocks, *packed.stride()[:4],
                              *(st for t in (q, k, v) for st in (t.stride(0), t.stride(1), t.stride(2))),
                              cos.stride(0), BACKWARD=backward, HALF=D // 2, BLOCK=BLOCK_TOKENS, num_warps=4)
 
@@ -99,22 +91,33 @@ class QKVRotary(torch.autograd.Function):
         return dqkv, None, None
 
 
-def rotary_fits(qkv: Tensor) -> bool:
-    """Whether qkv_rotary takes this projection output: (B, N, 3, H, D) with (3, H, D) contiguous and D/2 a power
-    of two, on a GPU (or under Triton's CPU interpreter)."""
+def _layout_fits(qkv: Tensor, cos: Tensor, sin: Tensor) -> bool:
+    """The projection (B, N, 3, H, D) with (3, H, D) contiguous and D a power of two; cos and sin fp32 tables of
+    N·D/2 angles on its device, rows contiguous and laid out alike."""
     B, N, three, H, D = qkv.shape
-    return (three == 3 and D >= 4 and (D & (D - 1)) == 0 and qkv.stride(4) == 1 and qkv.stride(3) == D
-            and qkv.stride(2) == H * D and (qkv.is_cuda or INTERPRET))
+    if not (three == 3 and D >= 4 and (D & (D - 1)) == 0 and qkv.stride(4) == 1 and qkv.stride(3) == D
+            and qkv.stride(2) == H * D):
+        return False
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.numel() != N * D // 2 or sin.shape != cos.shape:
+        return False
+    cos, sin = cos.reshape(N, D // 2), sin.reshape(N, D // 2)
+    return cos.stride(1) == 1 and sin.stride() == cos.stride() and cos.device == qkv.device
+
+
+def rotary_fits(qkv: Tensor, cos: Tensor, sin: Tensor) -> bool:
+    """Whether the model should take qkv_rotary for these inputs: a GPU tensor of the layout it reads. Anything else
+    (CPU runs; a float64 model's tables) takes the model's PyTorch code. On CPU the kernel runs only under Triton's
+    interpreter, for the tests, which call it directly."""
+    return qkv.is_cuda and _layout_fits(qkv, cos, sin)
 
 
 def qkv_rotary(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """q, k rotated by the tokens' angles (cos, sin: (N, D/2) fp32, or (N, 1, D/2) as minigpt.model.Rotary makes them)
-    and v, each a (B, N, H, D) contiguous buffer, from the qkv projection (B, N, 3, H, D) (rotary_fits); differentiable."""
-    if not rotary_fits(qkv):
-        raise ValueError(f"qkv_rotary: qkv (B, N, 3, H, D) with contiguous (3, H, D), D a power of two, on a GPU "
-                         f"expected, got shape {tuple(qkv.shape)}, strides {qkv.stride()}, device {qkv.device}")
+    and v, each a (B, N, H, D) contiguous buffer, from the qkv projection (B, N, 3, H, D) with contiguous (3, H, D),
+    D a power of two, on a GPU (or under Triton's interpreter); differentiable."""
+    if not (_layout_fits(qkv, cos, sin) and (qkv.is_cuda or INTERPRET)):
+        raise ValueError(f"qkv_rotary: qkv (B, N, 3, H, D) with contiguous (3, H, D), D a power of two, on a GPU, and "
+                         f"fp32 (N, D/2) cos/sin tables with contiguous rows expected, got qkv {tuple(qkv.shape)} "
+                         f"strides {qkv.stride()} on {qkv.device}, cos {tuple(cos.shape)} {cos.dtype}")
     N, D = qkv.shape[1], qkv.shape[4]
-    cos, sin = cos.reshape(N, D // 2), sin.reshape(N, D // 2)
-    if cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.stride(1) != 1 or sin.stride() != cos.stride():
-        raise ValueError("qkv_rotary: cos and sin must be fp32 (N, D/2) tables with contiguous rows, laid out alike")
-    return QKVRotary.apply(qkv, cos, sin)
+    return QKVRotary.apply(qkv, cos.reshape(N, D // 2), sin.reshape(N, D // 2))

@@ -128,7 +128,7 @@ class SdpaAttention(AttentionBackend):
 
 @register
 class FlashAttention(AttentionBackend):
-    """minigpt's Triton FlashAttention (imported lazily so CPU-only users never compile Triton code)."""
+    """minigpt's Triton FlashAttention (its kernels compile on first use, so CPU-only users never compile Triton code)."""
 
     name = "flash"
     returns_lse = True

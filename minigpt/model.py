@@ -66,7 +66,7 @@ class CausalSelfAttention(nn.Module):
         elementwise passes fewer); compiled regions keep the PyTorch code, which Inductor fuses itself."""
         B, N, C = x.shape
         qkv = self.c_attn(x).view(B, N, 3, self.n_head, self.head_dim)
-        if rotary_fits(qkv) and not torch.compiler.is_compiling():
+        if rotary_fits(qkv, cos, sin) and not torch.compiler.is_compiling():
             return qkv_rotary(qkv, cos, sin)
         q, k = apply_rotary(qkv[:, :, 0], cos, sin), apply_rotary(qkv[:, :, 1], cos, sin)
         return q, k, qkv[:, :, 2].contiguous()

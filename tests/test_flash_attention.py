@@ -349,6 +349,19 @@ def test_eager_calls_launch_directly_and_torch_compile_traces_the_custom_ops():
         assert torch.equal(a, b)
 
 
+def test_gradients_it_cannot_give_fail_loudly():
+    """flash_attention_with_lse has no backward, and the backward has no backward of its own: asking for either
+    raises instead of silently dropping those terms (the eager direct launches keep the custom ops' error)."""
+    q, k, v = (torch.randn(1, 2, 20, 16, generator=torch.Generator().manual_seed(i), requires_grad=True)
+               for i in range(3))
+    o, _ = fa.flash_attention_with_lse(q, k, v)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        (o.sum() + q.sum()).backward()
+    (g,) = torch.autograd.grad(flash_attention(q, k, v).square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        g.square().sum().backward()
+
+
 def test_softmax_scale_and_contiguous_inputs():
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 3, 45, 32, generator=g) for _ in range(3))

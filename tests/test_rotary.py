@@ -67,16 +67,27 @@ def test_equals_the_models_pytorch_rotary_and_takes_gradients_of_any_strides():
     assert torch.equal(got, want)
 
 
-def test_inputs_it_does_not_take_are_refused_and_the_model_falls_back():
+def test_inputs_it_does_not_take_are_refused_and_the_model_falls_back(monkeypatch):
     qkv = torch.randn(1, 4, 3, 2, 16)
     cos, sin = Rotary(16)(4)
-    assert rotary.rotary_fits(qkv)
-    assert not rotary.rotary_fits(torch.randn(1, 4, 3, 2, 12))  # D/2 not a power of two
-    assert not rotary.rotary_fits(torch.randn(1, 4, 2, 3, 16).transpose(2, 3))  # (3, H, D) not contiguous
+    assert rotary._layout_fits(qkv, cos, sin) and not rotary.rotary_fits(qkv, cos, sin)  # the model: GPU tensors only
+    assert not rotary._layout_fits(torch.randn(1, 4, 3, 2, 12), *Rotary(12)(4))  # D/2 not a power of two
+    strided = torch.randn(1, 4, 2, 3, 16).transpose(2, 3)  # (3, H, D) not contiguous
+    assert not rotary._layout_fits(strided, cos, sin)
+    assert not rotary._layout_fits(qkv, cos.double(), sin.double())  # a float64 model's tables
     with pytest.raises(ValueError, match="contiguous"):
-        rotary.qkv_rotary(torch.randn(1, 4, 2, 3, 16).transpose(2, 3), cos, sin)
+        rotary.qkv_rotary(strided, cos, sin)
     with pytest.raises(ValueError, match="fp32"):
         rotary.qkv_rotary(qkv, cos.double(), sin.double())
+    # the model takes its PyTorch code for such inputs instead of raising: a float64 model runs (with the kernel's
+    # device condition lifted, as on a GPU)
+    monkeypatch.setattr("minigpt.model.rotary_fits", rotary._layout_fits)
+    from minigpt.attention import get_attention
+    from minigpt.config import ModelConfig
+    from minigpt.model import GPT
+    model = GPT(ModelConfig(name="t", n_layer=1, n_head=2, n_embd=32), 64, get_attention("naive")).double()
+    idx = torch.randint(0, 64, (1, 9))
+    assert torch.isfinite(model(idx, idx))
 
 
 @pytest.mark.parametrize("attention", ["naive", "flash"])
@@ -99,10 +110,11 @@ def test_the_model_trains_the_same_with_the_kernel_and_without(tiny_config, monk
             out.append(loss.item())
         return out
 
+    monkeypatch.setattr("minigpt.model.rotary_fits", rotary._layout_fits)  # on CPU too, under the interpreter
     calls = []
     real = rotary.qkv_rotary
     monkeypatch.setattr("minigpt.model.qkv_rotary", lambda *a: calls.append(1) or real(*a))
     with_kernel = two_steps()
     assert calls  # the model took the kernel ...
-    monkeypatch.setattr("minigpt.model.rotary_fits", lambda qkv: False)
+    monkeypatch.setattr("minigpt.model.rotary_fits", lambda *a: False)
     assert two_steps() == pytest.approx(with_kernel, rel=1e-6)  # ... and the PyTorch path gives the same losses
