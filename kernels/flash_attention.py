@@ -604,7 +604,7 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
 
 
 def _strides3(t: Tensor) -> tuple[int, int, int]:
-    return t.stride(0), t.stride(1), t.stride(2)
+    return t.stride()[:3]
 
 
 @functools.lru_cache(maxsize=16)
@@ -623,7 +623,7 @@ def _tma_ready(*tensors: Tensor) -> bool:
     path."""
     for t in tensors:
         size = t.element_size()
-        if t.data_ptr() % 16 or any((t.stride(i) * size) % 16 for i in range(t.dim() - 1)):
+        if t.data_ptr() % 16 or any(stride * size % 16 for stride in t.stride()[:-1]):
             return False
     return True
 
@@ -813,9 +813,9 @@ def launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse:
         do = do.contiguous()
     B, H, N = lse.shape
     if dkdv_cfg is None and dq_cfg is None and not (deterministic or torch.are_deterministic_algorithms_enabled()):
-        ready = specialized_ready(q, k, v, causal, module="flash_backward_specialized", also=(do,))
-        cfg = fused_backward_config(q.shape[-1], causal, q.dtype, N, ready)
-        if cfg is not None:
+        # the table's choice for this length, if the inputs fit the warp-specialized kernels (checked only then)
+        cfg = fused_backward_config(q.shape[-1], causal, q.dtype, N, True)
+        if cfg is not None and specialized_ready(q, k, v, causal, module="flash_backward_specialized", also=(do,)):
             return launch_backward_fused(do, q, k, v, o, lse, sm_scale, cfg)
     # rows start 16-byte aligned whatever N, as TMA reads them
     delta = torch.empty((B, H, (N + 3) // 4 * 4), dtype=torch.float32, device=lse.device)[:, :, :N]
@@ -925,8 +925,9 @@ def launch_backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
                          f"{tuple(delta.shape)} {delta.dtype} with strides {delta.stride()}")
     (lse, stride_lse), (delta, stride_delta) = _rows_in(lse), _rows_in(delta)
     # the warp-specialized dQ kernel computes delta from o (it has no path that reads it)
-    ready = o is not None and specialized_ready(q, k, v, causal, accumulate, module="flash_backward_specialized",
-                                                also=(do,))
+    wanted = cfg.specialized if cfg is not None else _specialized_entry("dq", D, N_Q) is not None  # else not checked
+    ready = o is not None and wanted and specialized_ready(q, k, v, causal, accumulate,
+                                                           module="flash_backward_specialized", also=(do,))
     if cfg is not None and cfg.specialized and (not ready or cfg.block_m != 128):
         raise ValueError(_NOT_SPECIALIZED.format("dQ kernel") + ", with o given; its block_m is 128")
     c = cfg or tile_config("dq", D, causal, q.dtype, N_Q, specialized=ready)
