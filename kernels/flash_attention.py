@@ -512,6 +512,10 @@ _GPU_CONFIGS_FROM_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
 #   6.63 seven-matmul, 32K (12 heads) 8.60 vs 8.76 and 9.76, 128K (12 heads) 135.9 vs 148.7 seven-matmul. Not
 #   deterministic (dQ is summed by reduce-adds in arrival order), so deterministic mode
 #   (torch.use_deterministic_algorithms) keeps the seven-matmul backward.
+# - dK/dV/dQ at D=128 (_dkdvdq_split_kernel: no dQ warpgroup, each consumer computes half of dQ's columns; NOTES.md
+#   V), 2 stages, from 8K tokens: the whole backward 8K 2.926 vs 3.226 ms for the seven-matmul one (cuDNN 2.820), 16K
+#   5.291 vs 5.936 (cuDNN 5.326); 4K a tie (1.669 vs 1.675), 1K–2K slower (0.733 vs 0.652, 1.026 vs 0.992); 3 stages
+#   1–2% slower everywhere.
 # - dQ at D=128: 128 rows per program, 64-key tiles, 3 stages: 16K 2.294 vs 2.594, 32K 8.82 vs 10.07; 4K 0.662 vs
 #   0.738 in one run, 0.712 vs 0.704 in another (2K 0.438 vs 0.448: a tie, left to Triton). At D=64 the Triton dQ
 #   kernel (128 rows over 8 warps) stays ahead at every length (16K: 2.82 vs 2.69).
@@ -522,6 +526,7 @@ _SPECIALIZED_FROM_SEQ: dict[tuple[str, int], list[tuple[int, TileConfig]]] = {
     ("fwd", 128): [(1024, TileConfig(128, 128, 4, 3, tma=True, specialized=True, persistent=True))],
     ("dkdvdq", 64): [(4096, TileConfig(64, 128, 4, 3, tma=True, specialized=True, persistent=True)),
                      (16384, TileConfig(64, 128, 4, 3, tma=True, specialized=True))],
+    ("dkdvdq", 128): [(8192, TileConfig(64, 128, 4, 2, tma=True, specialized=True))],
     ("dq", 128): [(4096, TileConfig(128, 64, 4, 3, tma=True, specialized=True))],
 }
 
@@ -803,8 +808,8 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
 def launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, sm_scale: float,
                     dkdv_cfg: TileConfig | None = None, dq_cfg: TileConfig | None = None,
                     deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    """The backward: (dq, dk, dv). Where the table says so (long causal sequences at head_dim 64 on an H100/H200), the
-    five-matmul backward (launch_backward_fused), unless deterministic results are asked for (deterministic=True or
+    """The backward: (dq, dk, dv). Where the table says so (long causal sequences at head_dim 64 or 128 on an
+    H100/H200), the five-matmul backward (launch_backward_fused), unless deterministic results are asked for (deterministic=True or
     torch.use_deterministic_algorithms): its dQ is summed in a varying order. Otherwise the deterministic
     seven-matmul backward: the dQ kernel, then the dK/dV kernel (the cfgs override their tiles). The dQ kernel also
     computes delta = rowsum(dO ∘ O) for its rows (it loads dO anyway) and leaves it for the dK/dV kernel, which
@@ -836,23 +841,27 @@ def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
     kernel, then the dK/dV/dQ kernel of flash_backward_specialized.py, which adds dQ into a zeroed fp32 accumulator
     (a TMA reduce-add per query tile and block of 128 keys), then one cast into dq. No kernel recomputes QKᵀ and dO·Vᵀ
     for dQ; dQ's summation order follows the programs' timing, so it can differ in the last bits between runs.
-    Needs inputs that fit the warp-specialized kernels (specialized_ready) and head_dim 64."""
+    Needs inputs that fit the warp-specialized kernels (specialized_ready); at head_dim 128 the kernel splits dQ's
+    columns between its consumers (no persistent variant)."""
     if do.stride(-1) != 1:
         do = do.contiguous()
     B, H, N, D = q.shape
-    if D != 64 or not specialized_ready(q, k, v, True, module="flash_backward_specialized", also=(do,)):
+    if not specialized_ready(q, k, v, True, module="flash_backward_specialized", also=(do,)):
         raise ValueError("flash_attention: the warp-specialized dK/dV/dQ kernel takes causal fp16/bf16 inputs with "
-                         "head_dim 64, TMA-aligned, on an sm_90 GPU (see specialized_ready)")
-    if cfg is not None and not (cfg.specialized and cfg.block_m == 64 and cfg.block_n == 128 and cfg.num_stages >= 2):
+                         "head_dim 64 or 128, TMA-aligned, on an sm_90 GPU (see specialized_ready)")
+    if cfg is not None and not (cfg.specialized and cfg.block_m == 64 and cfg.block_n == 128 and cfg.num_stages >= 2
+                                and not (cfg.persistent and D == 128)):
         raise ValueError(f"flash_attention: the dK/dV/dQ kernel runs 128 keys per program over 64-query tiles with at "
-                         f"least 2 stages (TileConfig(64, 128, 4, stages, specialized=True)), got {cfg}")
+                         f"least 2 stages (TileConfig(64, 128, 4, stages, specialized=True); persistent only at head_dim "
+                         f"64), got {cfg}")
     c = cfg or _specialized_entry("dkdvdq", D, N) or _SPECIALIZED_FROM_SEQ[("dkdvdq", D)][0][1]
     kernels = _gluon_module("flash_backward_specialized")
     dq, dk, dv = _empty_in_layout_of(q), _empty_in_layout_of(k), _empty_in_layout_of(v)
     group = max(1, min(H, FUSED_DQ_ACC_BYTES // (B * N * D * 4)))  # heads per launch
     acc = torch.empty(B * group * N * D, dtype=torch.float32, device=q.device)
     triton.set_allocator(_tma_scratch)
-    launch = kernels.launch_dkdv_dq_persistent if c.persistent else kernels.launch_dkdv_dq
+    launch = (kernels.launch_dkdv_dq_split if D == 128 else
+              kernels.launch_dkdv_dq_persistent if c.persistent else kernels.launch_dkdv_dq)
     for h0 in range(0, H, group):
         hs = slice(h0, min(H, h0 + group))
         dq_acc = acc[:B * (hs.stop - h0) * N * D].view(B, hs.stop - h0, N, D).zero_()  # contiguous

@@ -53,6 +53,8 @@ CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program (the warp_special
 # 64K register file (2·128·208 + 128·88 + 32·24 ≤ 65536); below 208 the consumers' wgmmas serialize (ptxas C7512)
 FUSED_CONSUMER_REGS = 208
 REDUCER_REGS = 88
+# the head_dim-128 dK/dV/dQ kernel: 2 consumers (dK, dV: 128 registers each, then dQ's half) + the producer warp
+SPLIT_CONSUMER_REGS = 240
 
 
 # ------------------------------------------------------------------------------------------------
@@ -315,6 +317,149 @@ def _dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
                         (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES)),
                         (_dq_reducer, (dqs, HEAD_DIM, BLOCK_M))],
                        [4, 1, 4], [CONSUMER_REGS, PRODUCER_REGS, REDUCER_REGS])
+
+
+# ------------------------------------------------------------------------------------------------
+# The dK/dV/dQ kernel at head_dim 128: dQ split between the consumers (FlashAttention-3's split), no dQ warpgroup
+# ------------------------------------------------------------------------------------------------
+@gluon.jit
+def _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready, ds_free,
+                        dq_smem, dq_desc, t, row, ME: gl.constexpr, STAGES: gl.constexpr, zero_s, zero_q, dv, dk, keys,
+                        cols, masked, qk_scale, sm_scale, a_layout: gl.constexpr):
+    """Query tile t (ring position t), in order: Sᵀ_t = K Q_tᵀ and dPᵀ_t = V dO_tᵀ; Pᵀ_t, dSᵀ_t; dSᵀ_t into shared
+    buffer t % 2; dV += Pᵀ_t dO_t and dK += dSᵀ_t Q_t; once both consumers stored dSᵀ_t, this consumer's 64 columns of
+    dQ_t = dS_t K (both consumers' keys, K's columns 64·ME ...), all retired within the step; then the scaled dQ
+    columns go through fp32 staging to a TMA reduce-add. Returns (dV, dK)."""
+    stage = t % STAGES
+    u = t % 2
+    mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+    sT = warpgroup_mma(k, q_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dpT = warpgroup_mma(v, do_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    sT, dpT = warpgroup_mma_wait(0, deps=(sT, dpT))
+    pT16, dsT16 = _pT_dsT(sT, dpT, lse_smem.index(stage), delta_smem.index(stage), keys, cols, masked, qk_scale,
+                          q_smem.dtype)
+    mbarrier.wait(ds_free.index(u), ((t // 2) & 1) ^ 1)  # both consumers have read what buffer u held (tile t − 2)
+    ds_smem.index(u * CONSUMERS + ME).store(dsT16)
+    fence_async_shared()
+    mbarrier.arrive(ds_ready.index(u), count=1)
+    pT16 = gl.convert_layout(pT16, a_layout)
+    dsT16 = gl.convert_layout(dsT16, a_layout)
+    dv = warpgroup_mma(pT16, do_smem.index(stage), dv, is_async=True)
+    dk = warpgroup_mma(dsT16, q_smem.index(stage), dk, is_async=True)
+    mbarrier.wait(ds_ready.index(u), (t // 2) & 1)  # the other consumer's dSᵀ_t is stored too
+    dq = warpgroup_mma(ds_smem.index(u * CONSUMERS).permute((1, 0)), k0, zero_q, use_acc=False, is_async=True)
+    dq = warpgroup_mma(ds_smem.index(u * CONSUMERS + 1).permute((1, 0)), k1, dq, is_async=True)
+    dv, dk, dq, pT16, dsT16 = warpgroup_mma_wait(0, deps=(dv, dk, dq, pT16, dsT16))
+    mbarrier.arrive(ds_free.index(u), count=1)
+    mbarrier.arrive(empty.index(stage), count=1)  # tile t's buffers no longer read by this consumer
+    staging = dq_smem.index(ME)
+    tma.store_wait(0)  # the reduce issued from the staging buffer a tile ago has read it
+    staging.store(dq * sm_scale)  # dS was taken w.r.t. the scaled scores
+    fence_async_shared()
+    _tma_reduce_add(dq_desc, [row, ME * k0.shape[1]], staging)  # rows past the array's end are clipped by TMA
+    return dv, dk
+
+
+@gluon.jit
+def _dkdv_dq_split_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                            STAGES: gl.constexpr):
+    """Consumer warpgroup ME: dK, dV of keys start_n + 64·ME ... + 63, and columns 64·ME ... of each query tile's dQ,
+    over query tiles 0 .. num_tiles−1."""
+    (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty, ds_smem, ds_ready, ds_free,
+     dq_smem, dq_desc, DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+     N, start_n, num_tiles, qk_scale, sm_scale) = shared
+    HALF: gl.constexpr = HEAD_DIM // 2
+    s_layout: gl.constexpr = _mma_layout(BLOCK_M, 4)   # Sᵀ, dPᵀ: 64 keys × BLOCK_M queries
+    d_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)  # dK, dV: 64 keys × HEAD_DIM
+    q_layout: gl.constexpr = _mma_layout(HALF, 4)      # dQ's columns: BLOCK_M queries × HEAD_DIM/2
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)  # Pᵀ, dSᵀ in registers
+    MASKED_TILES: gl.constexpr = (TILE * (ME + 1) + BLOCK_M - 1) // BLOCK_M
+    key0 = start_n + ME * TILE
+    keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
+    cols = start_n + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    zero_s = gl.zeros([TILE, BLOCK_M], gl.float32, layout=s_layout)
+    zero_q = gl.zeros([BLOCK_M, HALF], gl.float32, layout=q_layout)
+    dk = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
+    dv = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
+    k = k_smem.index(ME)
+    v = v_smem.index(ME)
+    k0 = k_smem.index(0).slice(ME * HALF, HALF, dim=1)  # this consumer's dQ columns, of both consumers' keys
+    k1 = k_smem.index(1).slice(ME * HALF, HALF, dim=1)
+    for c in gl.static_range(CONSUMERS):  # dQ reads the other consumer's keys too
+        mbarrier.wait(kv_ready.index(c), 0)
+    for t in range(num_tiles):
+        dv, dk = _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
+                                     ds_ready, ds_free, dq_smem, dq_desc, t, start_n + t * BLOCK_M, ME, STAGES, zero_s,
+                                     zero_q, dv, dk, keys, cols + t * BLOCK_M, t < MASKED_TILES, qk_scale, sm_scale,
+                                     a_layout)
+    tma.store_wait(0)
+    _write_dkdv(dk, dv, DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0,
+                sm_scale, HEAD_DIM)
+
+
+@gluon.jit
+def _dkdvdq_split_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
+                         stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                         stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
+                         stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                         stride_accb, stride_acch, stride_accn, stride_lse, stride_delta, H, N, qk_scale, sm_scale,
+                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """_dkdvdq_kernel's contract at head_dim 128, where a dQ warpgroup does not fit the register file beside two
+    consumers holding dK and dV (128 registers each): each consumer computes half of dQ's columns itself (NOTES.md V)."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    HALF: gl.constexpr = HEAD_DIM // 2
+    start_n = gl.program_id(0) * (CONSUMERS * TILE)
+    bh = gl.program_id(1)
+    b = (bh // H).to(gl.int64)
+    h = (bh % H).to(gl.int64)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], dtype)
+    qd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, BLOCK_M], dtype)
+    acc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], gl.float32)
+    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    k_desc = _head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, TILE, HEAD_DIM, kv_layout)
+    v_desc = _head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, TILE, HEAD_DIM, kv_layout)
+    q_desc = _head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, BLOCK_M, HEAD_DIM, qd_layout)
+    do_desc = _head_rows(DO, b, h, stride_dob, stride_doh, stride_don, N, BLOCK_M, HEAD_DIM, qd_layout)
+    dq_desc = tma.make_tensor_descriptor(DQ_ACC + b * stride_accb + h * stride_acch, shape=[N, HEAD_DIM],
+                                         strides=[stride_accn, 1], block_shape=[BLOCK_M, HALF], layout=acc_layout)
+    lse_desc = tma.make_tensor_descriptor(LSE + bh.to(gl.int64) * stride_lse, shape=[N], strides=[1],
+                                          block_shape=[BLOCK_M], layout=row_layout)
+    delta_desc = tma.make_tensor_descriptor(DELTA + bh.to(gl.int64) * stride_delta, shape=[N], strides=[1],
+                                            block_shape=[BLOCK_M], layout=row_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, TILE, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, TILE, HEAD_DIM], kv_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qd_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qd_layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, TILE, BLOCK_M], ds_layout)  # dSᵀ: 2 tiles in flight
+    dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS, BLOCK_M, HALF], acc_layout)  # one staging each
+    kv_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(CONSUMERS):
+        mbarrier.init(kv_ready.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    for i in gl.static_range(2):  # both consumers store into and read from every dSᵀ buffer
+        mbarrier.init(ds_ready.index(i), count=CONSUMERS)
+        mbarrier.init(ds_free.index(i), count=CONSUMERS)
+    fence_async_shared()
+    num_tiles = gl.cdiv(N - start_n, BLOCK_M)  # query tiles from the block's first key to the end
+    shared = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty, ds_smem, ds_ready, ds_free,
+              dq_smem, dq_desc, DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+              N, start_n, num_tiles, qk_scale, sm_scale)
+    loads = (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
+             delta_smem, kv_ready, ready, empty, start_n, num_tiles)
+    gl.warp_specialize([(_dkdv_dq_split_consumer, (shared, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES)),
+                        (_dkdv_dq_split_consumer, (shared, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES)),
+                        (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES))],
+                       [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -676,6 +821,18 @@ def launch_dkdv_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, str
                          H, N, qk_scale, sm_scale, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
                          CONSUMER_REGS=FUSED_CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, REDUCER_REGS=REDUCER_REGS,
                          num_warps=4)
+
+
+def launch_dkdv_dq_split(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
+                         stride_delta: int, dk: Tensor, dv: Tensor, dq_acc: Tensor, sm_scale: float, qk_scale: float,
+                         block_m: int, stages: int) -> None:
+    """launch_dkdv_dq's contract at head_dim 128 (_dkdvdq_split_kernel)."""
+    B, H, N, D = q.shape
+    grid = (-(-N // (CONSUMERS.value * TILE.value)), B * H)
+    _dkdvdq_split_kernel[grid](q, k, v, do, lse, delta, dk, dv, dq_acc, *_strides3(q), *_strides3(k), *_strides3(v),
+                               *_strides3(do), *_strides3(dk), *_strides3(dv), *_strides3(dq_acc), stride_lse,
+                               stride_delta, H, N, qk_scale, sm_scale, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
+                               CONSUMER_REGS=SPLIT_CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
 
 
 @functools.lru_cache(maxsize=64)

@@ -150,8 +150,8 @@ def test_persistent_backward_on_few_programs_matches_the_plain_kernel(stages, mo
 def test_specialized_backward_vs_float64(seq, batch, heads, head_dim, dtype):
     """The warp-specialized backward on short and ragged sequences (the table sends it from 4K tokens), on the
     model's qkv-split strides, against float64 with errors no larger than the Triton kernels': the five-matmul
-    dK/dV/dQ kernel at head_dim 64 (dK, dV bitwise the Triton kernel's: the same tiles and order), the dQ kernel (and
-    its delta) at 128. N = 1001: LSE rows not 16-byte aligned (the TMA reads a padded copy)."""
+    dK/dV/dQ kernel at head_dim 64 (dK, dV bitwise the Triton kernel's: the same tiles and order), at 128 the dQ
+    kernel (and its delta) and the dK/dV/dQ kernel that splits dQ's columns between its consumers. N = 1001: LSE rows not 16-byte aligned (the TMA reads a padded copy)."""
     g = torch.Generator(device="cuda").manual_seed(seq * 5 + head_dim)
     qkv = torch.randn(batch, seq, 3, heads, head_dim, device="cuda", generator=g).to(dtype)
     q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
@@ -169,15 +169,18 @@ def test_specialized_backward_vs_float64(seq, batch, heads, head_dim, dtype):
         dq_p, dk_p, dv_p = fa.launch_backward_fused(do, q, k, v, o, lse, scale, dataclasses.replace(plain, persistent=True))
         assert torch.equal(dk, dk_t) and torch.equal(dv, dv_t) and torch.equal(dk_p, dk_t) and torch.equal(dv_p, dv_t)
         assert rel_err(dq_p, refs[0]) < TOL[dtype] and rel_err(dq_p, refs[0]) <= 1.05 * rel_err(dq_t, refs[0]) + 1e-6
-    else:  # only dQ (and delta) come from the warp-specialized kernel; dK/dV stay Triton's
+    else:  # the dQ kernel (and its delta) of the seven-matmul backward, then the dK/dV/dQ kernel with dQ split
         delta = torch.empty_like(lse)
         dq = fa.launch_backward_dq(do, q, k, v, lse, delta, True, scale, fa.TileConfig(128, 64, 4, 3, specialized=True),
                                    o=o)
         assert (delta - delta_t).abs().max().item() < 1e-3
+        dq5, dk, dv = fa.launch_backward_fused(do, q, k, v, o, lse, scale, fa.TileConfig(64, 128, 4, 2, specialized=True))
+        assert rel_err(dq5, refs[0]) < TOL[dtype] and rel_err(dq5, refs[0]) <= 1.05 * rel_err(dq_t, refs[0]) + 1e-6
+        for ours, theirs, ref in zip((dk, dv), (dk_t, dv_t), refs[1:]):
+            assert rel_err(ours, ref) <= 1.05 * rel_err(theirs, ref) + 1e-6
     assert rel_err(dq, refs[0]) < TOL[dtype] and rel_err(dq, refs[0]) <= 1.05 * rel_err(dq_t, refs[0]) + 1e-6
-    if head_dim == 64:
-        for ours, ref in zip((dk, dv), refs[1:]):
-            assert rel_err(ours, ref) < TOL[dtype]
+    for ours, ref in zip((dk, dv), refs[1:]):
+        assert rel_err(ours, ref) < TOL[dtype]
 
 
 @pytest.mark.skipif(not HOPPER, reason="the warp-specialized backward is written for sm_90 (wgmma)")
@@ -202,12 +205,12 @@ def test_fused_backward_runs_head_group_by_head_group(persistent, monkeypatch):
 
 
 @pytest.mark.skipif(not HOPPER, reason="the warp-specialized backward is written for sm_90 (wgmma)")
-@pytest.mark.parametrize("head_dim,seq", [(64, 4096), (64, 8192), (128, 4096)])
+@pytest.mark.parametrize("head_dim,seq", [(64, 4096), (64, 8192), (128, 4096), (128, 8192)])
 def test_long_causal_backward_runs_the_specialized_kernels(head_dim, seq, monkeypatch):
     """Where the table says so, flash_attention's backward runs the warp-specialized kernels: at head_dim 64 the
     five-matmul backward (a spy counts its launches; dK, dV equal a forced launch's bitwise, dQ up to its summation
-    order), unless deterministic algorithms are asked for, which give the seven-matmul backward's gradients bitwise
-    without launching it; at 128 the dQ kernel."""
+    order), and at 128 from 8K tokens too, unless deterministic algorithms are asked for, which give the seven-matmul
+    backward's gradients bitwise without launching it; at 128 below 8K the dQ kernel."""
     fused = fa.launch_backward_fused
     calls = []
     monkeypatch.setattr(fa, "launch_backward_fused", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
@@ -225,8 +228,8 @@ def test_long_causal_backward_runs_the_specialized_kernels(head_dim, seq, monkey
     qd, kd, vd, od = q.detach(), k.detach(), v.detach(), o.detach()
     _, lse = fa.launch_forward(qd, kd, vd, True, head_dim ** -0.5)
     delta = torch.empty_like(lse)
-    if head_dim == 64:
-        assert len(calls) == 1 and len(persistent_calls) == 1  # the default backward took the persistent kernel
+    if head_dim == 64 or seq >= 8192:  # the five-matmul backward: persistent at 64, dQ split between consumers at 128
+        assert len(calls) == 1 and len(persistent_calls) == (head_dim == 64)
         forced = fused(do, qd, kd, vd, od, lse, head_dim ** -0.5)
         assert torch.equal(dk, forced[1]) and torch.equal(dv, forced[2])
         assert (dq.float() - forced[0].float()).abs().max().item() < 1e-2 * forced[0].float().abs().max().item()
