@@ -11,7 +11,7 @@ the scale (exp(x) = exp2(x · log2 e)), which is one multiply cheaper per score.
 Backward (FlashAttention-2): one kernel owns a query tile and walks the key tiles to accumulate dQ; it also
 computes delta = rowsum(dO ∘ O) for its rows and leaves it for the other, which owns a key tile and walks the
 query tiles to accumulate dK and dV. No atomics: every output tile has one writer, so results are deterministic.
-(On an H100/H200 at head_dim 64 from 4K tokens the backward is instead the five-matmul one of
+(On an H100/H200 at head_dim 64 from 4K tokens and 128 from 8K the backward is instead the five-matmul one of
 flash_backward_specialized.py, which adds dQ with fp32 reduce-adds; deterministic=True, the flash backend's
 attention.deterministic or torch.use_deterministic_algorithms keep this one.)
 
@@ -20,8 +20,8 @@ the inputs are 16-byte aligned, through masked pointer loads otherwise. On an H1
 tokens (fp16/bf16, head_dim 64 or 128) take the warp-specialized forward of flash_forward_pingpong.py instead
 (FlashAttention-3's producer warp and consumer warpgroups in ping-pong, written in Gluon; persistent below 16K tokens
 at head_dim 64 and at every length at 128), and from 4K tokens the warp-specialized backward kernels of
-flash_backward_specialized.py (the five-matmul dK/dV/dQ kernel at head_dim 64, persistent below 16K tokens; the dQ
-kernel at head_dim 128); they compute the same outputs as the Triton kernels here
+flash_backward_specialized.py (the five-matmul dK/dV/dQ kernel at head_dim 64, persistent below 16K tokens, and at
+head_dim 128 from 8K; below that the dQ kernel at head_dim 128); they compute the same outputs as the Triton kernels here
 (the five-matmul dQ up to its summation order, which varies between runs).
 
 Causal masking: tiles entirely above the diagonal are never visited; only tiles on the diagonal pay for

@@ -17,6 +17,10 @@ Two kernels, each splitting its warps by role (`gl.warp_specialize`) like the pi
   at the price of an fp32 accumulator and a dQ whose summation order varies from run to run (not deterministic).
   Its persistent variant (NOTES.md T; below 16K tokens) runs one program per SM over a host-made list of key blocks
   (persistent_schedule), with K and V double-buffered so that a block's loads overlap the last one's tail.
+- **dK/dV/dQ at head_dim 128** (NOTES.md V): there dK and dV take 128 registers per consumer, and a dQ warpgroup does
+  not fit beside them. So, as in FlashAttention-3, each consumer runs its tile in order (Sᵀ, dPᵀ; Pᵀ, dSᵀ; dV, dK)
+  and, once both consumers stored dSᵀ_t, computes half of dQ_t's columns from both (dS_t K[:, its half]) and
+  reduce-adds them itself. Not persistent.
 - **dQ** (head_dim 128, the seven-matmul backward's dQ half, deterministic): one program owns 128 query rows (two
   consumers of 64), keeps Q and dO, streams K_j, V_j; per tile S_j, dP_j and the previous tile's dQ matmul are
   issued and dS_j is computed while the dQ matmul runs. Each consumer also writes its rows' delta for the Triton
@@ -27,7 +31,7 @@ already holds four (dK/dV) or three (dQ) matmuls against one exponential per sco
 its step (a wgmma result in flight at the loop's back-edge makes ptxas serialize them all, NOTES.md F). The register
 file is split by role (setmaxnreg).
 
-Scope: causal, fp16/bf16, head_dim 64 (dK/dV/dQ) or 128 (dQ), one length for queries and keys, TMA-aligned inputs,
+Scope: causal, fp16/bf16, head_dim 64 or 128 (dK/dV/dQ; the dQ kernel at 128), one length for queries and keys, TMA-aligned inputs,
 sm_90; the dK/dV/dQ kernel reads LSE and delta rows through TMA, so their starts must be 16-byte aligned.
 flash_attention.py picks these kernels where its table says so and falls back to its Triton kernels otherwise.
 """
