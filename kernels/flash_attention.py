@@ -512,7 +512,7 @@ _GPU_CONFIGS_FROM_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
 #   6.63 seven-matmul, 32K (12 heads) 8.60 vs 8.76 and 9.76, 128K (12 heads) 135.9 vs 148.7 seven-matmul. Not
 #   deterministic (dQ is summed by reduce-adds in arrival order), so deterministic mode
 #   (torch.use_deterministic_algorithms) keeps the seven-matmul backward.
-# - dK/dV/dQ at D=128 (_dkdvdq_split_kernel: no dQ warpgroup, each consumer computes half of dQ's columns; NOTES.md
+# - dK/dV/dQ at D=128 (_dkdvdq_kernel without its dQ warpgroup, each consumer computes half of dQ's columns; NOTES.md
 #   V), 2 stages, from 8K tokens: the whole backward 8K 2.926 vs 3.226 ms for the seven-matmul one (cuDNN 2.820), 16K
 #   5.291 vs 5.936 (cuDNN 5.326); 4K a tie (1.669 vs 1.675), 1K–2K slower (0.733 vs 0.652, 1.026 vs 0.992); 3 stages
 #   1–2% slower everywhere.
@@ -860,8 +860,7 @@ def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
     group = max(1, min(H, FUSED_DQ_ACC_BYTES // (B * N * D * 4)))  # heads per launch
     acc = torch.empty(B * group * N * D, dtype=torch.float32, device=q.device)
     triton.set_allocator(_tma_scratch)
-    launch = (kernels.launch_dkdv_dq_split if D == 128 else
-              kernels.launch_dkdv_dq_persistent if c.persistent else kernels.launch_dkdv_dq)
+    launch = kernels.launch_dkdv_dq_persistent if c.persistent else kernels.launch_dkdv_dq
     for h0 in range(0, H, group):
         hs = slice(h0, min(H, h0 + group))
         dq_acc = acc[:B * (hs.stop - h0) * N * D].view(B, hs.stop - h0, N, D).zero_()  # contiguous

@@ -57,7 +57,7 @@ CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program (the warp_special
 # 64K register file (2·128·208 + 128·88 + 32·24 ≤ 65536); below 208 the consumers' wgmmas serialize (ptxas C7512)
 FUSED_CONSUMER_REGS = 208
 REDUCER_REGS = 88
-# the head_dim-128 dK/dV/dQ kernel: 2 consumers (dK, dV: 128 registers each, then dQ's half) + the producer warp
+# at head_dim 128: 2 consumers (dK, dV: 128 registers each, then their half of dQ) + the producer warp
 SPLIT_CONSUMER_REGS = 240
 
 
@@ -100,10 +100,11 @@ def _hand_over(ds_smem, ds_ready, ds_free, dsT16, t, ME: gl.constexpr):
 
 
 @gluon.jit
-def _dkdv_first(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, t, ME: gl.constexpr,
-                STAGES: gl.constexpr, zero_s, keys, cols, masked, qk_scale, a_layout: gl.constexpr):
-    """A key block's first query tile (ring position t): Sᵀ = K Qᵀ and dPᵀ = V dOᵀ alone (no dV, dK yet), then Pᵀ, dSᵀ
-    and the hand-over. Returns (Pᵀ, dSᵀ) as the next step's register operands."""
+def _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, t, ME: gl.constexpr,
+                 STAGES: gl.constexpr, zero_s, keys, cols, masked, qk_scale, a_layout: gl.constexpr):
+    """Query tile t (ring position t) with nothing else in flight: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, then Pᵀ, dSᵀ and the
+    hand-over (a key block's first tile; every tile of the head_dim-128 kernel). Returns (Pᵀ, dSᵀ) as register
+    operands of the dV, dK matmuls."""
     mbarrier.wait(ready.index(t % STAGES), (t // STAGES) & 1)
     sT = warpgroup_mma(k, q_smem.index(t % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     dpT = warpgroup_mma(v, do_smem.index(t % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -173,11 +174,17 @@ def _dq_tile(k0, k1, ds_smem, dq_smem, ds_ready, ds_free, dq_desc, t, row, zero,
     dq = warpgroup_mma(ds_smem.index(u * CONSUMERS + 1).permute((1, 0)), k1, dq, is_async=True)
     dq = warpgroup_mma_wait(0, deps=(dq,))
     mbarrier.arrive(ds_free.index(u), count=1)  # the consumers may overwrite buffer u
-    staging = dq_smem.index(u)
-    tma.store_wait(1)  # the reduce issued from this staging buffer two tiles ago has read it
+    _reduce_add_dq(dq_smem.index(u), dq, dq_desc, row, 0, sm_scale, 1)  # its last reduce was two tiles ago
+
+
+@gluon.jit
+def _reduce_add_dq(staging, dq, dq_desc, row, col, sm_scale, PENDING: gl.constexpr):
+    """DQ_ACC[row:, col:] += scale · dq, through the fp32 shared buffer `staging` by a TMA reduce-add, once at most
+    PENDING reduces issued before are still reading their buffers (the last one from `staging` among the done)."""
+    tma.store_wait(PENDING)
     staging.store(dq * sm_scale)  # dS was taken w.r.t. the scaled scores
     fence_async_shared()
-    _tma_reduce_add(dq_desc, [row, 0], staging)  # rows past the array's end are clipped by TMA
+    _tma_reduce_add(dq_desc, [row, col], staging)  # rows past the array's end are clipped by TMA
 
 
 @gluon.jit
@@ -201,7 +208,7 @@ def _dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl
     k = k_smem.index(ME)
     v = v_smem.index(ME)
     mbarrier.wait(kv_ready.index(ME), 0)
-    pT16, dsT16 = _dkdv_first(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, 0, ME,
+    pT16, dsT16 = _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, 0, ME,
                               STAGES, zero_s, keys, cols, 0 < MASKED_TILES, qk_scale, a_layout)
     for t in range(1, num_tiles):
         dv, dk, pT16, dsT16 = _dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready,
@@ -265,8 +272,12 @@ def _dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, REDUCER_REGS: gl.constexpr):
     """dK, dV of one block of 128 keys of one (batch, head), causal, over the queries from the block's first key on,
     and this block's share of dQ for those queries, added into DQ_ACC. Program 0 holds the first keys (most queries),
-    so the longest programs start first."""
+    so the longest programs start first. At head_dim 128 a dQ warpgroup does not fit the register file beside two
+    consumers holding dK and dV (128 registers each): each consumer computes half of dQ's columns itself (NOTES.md V;
+    REDUCER_REGS unused)."""
     dtype: gl.constexpr = Q.dtype.element_ty
+    SPLIT_DQ: gl.constexpr = HEAD_DIM > 64
+    DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_DQ else HEAD_DIM  # columns per dQ reduce-add
     start_n = gl.program_id(0) * (CONSUMERS * TILE)
     bh = gl.program_id(1)
     b = (bh // H).to(gl.int64)
@@ -274,13 +285,14 @@ def _dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], dtype)
     qd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, BLOCK_M], dtype)
-    acc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32)
+    acc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
     row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     k_desc = _head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, TILE, HEAD_DIM, kv_layout)
     v_desc = _head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, TILE, HEAD_DIM, kv_layout)
     q_desc = _head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, BLOCK_M, HEAD_DIM, qd_layout)
     do_desc = _head_rows(DO, b, h, stride_dob, stride_doh, stride_don, N, BLOCK_M, HEAD_DIM, qd_layout)
-    dq_desc = _head_rows(DQ_ACC, b, h, stride_accb, stride_acch, stride_accn, N, BLOCK_M, HEAD_DIM, acc_layout)
+    dq_desc = tma.make_tensor_descriptor(DQ_ACC + b * stride_accb + h * stride_acch, shape=[N, HEAD_DIM],
+                                         strides=[stride_accn, 1], block_shape=[BLOCK_M, DQ_COLS], layout=acc_layout)
     lse_desc = tma.make_tensor_descriptor(LSE + bh.to(gl.int64) * stride_lse, shape=[N], strides=[1],
                                           block_shape=[BLOCK_M], layout=row_layout)
     delta_desc = tma.make_tensor_descriptor(DELTA + bh.to(gl.int64) * stride_delta, shape=[N], strides=[1],
@@ -292,7 +304,8 @@ def _dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, TILE, BLOCK_M], ds_layout)  # dSᵀ: 2 tiles in flight
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], acc_layout)  # dQ staging for the reduce
+    # dQ staging for the reduce: two tiles in flight, or one per consumer (SPLIT_DQ)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_COLS], acc_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -305,7 +318,10 @@ def _dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
         mbarrier.init(empty.index(i), count=CONSUMERS)
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=CONSUMERS)
-        mbarrier.init(ds_free.index(i), count=1)
+        if SPLIT_DQ:  # both consumers read every dSᵀ buffer
+            mbarrier.init(ds_free.index(i), count=CONSUMERS)
+        else:  # the dQ warpgroup does
+            mbarrier.init(ds_free.index(i), count=1)
     fence_async_shared()
     num_tiles = gl.cdiv(N - start_n, BLOCK_M)  # query tiles from the block's first key to the end
 
@@ -315,63 +331,55 @@ def _dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
     loads = (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
              delta_smem, kv_ready, ready, empty, start_n, num_tiles)
     dqs = (k_smem, ds_smem, dq_smem, kv_ready, ds_ready, ds_free, dq_desc, start_n, num_tiles, sm_scale)
-    # the first consumer is the default partition; the list is a literal for the compiler
-    gl.warp_specialize([(_dkdv_consumer, (shared, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES)),
-                        (_dkdv_consumer, (shared, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES)),
-                        (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES)),
-                        (_dq_reducer, (dqs, HEAD_DIM, BLOCK_M))],
-                       [4, 1, 4], [CONSUMER_REGS, PRODUCER_REGS, REDUCER_REGS])
+    # the first consumer is the default partition; the lists are literals for the compiler
+    if SPLIT_DQ:
+        gl.warp_specialize([(_dkdv_dq_split_consumer, (shared, dqs, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES)),
+                            (_dkdv_dq_split_consumer, (shared, dqs, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES)),
+                            (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES))],
+                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_dkdv_consumer, (shared, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES)),
+                            (_dkdv_consumer, (shared, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES)),
+                            (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES)),
+                            (_dq_reducer, (dqs, HEAD_DIM, BLOCK_M))],
+                           [4, 1, 4], [CONSUMER_REGS, PRODUCER_REGS, REDUCER_REGS])
 
 
 # ------------------------------------------------------------------------------------------------
-# The dK/dV/dQ kernel at head_dim 128: dQ split between the consumers (FlashAttention-3's split), no dQ warpgroup
+# _dkdvdq_kernel's consumers at head_dim 128: dQ split between them (FlashAttention-3's split), no dQ warpgroup
 # ------------------------------------------------------------------------------------------------
 @gluon.jit
 def _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready, ds_free,
                         dq_smem, dq_desc, t, row, ME: gl.constexpr, STAGES: gl.constexpr, zero_s, zero_q, dv, dk, keys,
                         cols, masked, qk_scale, sm_scale, a_layout: gl.constexpr):
-    """Query tile t (ring position t), in order: Sᵀ_t = K Q_tᵀ and dPᵀ_t = V dO_tᵀ; Pᵀ_t, dSᵀ_t; dSᵀ_t into shared
-    buffer t % 2; dV += Pᵀ_t dO_t and dK += dSᵀ_t Q_t; once both consumers stored dSᵀ_t, this consumer's 64 columns of
-    dQ_t = dS_t K (both consumers' keys, K's columns 64·ME ...), all retired within the step; then the scaled dQ
-    columns go through fp32 staging to a TMA reduce-add. Returns (dV, dK)."""
+    """Query tile t (ring position t), in order: Sᵀ_t, dPᵀ_t, Pᵀ_t, dSᵀ_t and the hand-over (_tile_scores); dV += Pᵀ_t dO_t
+    and dK += dSᵀ_t Q_t; once both consumers stored dSᵀ_t, this consumer's 64 columns of dQ_t = dS_t K (both consumers'
+    keys, K's columns 64·ME ...), all retired within the step; then those columns' reduce-add. Returns (dV, dK)."""
     stage = t % STAGES
     u = t % 2
-    mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
-    sT = warpgroup_mma(k, q_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    dpT = warpgroup_mma(v, do_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    sT, dpT = warpgroup_mma_wait(0, deps=(sT, dpT))
-    pT16, dsT16 = _pT_dsT(sT, dpT, lse_smem.index(stage), delta_smem.index(stage), keys, cols, masked, qk_scale,
-                          q_smem.dtype)
-    mbarrier.wait(ds_free.index(u), ((t // 2) & 1) ^ 1)  # both consumers have read what buffer u held (tile t − 2)
-    ds_smem.index(u * CONSUMERS + ME).store(dsT16)
-    fence_async_shared()
-    mbarrier.arrive(ds_ready.index(u), count=1)
-    pT16 = gl.convert_layout(pT16, a_layout)
-    dsT16 = gl.convert_layout(dsT16, a_layout)
+    pT16, dsT16 = _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, t, ME,
+                               STAGES, zero_s, keys, cols, masked, qk_scale, a_layout)
     dv = warpgroup_mma(pT16, do_smem.index(stage), dv, is_async=True)
     dk = warpgroup_mma(dsT16, q_smem.index(stage), dk, is_async=True)
     mbarrier.wait(ds_ready.index(u), (t // 2) & 1)  # the other consumer's dSᵀ_t is stored too
     dq = warpgroup_mma(ds_smem.index(u * CONSUMERS).permute((1, 0)), k0, zero_q, use_acc=False, is_async=True)
     dq = warpgroup_mma(ds_smem.index(u * CONSUMERS + 1).permute((1, 0)), k1, dq, is_async=True)
     dv, dk, dq, pT16, dsT16 = warpgroup_mma_wait(0, deps=(dv, dk, dq, pT16, dsT16))
-    mbarrier.arrive(ds_free.index(u), count=1)
+    mbarrier.arrive(ds_free.index(u), count=1)  # both consumers' arrivals free buffer u
     mbarrier.arrive(empty.index(stage), count=1)  # tile t's buffers no longer read by this consumer
-    staging = dq_smem.index(ME)
-    tma.store_wait(0)  # the reduce issued from the staging buffer a tile ago has read it
-    staging.store(dq * sm_scale)  # dS was taken w.r.t. the scaled scores
-    fence_async_shared()
-    _tma_reduce_add(dq_desc, [row, ME * k0.shape[1]], staging)  # rows past the array's end are clipped by TMA
+    _reduce_add_dq(dq_smem.index(ME), dq, dq_desc, row, ME * k0.shape[1], sm_scale, 0)  # its last reduce: tile t − 1
     return dv, dk
 
 
 @gluon.jit
-def _dkdv_dq_split_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+def _dkdv_dq_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             STAGES: gl.constexpr):
-    """Consumer warpgroup ME: dK, dV of keys start_n + 64·ME ... + 63, and columns 64·ME ... of each query tile's dQ,
-    over query tiles 0 .. num_tiles−1."""
+    """Consumer warpgroup ME of the head_dim-128 kernel: dK, dV of keys start_n + 64·ME ... + 63, and columns 64·ME ...
+    of each query tile's dQ, over query tiles 0 .. num_tiles−1."""
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty, ds_smem, ds_ready, ds_free,
-     dq_smem, dq_desc, DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+     DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
      N, start_n, num_tiles, qk_scale, sm_scale) = shared
+    dq_smem, dq_desc = dqs[2], dqs[6]
     HALF: gl.constexpr = HEAD_DIM // 2
     s_layout: gl.constexpr = _mma_layout(BLOCK_M, 4)   # Sᵀ, dPᵀ: 64 keys × BLOCK_M queries
     d_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)  # dK, dV: 64 keys × HEAD_DIM
@@ -399,71 +407,6 @@ def _dkdv_dq_split_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BL
     tma.store_wait(0)
     _write_dkdv(dk, dv, DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0,
                 sm_scale, HEAD_DIM)
-
-
-@gluon.jit
-def _dkdvdq_split_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
-                         stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                         stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
-                         stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                         stride_accb, stride_acch, stride_accn, stride_lse, stride_delta, H, N, qk_scale, sm_scale,
-                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """_dkdvdq_kernel's contract at head_dim 128, where a dQ warpgroup does not fit the register file beside two
-    consumers holding dK and dV (128 registers each): each consumer computes half of dQ's columns itself (NOTES.md V)."""
-    dtype: gl.constexpr = Q.dtype.element_ty
-    HALF: gl.constexpr = HEAD_DIM // 2
-    start_n = gl.program_id(0) * (CONSUMERS * TILE)
-    bh = gl.program_id(1)
-    b = (bh // H).to(gl.int64)
-    h = (bh % H).to(gl.int64)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], dtype)
-    qd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, BLOCK_M], dtype)
-    acc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], gl.float32)
-    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    k_desc = _head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, TILE, HEAD_DIM, kv_layout)
-    v_desc = _head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, TILE, HEAD_DIM, kv_layout)
-    q_desc = _head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, BLOCK_M, HEAD_DIM, qd_layout)
-    do_desc = _head_rows(DO, b, h, stride_dob, stride_doh, stride_don, N, BLOCK_M, HEAD_DIM, qd_layout)
-    dq_desc = tma.make_tensor_descriptor(DQ_ACC + b * stride_accb + h * stride_acch, shape=[N, HEAD_DIM],
-                                         strides=[stride_accn, 1], block_shape=[BLOCK_M, HALF], layout=acc_layout)
-    lse_desc = tma.make_tensor_descriptor(LSE + bh.to(gl.int64) * stride_lse, shape=[N], strides=[1],
-                                          block_shape=[BLOCK_M], layout=row_layout)
-    delta_desc = tma.make_tensor_descriptor(DELTA + bh.to(gl.int64) * stride_delta, shape=[N], strides=[1],
-                                            block_shape=[BLOCK_M], layout=row_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, TILE, HEAD_DIM], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, TILE, HEAD_DIM], kv_layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qd_layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qd_layout)
-    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, TILE, BLOCK_M], ds_layout)  # dSᵀ: 2 tiles in flight
-    dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS, BLOCK_M, HALF], acc_layout)  # one staging each
-    kv_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(CONSUMERS):
-        mbarrier.init(kv_ready.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=CONSUMERS)
-    for i in gl.static_range(2):  # both consumers store into and read from every dSᵀ buffer
-        mbarrier.init(ds_ready.index(i), count=CONSUMERS)
-        mbarrier.init(ds_free.index(i), count=CONSUMERS)
-    fence_async_shared()
-    num_tiles = gl.cdiv(N - start_n, BLOCK_M)  # query tiles from the block's first key to the end
-    shared = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty, ds_smem, ds_ready, ds_free,
-              dq_smem, dq_desc, DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-              N, start_n, num_tiles, qk_scale, sm_scale)
-    loads = (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
-             delta_smem, kv_ready, ready, empty, start_n, num_tiles)
-    gl.warp_specialize([(_dkdv_dq_split_consumer, (shared, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES)),
-                        (_dkdv_dq_split_consumer, (shared, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES)),
-                        (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES))],
-                       [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -504,7 +447,7 @@ def _persistent_dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, 
         v = v_smem.index(buf * CONSUMERS + ME)
         mbarrier.wait(kv_ready.index(buf * CONSUMERS + ME), (i // 2) & 1)
 
-        pT16, dsT16 = _dkdv_first(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, g,
+        pT16, dsT16 = _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, g,
                                   ME, STAGES, zero_s, keys, cols, 0 < MASKED_TILES, qk_scale, a_layout)
         for t in range(1, num_tiles):
             dv, dk, pT16, dsT16 = _dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
@@ -823,20 +766,8 @@ def launch_dkdv_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, str
     _dkdvdq_kernel[grid](q, k, v, do, lse, delta, dk, dv, dq_acc, *_strides3(q), *_strides3(k), *_strides3(v),
                          *_strides3(do), *_strides3(dk), *_strides3(dv), *_strides3(dq_acc), stride_lse, stride_delta,
                          H, N, qk_scale, sm_scale, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
-                         CONSUMER_REGS=FUSED_CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, REDUCER_REGS=REDUCER_REGS,
-                         num_warps=4)
-
-
-def launch_dkdv_dq_split(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
-                         stride_delta: int, dk: Tensor, dv: Tensor, dq_acc: Tensor, sm_scale: float, qk_scale: float,
-                         block_m: int, stages: int) -> None:
-    """launch_dkdv_dq's contract at head_dim 128 (_dkdvdq_split_kernel)."""
-    B, H, N, D = q.shape
-    grid = (-(-N // (CONSUMERS.value * TILE.value)), B * H)
-    _dkdvdq_split_kernel[grid](q, k, v, do, lse, delta, dk, dv, dq_acc, *_strides3(q), *_strides3(k), *_strides3(v),
-                               *_strides3(do), *_strides3(dk), *_strides3(dv), *_strides3(dq_acc), stride_lse,
-                               stride_delta, H, N, qk_scale, sm_scale, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
-                               CONSUMER_REGS=SPLIT_CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+                         CONSUMER_REGS=SPLIT_CONSUMER_REGS if D > 64 else FUSED_CONSUMER_REGS,
+                         PRODUCER_REGS=PRODUCER_REGS, REDUCER_REGS=REDUCER_REGS, num_warps=4)
 
 
 @functools.lru_cache(maxsize=64)
