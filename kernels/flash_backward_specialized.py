@@ -760,7 +760,8 @@ def launch_dkdv_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, str
     """Write the causal dK, dV of q, k, v, do (B, H, N, D) into dk, dv (k's shape, contiguous last dimension) and add
     dQ into dq_acc (fp32, q's shape, zeroed by the caller, 16-byte aligned rows). lse, delta: fp32 rows at
     t + (b·H + h)·stride with 16-byte aligned starts (1-D TMA). qk_scale = sm_scale·log2(e). block_m: queries per
-    streamed tile (64: the M of the dQ warpgroup's matmul)."""
+    streamed tile (64: the M of the dQ matmul). At head_dim 128 the consumers compute dQ themselves (no dQ warpgroup),
+    with more registers each."""
     B, H, N, D = q.shape
     grid = (-(-N // (CONSUMERS.value * TILE.value)), B * H)
     _dkdvdq_kernel[grid](q, k, v, do, lse, delta, dk, dv, dq_acc, *_strides3(q), *_strides3(k), *_strides3(v),
