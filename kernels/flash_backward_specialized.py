@@ -349,25 +349,35 @@ def _dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
 # _dkdvdq_kernel's consumers at head_dim 128: dQ split between them (FlashAttention-3's split), no dQ warpgroup
 # ------------------------------------------------------------------------------------------------
 @gluon.jit
-def _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready, ds_free,
-                        dq_smem, dq_desc, t, row, ME: gl.constexpr, STAGES: gl.constexpr, zero_s, zero_q, dv, dk, keys,
-                        cols, masked, qk_scale, sm_scale, a_layout: gl.constexpr):
-    """Query tile t (ring position t), in order: Sᵀ_t, dPᵀ_t, Pᵀ_t, dSᵀ_t and the hand-over (_tile_scores); dV += Pᵀ_t dO_t
-    and dK += dSᵀ_t Q_t; once both consumers stored dSᵀ_t, this consumer's 64 columns of dQ_t = dS_t K (both consumers'
-    keys, K's columns 64·ME ...), all retired within the step; then those columns' reduce-add. Returns (dV, dK)."""
-    stage = t % STAGES
+def _dq_split_issue(k0, k1, ds_smem, ds_ready, t, zero_q):
+    """Issue this consumer's columns of dQ_t = dS_t K (both consumers' keys, K's columns 64·ME ...) once both consumers
+    stored dSᵀ_t; the caller retires it."""
     u = t % 2
+    mbarrier.wait(ds_ready.index(u), (t // 2) & 1)
+    dq = warpgroup_mma(ds_smem.index(u * CONSUMERS).permute((1, 0)), k0, zero_q, use_acc=False, is_async=True)
+    return warpgroup_mma(ds_smem.index(u * CONSUMERS + 1).permute((1, 0)), k1, dq, is_async=True)
+
+
+@gluon.jit
+def _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready, ds_free,
+                        dq_smem, dq_desc, t, dq_row, ME: gl.constexpr, STAGES: gl.constexpr, zero_s, zero_q, dv, dk,
+                        keys, cols, masked, qk_scale, sm_scale, a_layout: gl.constexpr):
+    """Query tile t ≥ 1 (ring position t), with the previous tile's dQ one step behind: Sᵀ_t, dPᵀ_t, Pᵀ_t, dSᵀ_t and the
+    hand-over (_tile_scores); then issue this consumer's columns of dQ_{t−1}, dV += Pᵀ_t dO_t and dK += dSᵀ_t Q_t; retire
+    dQ_{t−1} (wgmma groups retire in order) and start its reduce-add (rows from dq_row on) while dV and dK run. Waiting
+    for the other consumer's dSᵀ one step late lets the two drift apart, so that one's softmax can overlap the other's
+    matmuls (they met at every tile before). Returns (dV, dK)."""
+    stage = t % STAGES
     pT16, dsT16 = _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, t, ME,
                                STAGES, zero_s, keys, cols, masked, qk_scale, a_layout)
+    dq = _dq_split_issue(k0, k1, ds_smem, ds_ready, t - 1, zero_q)
     dv = warpgroup_mma(pT16, do_smem.index(stage), dv, is_async=True)
     dk = warpgroup_mma(dsT16, q_smem.index(stage), dk, is_async=True)
-    mbarrier.wait(ds_ready.index(u), (t // 2) & 1)  # the other consumer's dSᵀ_t is stored too
-    dq = warpgroup_mma(ds_smem.index(u * CONSUMERS).permute((1, 0)), k0, zero_q, use_acc=False, is_async=True)
-    dq = warpgroup_mma(ds_smem.index(u * CONSUMERS + 1).permute((1, 0)), k1, dq, is_async=True)
-    dv, dk, dq, pT16, dsT16 = warpgroup_mma_wait(0, deps=(dv, dk, dq, pT16, dsT16))
-    mbarrier.arrive(ds_free.index(u), count=1)  # both consumers' arrivals free buffer u
+    dq = warpgroup_mma_wait(2, deps=(dq,))
+    mbarrier.arrive(ds_free.index((t - 1) % 2), count=1)  # both consumers' arrivals free the buffer of dSᵀ_{t−1}
+    _reduce_add_dq(dq_smem.index(ME), dq, dq_desc, dq_row, ME * k0.shape[1], sm_scale, 0)
+    dv, dk, pT16, dsT16 = warpgroup_mma_wait(0, deps=(dv, dk, pT16, dsT16))
     mbarrier.arrive(empty.index(stage), count=1)  # tile t's buffers no longer read by this consumer
-    _reduce_add_dq(dq_smem.index(ME), dq, dq_desc, row, ME * k0.shape[1], sm_scale, 0)  # its last reduce: tile t − 1
     return dv, dk
 
 
@@ -399,11 +409,22 @@ def _dkdv_dq_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.constexp
     k1 = k_smem.index(1).slice(ME * HALF, HALF, dim=1)
     for c in gl.static_range(CONSUMERS):  # dQ reads the other consumer's keys too
         mbarrier.wait(kv_ready.index(c), 0)
-    for t in range(num_tiles):
+    # tile 0: no dQ behind it yet
+    pT16, dsT16 = _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, 0, ME,
+                               STAGES, zero_s, keys, cols, 0 < MASKED_TILES, qk_scale, a_layout)
+    dv, dk = _dkdv_last(q_smem, do_smem, 0, STAGES, dv, dk, pT16, dsT16)
+    mbarrier.arrive(empty.index(0), count=1)
+    for t in range(1, num_tiles):
         dv, dk = _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
-                                     ds_ready, ds_free, dq_smem, dq_desc, t, start_n + t * BLOCK_M, ME, STAGES, zero_s,
+                                     ds_ready, ds_free, dq_smem, dq_desc, t, start_n + (t - 1) * BLOCK_M, ME, STAGES, zero_s,
                                      zero_q, dv, dk, keys, cols + t * BLOCK_M, t < MASKED_TILES, qk_scale, sm_scale,
                                      a_layout)
+    # the last tile's dQ
+    last = num_tiles - 1
+    dq = _dq_split_issue(k0, k1, ds_smem, ds_ready, last, zero_q)
+    dq = warpgroup_mma_wait(0, deps=(dq,))
+    mbarrier.arrive(ds_free.index(last % 2), count=1)
+    _reduce_add_dq(dq_smem.index(ME), dq, dq_desc, start_n + last * BLOCK_M, ME * HALF, sm_scale, 0)
     tma.store_wait(0)
     _write_dkdv(dk, dv, DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0,
                 sm_scale, HEAD_DIM)

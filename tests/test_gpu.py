@@ -205,12 +205,12 @@ def test_fused_backward_runs_head_group_by_head_group(persistent, monkeypatch):
 
 
 @pytest.mark.skipif(not HOPPER, reason="the warp-specialized backward is written for sm_90 (wgmma)")
-@pytest.mark.parametrize("head_dim,seq", [(64, 4096), (64, 8192), (128, 4096), (128, 8192)])
+@pytest.mark.parametrize("head_dim,seq", [(64, 4096), (64, 8192), (128, 2048), (128, 4096), (128, 8192)])
 def test_long_causal_backward_runs_the_specialized_kernels(head_dim, seq, monkeypatch):
-    """Where the table says so, flash_attention's backward runs the warp-specialized kernels: at head_dim 64 the
-    five-matmul backward (a spy counts its launches; dK, dV equal a forced launch's bitwise, dQ up to its summation
-    order), and at 128 from 8K tokens too, unless deterministic algorithms are asked for, which give the seven-matmul
-    backward's gradients bitwise without launching it; at 128 below 8K the dQ kernel."""
+    """Where the table says so (from 4K tokens), flash_attention's backward runs the five-matmul backward (a spy counts
+    its launches; dK, dV equal a forced launch's bitwise, dQ up to its summation order), unless deterministic
+    algorithms are asked for, which give the seven-matmul backward's gradients bitwise without launching it; below
+    that, the seven-matmul backward."""
     fused = fa.launch_backward_fused
     calls = []
     monkeypatch.setattr(fa, "launch_backward_fused", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
@@ -228,7 +228,7 @@ def test_long_causal_backward_runs_the_specialized_kernels(head_dim, seq, monkey
     qd, kd, vd, od = q.detach(), k.detach(), v.detach(), o.detach()
     _, lse = fa.launch_forward(qd, kd, vd, True, head_dim ** -0.5)
     delta = torch.empty_like(lse)
-    if head_dim == 64 or seq >= 8192:  # the five-matmul backward: persistent at 64, dQ split between consumers at 128
+    if fa._specialized_entry("dkdvdq", head_dim, seq):  # five-matmul: persistent at 64, dQ split between consumers at 128
         assert len(calls) == 1 and len(persistent_calls) == (head_dim == 64)
         forced = fused(do, qd, kd, vd, od, lse, head_dim ** -0.5)
         assert torch.equal(dk, forced[1]) and torch.equal(dv, forced[2])
@@ -245,7 +245,6 @@ def test_long_causal_backward_runs_the_specialized_kernels(head_dim, seq, monkey
     else:
         assert not calls
         cfg = fa.tile_config("dq", head_dim, True, torch.bfloat16, seq, specialized=True)
-        assert cfg.specialized
         forced_dq = fa.launch_backward_dq(do, qd, kd, vd, lse, delta, True, head_dim ** -0.5, cfg, o=od)
         forced_dk, forced_dv = fa.launch_backward_dkdv(do, qd, kd, vd, lse, delta, True, head_dim ** -0.5)
         assert torch.equal(dq, forced_dq) and torch.equal(dk, forced_dk) and torch.equal(dv, forced_dv)
