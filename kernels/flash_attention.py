@@ -691,6 +691,15 @@ def _needs_int64(n: int, *tensors: Tensor) -> bool:
     return any(n * t.stride(2) >= 2**31 for t in tensors)
 
 
+def _in_layout_of(t: Tensor, flat: Tensor, heads: int) -> Tensor:
+    """flat (B·heads·N·D elements) viewed as (B, heads, N, D) in t's memory order (see _empty_in_layout_of), so that
+    copying it into a head slice of a tensor laid out like t walks both in the same order."""
+    B, _, N, D = t.shape
+    if t.stride(1) < t.stride(2):
+        return flat.view(B, N, heads, D).transpose(1, 2)
+    return flat.view(B, heads, N, D)
+
+
 def _empty_in_layout_of(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """An uninitialized (B, H, N, D) tensor (of t's dtype unless given) laid out in memory like t: as (B, N, H, D)
     rows when t is a head-transposed view of a (B, N, ...) buffer (the model's q/k/v), so that the model's
@@ -863,7 +872,7 @@ def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
     launch = kernels.launch_dkdv_dq_persistent if c.persistent else kernels.launch_dkdv_dq
     for h0 in range(0, H, group):
         hs = slice(h0, min(H, h0 + group))
-        dq_acc = acc[:B * (hs.stop - h0) * N * D].view(B, hs.stop - h0, N, D).zero_()  # contiguous
+        dq_acc = _in_layout_of(q, acc[:B * (hs.stop - h0) * N * D], hs.stop - h0).zero_()
         do_h, delta = launch_backward_delta(do[:, hs], o[:, hs], lse[:, hs])
         (lse_h, stride_lse), (delta, stride_delta) = _rows_in(lse[:, hs]), _rows_in(delta)
         (lse_h, stride_lse), (delta, stride_delta) = _rows_for_tma(lse_h, stride_lse), _rows_for_tma(delta, stride_delta)

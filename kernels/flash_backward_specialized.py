@@ -164,17 +164,17 @@ def _write_dkdv(dk, dv, DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride
 
 
 @gluon.jit
-def _dq_tile(k0, k1, ds_smem, dq_smem, ds_ready, ds_free, dq_desc, t, row, zero, sm_scale):
+def _dq_tile(k0, k1, ds_smem, dq_smem, ds_ready, ds_free, dq_desc, t, row, col, zero, sm_scale):
     """The dQ warpgroup's tile at hand-over position t: dQ_t = scale · Σ_c dS_t[:, keys of c] K_c (dS_t = (dSᵀ_t)ᵀ:
     the stored tiles read transposed), staged in fp32 shared memory and added into the accumulator's rows from `row`
-    on by a TMA reduce-add, which runs while the next tile's matmul does."""
+    on (columns from `col` on) by a TMA reduce-add, which runs while the next tile's matmul does."""
     u = t % 2
     mbarrier.wait(ds_ready.index(u), (t // 2) & 1)
     dq = warpgroup_mma(ds_smem.index(u * CONSUMERS).permute((1, 0)), k0, zero, use_acc=False, is_async=True)
     dq = warpgroup_mma(ds_smem.index(u * CONSUMERS + 1).permute((1, 0)), k1, dq, is_async=True)
     dq = warpgroup_mma_wait(0, deps=(dq,))
     mbarrier.arrive(ds_free.index(u), count=1)  # the consumers may overwrite buffer u
-    _reduce_add_dq(dq_smem.index(u), dq, dq_desc, row, 0, sm_scale, 1)  # its last reduce was two tiles ago
+    _reduce_add_dq(dq_smem.index(u), dq, dq_desc, row, col, sm_scale, 1)  # its last reduce was two tiles ago
 
 
 @gluon.jit
@@ -231,7 +231,7 @@ def _dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
         mbarrier.wait(kv_ready.index(c), 0)
     for t in range(num_tiles):
         _dq_tile(k_smem.index(0), k_smem.index(1), ds_smem, dq_smem, ds_ready, ds_free, dq_desc, t,
-                 start_n + t * BLOCK_M, zero, sm_scale)  # rows past N are clipped by TMA
+                 start_n + t * BLOCK_M, 0, zero, sm_scale)  # rows past N are clipped by TMA
     tma.store_wait(0)
 
 
@@ -484,11 +484,12 @@ def _persistent_dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, 
 
 @gluon.jit
 def _persistent_dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
-    """_dq_reducer over this program's items. The accumulator is one (B·H·N, HEAD_DIM) array, so its descriptor is
-    made once; a key block's last query tile may reach past its head's N rows into the next head's first ones, where
-    it adds exact zeros (queries past N have dS = 0; a non-finite K would make those rows NaN, as it does its own)."""
-    (k_smem, ds_smem, dq_smem, kv_ready, kv_free, ds_ready, ds_free, dq_desc, N, sm_scale, WORK, first, count,
-     n_kblocks) = dqs
+    """_dq_reducer over this program's items. The accumulator is one 2-D array (rows of one head's queries, see
+    _dkdvdq_persistent_kernel), so its descriptor is made once; a key block's last query tile may reach past its
+    head's N rows into the next head's or batch's first ones, where it adds exact zeros (queries past N have dS = 0; a
+    non-finite K would make those rows NaN, as it does its own)."""
+    (k_smem, ds_smem, dq_smem, kv_ready, kv_free, ds_ready, ds_free, dq_desc, N, H, acc_rows_b, acc_rows_h,
+     acc_cols_h, sm_scale, WORK, first, count, n_kblocks) = dqs
     dq_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)
     zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
     g = 0
@@ -497,10 +498,11 @@ def _persistent_dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
         buf = i % 2
         for c in gl.static_range(CONSUMERS):
             mbarrier.wait(kv_ready.index(buf * CONSUMERS + c), (i // 2) & 1)
-        row0 = bh * N + start_n
+        row0 = (bh // H) * acc_rows_b + (bh % H) * acc_rows_h + start_n
+        col = (bh % H) * acc_cols_h
         for t in range(num_tiles):
             _dq_tile(k_smem.index(buf * CONSUMERS), k_smem.index(buf * CONSUMERS + 1), ds_smem, dq_smem, ds_ready,
-                     ds_free, dq_desc, g + t, row0 + t * BLOCK_M, zero, sm_scale)
+                     ds_free, dq_desc, g + t, row0 + t * BLOCK_M, col, zero, sm_scale)
         mbarrier.arrive(kv_free.index(buf), count=1)  # its last dQ matmul (K) has retired
         g += num_tiles
     tma.store_wait(0)
@@ -566,11 +568,14 @@ def _dkdvdq_persistent_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WOR
                               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
                               stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                              stride_lse, stride_delta, H, N, n_kblocks, acc_rows, qk_scale, sm_scale,
+                              stride_lse, stride_delta, H, N, n_kblocks, acc_rows, acc_cols, acc_rows_b, acc_rows_h,
+                              acc_cols_h, qk_scale, sm_scale,
                               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, REDUCER_REGS: gl.constexpr):
     """_dkdvdq_kernel's work, program p taking items WORK[WORK_START[p] : WORK_START[p+1]] (item = bh · n_kblocks +
-    key block). DQ_ACC: contiguous fp32 (B·H·N, HEAD_DIM), acc_rows = B·H·N."""
+    key block). DQ_ACC: fp32, one 2-D (acc_rows, acc_cols) array in which head h of batch b adds its query n into row
+    b·acc_rows_b + h·acc_rows_h + n at columns h·acc_cols_h ...: (B·H·N, HEAD_DIM) with (H·N, N, 0) for (B, H, N, D)
+    memory, (B·N, H·HEAD_DIM) with (N, 0, HEAD_DIM) for (B, N, H, D) rows (the model's layout)."""
     dtype: gl.constexpr = Q.dtype.element_ty
     first = gl.load(WORK_START + gl.program_id(0))
     count = gl.load(WORK_START + gl.program_id(0) + 1) - first
@@ -579,7 +584,7 @@ def _dkdvdq_persistent_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WOR
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, BLOCK_M], dtype)
     acc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32)
     row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    dq_desc = tma.make_tensor_descriptor(DQ_ACC, shape=[acc_rows, HEAD_DIM], strides=[HEAD_DIM, 1],
+    dq_desc = tma.make_tensor_descriptor(DQ_ACC, shape=[acc_rows, acc_cols], strides=[acc_cols, 1],
                                          block_shape=[BLOCK_M, HEAD_DIM], layout=acc_layout)
     k_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, TILE, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, TILE, HEAD_DIM], kv_layout)
@@ -613,8 +618,8 @@ def _dkdvdq_persistent_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WOR
              stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_lse, stride_delta, H, N,
              k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty,
              WORK, first, count, n_kblocks)
-    dqs = (k_smem, ds_smem, dq_smem, kv_ready, kv_free, ds_ready, ds_free, dq_desc, N, sm_scale, WORK, first, count,
-           n_kblocks)
+    dqs = (k_smem, ds_smem, dq_smem, kv_ready, kv_free, ds_ready, ds_free, dq_desc, N, H, acc_rows_b, acc_rows_h,
+           acc_cols_h, sm_scale, WORK, first, count, n_kblocks)
     gl.warp_specialize([(_persistent_dkdv_consumer, (shared, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES)),
                         (_persistent_dkdv_consumer, (shared, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES)),
                         (_persistent_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES)),
@@ -801,19 +806,24 @@ def key_block_costs(n: int, keys: int, block_m: int) -> tuple[float, ...]:
 def launch_dkdv_dq_persistent(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int,
                               delta: Tensor, stride_delta: int, dk: Tensor, dv: Tensor, dq_acc: Tensor, sm_scale: float,
                               qk_scale: float, block_m: int, stages: int, programs: int | None = None) -> None:
-    """launch_dkdv_dq's contract with a contiguous dq_acc, on one program per SM (or `programs`) walking a schedule
-    of (batch·head, 128-key block) items (persistent_schedule), an item costing its query tiles."""
+    """launch_dkdv_dq's contract with dq_acc dense in (B, H, N, D) or (B, N, H, D) memory, on one program per SM (or
+    `programs`) walking a schedule of (batch·head, 128-key block) items (persistent_schedule), an item costing its
+    query tiles."""
     B, H, N, D = q.shape
-    if not dq_acc.is_contiguous():
-        raise ValueError("launch_dkdv_dq_persistent: dq_acc must be contiguous (B, H, N, D)")
+    if dq_acc.is_contiguous():  # (B·H·N, D) rows
+        acc_shape, acc_steps = (B * H * N, D), (H * N, N, 0)
+    elif dq_acc.transpose(1, 2).is_contiguous():  # (B·N, H·D) rows
+        acc_shape, acc_steps = (B * N, H * D), (N, 0, D)
+    else:
+        raise ValueError("launch_dkdv_dq_persistent: dq_acc must be dense (B, H, N, D) or (B, N, H, D) memory")
     keys = CONSUMERS.value * TILE.value
     n_kblocks = -(-N // keys)
     programs = min(programs or sm_count(q.device), B * H * n_kblocks)
     work, work_start = device_schedule(B * H, key_block_costs(N, keys, block_m), programs, q.device)
     _dkdvdq_persistent_kernel[(programs,)](
         q, k, v, do, lse, delta, dk, dv, dq_acc, work, work_start, *_strides3(q), *_strides3(k), *_strides3(v),
-        *_strides3(do), *_strides3(dk), *_strides3(dv), stride_lse, stride_delta, H, N, n_kblocks, B * H * N, qk_scale,
-        sm_scale, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages, CONSUMER_REGS=FUSED_CONSUMER_REGS,
+        *_strides3(do), *_strides3(dk), *_strides3(dv), stride_lse, stride_delta, H, N, n_kblocks, *acc_shape,
+        *acc_steps, qk_scale, sm_scale, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages, CONSUMER_REGS=FUSED_CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, REDUCER_REGS=REDUCER_REGS, num_warps=4)
 
 
