@@ -11,7 +11,7 @@ the scale (exp(x) = exp2(x · log2 e)), which is one multiply cheaper per score.
 Backward (FlashAttention-2): one kernel owns a query tile and walks the key tiles to accumulate dQ; it also
 computes delta = rowsum(dO ∘ O) for its rows and leaves it for the other, which owns a key tile and walks the
 query tiles to accumulate dK and dV. No atomics: every output tile has one writer, so results are deterministic.
-(On an H100/H200 at head_dim 64 and 128 from 4K tokens the backward is instead the five-matmul one of
+(On an H100/H200 at head_dim 64 from 4K tokens and 128 from 2K the backward is instead the five-matmul one of
 flash_backward_specialized.py, which adds dQ with fp32 reduce-adds; deterministic=True, the flash backend's
 attention.deterministic or torch.use_deterministic_algorithms keep this one.)
 
@@ -19,9 +19,9 @@ Tiles stream through TMA descriptors on Hopper (hardware bulk copies; rows past 
 the inputs are 16-byte aligned, through masked pointer loads otherwise. On an H100/H200, causal sequences from 1K
 tokens (fp16/bf16, head_dim 64 or 128) take the warp-specialized forward of flash_forward_pingpong.py instead
 (FlashAttention-3's producer warp and consumer warpgroups in ping-pong, written in Gluon; persistent below 16K tokens
-at head_dim 64 and at every length at 128), and from 4K tokens the warp-specialized backward kernels of
-flash_backward_specialized.py (the five-matmul dK/dV/dQ kernel at head_dim 64, persistent below 16K tokens, and at
-head_dim 128; the dQ kernel at head_dim 128 where deterministic results are asked for); they compute the same outputs as the Triton kernels here
+at head_dim 64 and at every length at 128), and the warp-specialized backward kernels of
+flash_backward_specialized.py (the five-matmul dK/dV/dQ kernel at head_dim 64 from 4K tokens, persistent below 16K, and
+at head_dim 128 from 2K; the dQ kernel at head_dim 128 from 4K where deterministic results are asked for); they compute the same outputs as the Triton kernels here
 (the five-matmul dQ up to its summation order, which varies between runs).
 
 Causal masking: tiles entirely above the diagonal are never visited; only tiles on the diagonal pay for
@@ -513,9 +513,10 @@ _GPU_CONFIGS_FROM_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
 #   deterministic (dQ is summed by reduce-adds in arrival order), so deterministic mode
 #   (torch.use_deterministic_algorithms) keeps the seven-matmul backward.
 # - dK/dV/dQ at D=128 (_dkdvdq_kernel without its dQ warpgroup, each consumer computes half of dQ's columns, one
-#   tile behind its dK/dV; NOTES.md V, W), 2 stages, from 4K tokens: the whole backward 4K 1.614 vs 1.736 ms for the
-#   seven-matmul one (cuDNN 1.507), 8K 2.801 vs 3.192 (cuDNN 2.835), 16K 5.108 vs 5.838 (cuDNN 5.238); 2K a tie
-#   (0.992 vs 1.021 in one run; 1.026 vs 0.992 before W), 1K slower (0.714 vs 0.648); 3 stages 2–6% slower.
+#   tile behind its dK/dV; NOTES.md V, W), 2 stages, from 2K tokens. GPU time of the whole backward (torch.profiler,
+#   16K tokens, 16 heads; the accumulator in q's memory order): 2K 0.932 vs 0.982 ms for the seven-matmul one (cuDNN
+#   0.814), 4K 1.494 vs 1.574 (cuDNN 1.400); do_bench 8K 2.801 vs 3.192 (cuDNN 2.835), 16K 5.108 vs 5.838 (cuDNN
+#   5.238), before the accumulator change; 1K slower (0.662 vs 0.645); 3 stages 2–6% slower.
 # - dQ at D=128: 128 rows per program, 64-key tiles, 3 stages: 16K 2.294 vs 2.594, 32K 8.82 vs 10.07; 4K 0.662 vs
 #   0.738 in one run, 0.712 vs 0.704 in another (2K 0.438 vs 0.448: a tie, left to Triton). At D=64 the Triton dQ
 #   kernel (128 rows over 8 warps) stays ahead at every length (16K: 2.82 vs 2.69).
@@ -526,7 +527,7 @@ _SPECIALIZED_FROM_SEQ: dict[tuple[str, int], list[tuple[int, TileConfig]]] = {
     ("fwd", 128): [(1024, TileConfig(128, 128, 4, 3, tma=True, specialized=True, persistent=True))],
     ("dkdvdq", 64): [(4096, TileConfig(64, 128, 4, 3, tma=True, specialized=True, persistent=True)),
                      (16384, TileConfig(64, 128, 4, 3, tma=True, specialized=True))],
-    ("dkdvdq", 128): [(4096, TileConfig(64, 128, 4, 2, tma=True, specialized=True))],
+    ("dkdvdq", 128): [(2048, TileConfig(64, 128, 4, 2, tma=True, specialized=True))],
     ("dq", 128): [(4096, TileConfig(128, 64, 4, 3, tma=True, specialized=True))],
 }
 
