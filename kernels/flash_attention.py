@@ -852,18 +852,16 @@ def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
     (a TMA reduce-add per query tile and block of 128 keys), then one cast into dq. No kernel recomputes QKᵀ and dO·Vᵀ
     for dQ; dQ's summation order follows the programs' timing, so it can differ in the last bits between runs.
     Needs inputs that fit the warp-specialized kernels (specialized_ready); at head_dim 128 the kernel splits dQ's
-    columns between its consumers (no persistent variant)."""
+    columns between its consumers."""
     if do.stride(-1) != 1:
         do = do.contiguous()
     B, H, N, D = q.shape
     if not specialized_ready(q, k, v, True, module="flash_backward_specialized", also=(do,)):
         raise ValueError("flash_attention: the warp-specialized dK/dV/dQ kernel takes causal fp16/bf16 inputs with "
                          "head_dim 64 or 128, TMA-aligned, on an sm_90 GPU (see specialized_ready)")
-    if cfg is not None and not (cfg.specialized and cfg.block_m == 64 and cfg.block_n == 128 and cfg.num_stages >= 2
-                                and not (cfg.persistent and D == 128)):
+    if cfg is not None and not (cfg.specialized and cfg.block_m == 64 and cfg.block_n == 128 and cfg.num_stages >= 2):
         raise ValueError(f"flash_attention: the dK/dV/dQ kernel runs 128 keys per program over 64-query tiles with at "
-                         f"least 2 stages (TileConfig(64, 128, 4, stages, specialized=True); persistent only at head_dim "
-                         f"64), got {cfg}")
+                         f"least 2 stages (TileConfig(64, 128, 4, stages, specialized=True)), got {cfg}")
     c = cfg or _specialized_entry("dkdvdq", D, N) or _SPECIALIZED_FROM_SEQ[("dkdvdq", D)][0][1]
     kernels = _gluon_module("flash_backward_specialized")
     dq, dk, dv = _empty_in_layout_of(q), _empty_in_layout_of(k), _empty_in_layout_of(v)

@@ -360,11 +360,12 @@ def _dq_split_issue(k0, k1, ds_smem, ds_ready, t, zero_q):
 
 @gluon.jit
 def _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready, ds_free,
-                        dq_smem, dq_desc, t, dq_row, ME: gl.constexpr, STAGES: gl.constexpr, zero_s, zero_q, dv, dk,
-                        keys, cols, masked, qk_scale, sm_scale, a_layout: gl.constexpr):
+                        dq_smem, dq_desc, t, dq_row, dq_col, ME: gl.constexpr, STAGES: gl.constexpr, zero_s, zero_q, dv,
+                        dk, keys, cols, masked, qk_scale, sm_scale, a_layout: gl.constexpr):
     """Query tile t ≥ 1 (ring position t), with the previous tile's dQ one step behind: Sᵀ_t, dPᵀ_t, Pᵀ_t, dSᵀ_t and the
     hand-over (_tile_scores); then issue this consumer's columns of dQ_{t−1}, dV += Pᵀ_t dO_t and dK += dSᵀ_t Q_t; retire
-    dQ_{t−1} (wgmma groups retire in order) and start its reduce-add (rows from dq_row on) while dV and dK run. Waiting
+    dQ_{t−1} (wgmma groups retire in order) and start its reduce-add (rows from dq_row on, columns from dq_col on) while
+    dV and dK run. Waiting
     for the other consumer's dSᵀ one step late lets the two drift apart, so that one's softmax can overlap the other's
     matmuls (they met at every tile before). Returns (dV, dK)."""
     stage = t % STAGES
@@ -375,7 +376,7 @@ def _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, rea
     dk = warpgroup_mma(dsT16, q_smem.index(stage), dk, is_async=True)
     dq = warpgroup_mma_wait(2, deps=(dq,))
     mbarrier.arrive(ds_free.index((t - 1) % 2), count=1)  # both consumers' arrivals free the buffer of dSᵀ_{t−1}
-    _reduce_add_dq(dq_smem.index(ME), dq, dq_desc, dq_row, ME * k0.shape[1], sm_scale, 0)
+    _reduce_add_dq(dq_smem.index(ME), dq, dq_desc, dq_row, dq_col, sm_scale, 0)
     dv, dk, pT16, dsT16 = warpgroup_mma_wait(0, deps=(dv, dk, pT16, dsT16))
     mbarrier.arrive(empty.index(stage), count=1)  # tile t's buffers no longer read by this consumer
     return dv, dk
@@ -416,9 +417,9 @@ def _dkdv_dq_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.constexp
     mbarrier.arrive(empty.index(0), count=1)
     for t in range(1, num_tiles):
         dv, dk = _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
-                                     ds_ready, ds_free, dq_smem, dq_desc, t, start_n + (t - 1) * BLOCK_M, ME, STAGES, zero_s,
-                                     zero_q, dv, dk, keys, cols + t * BLOCK_M, t < MASKED_TILES, qk_scale, sm_scale,
-                                     a_layout)
+                                     ds_ready, ds_free, dq_smem, dq_desc, t, start_n + (t - 1) * BLOCK_M, ME * HALF, ME,
+                                     STAGES, zero_s, zero_q, dv, dk, keys, cols + t * BLOCK_M, t < MASKED_TILES,
+                                     qk_scale, sm_scale, a_layout)
     # the last tile's dQ
     last = num_tiles - 1
     dq = _dq_split_issue(k0, k1, ds_smem, ds_ready, last, zero_q)
@@ -483,6 +484,61 @@ def _persistent_dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, 
 
 
 @gluon.jit
+def _persistent_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                               STAGES: gl.constexpr):
+    """_dkdv_dq_split_consumer over this program's items (head_dim 128). The ring and hand-over counters run on across
+    items (g); K and V have one buffer (shared memory holds no second one beside the dQ staging), released to the
+    producer (kv_free) after the item's last dQ matmul, the last that reads them."""
+    (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty, ds_smem, ds_ready,
+     ds_free, DK, DV, H, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+     N, qk_scale, sm_scale, WORK, first, count, n_kblocks) = shared
+    dq_smem, dq_desc, acc_rows_b, acc_rows_h, acc_cols_h = dqs[2], dqs[7], dqs[10], dqs[11], dqs[12]
+    HALF: gl.constexpr = HEAD_DIM // 2
+    s_layout: gl.constexpr = _mma_layout(BLOCK_M, 4)
+    d_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)
+    q_layout: gl.constexpr = _mma_layout(HALF, 4)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
+    MASKED_TILES: gl.constexpr = (TILE * (ME + 1) + BLOCK_M - 1) // BLOCK_M
+    zero_s = gl.zeros([TILE, BLOCK_M], gl.float32, layout=s_layout)
+    zero_q = gl.zeros([BLOCK_M, HALF], gl.float32, layout=q_layout)
+    k = k_smem.index(ME)
+    v = v_smem.index(ME)
+    k0 = k_smem.index(0).slice(ME * HALF, HALF, dim=1)
+    k1 = k_smem.index(1).slice(ME * HALF, HALF, dim=1)
+    g = 0
+    for i in range(count):
+        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M)
+        key0 = start_n + ME * TILE
+        keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
+        cols = start_n + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        row0 = (bh // H) * acc_rows_b + (bh % H) * acc_rows_h + start_n  # the item's first query in the accumulator
+        col = (bh % H) * acc_cols_h + ME * HALF
+        dk = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
+        dv = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
+        for c in gl.static_range(CONSUMERS):
+            mbarrier.wait(kv_ready.index(c), i & 1)
+        pT16, dsT16 = _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, g,
+                                   ME, STAGES, zero_s, keys, cols, 0 < MASKED_TILES, qk_scale, a_layout)
+        dv, dk = _dkdv_last(q_smem, do_smem, g, STAGES, dv, dk, pT16, dsT16)
+        mbarrier.arrive(empty.index(g % STAGES), count=1)
+        for t in range(1, num_tiles):
+            dv, dk = _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
+                                         ds_ready, ds_free, dq_smem, dq_desc, g + t, row0 + (t - 1) * BLOCK_M, col, ME,
+                                         STAGES, zero_s, zero_q, dv, dk, keys, cols + t * BLOCK_M, t < MASKED_TILES,
+                                         qk_scale, sm_scale, a_layout)
+        last = g + num_tiles - 1
+        dq = _dq_split_issue(k0, k1, ds_smem, ds_ready, last, zero_q)
+        dq = warpgroup_mma_wait(0, deps=(dq,))
+        mbarrier.arrive(ds_free.index(last % 2), count=1)
+        mbarrier.arrive(kv_free.index(0), count=1)  # this consumer's last reads of K and V have retired
+        _reduce_add_dq(dq_smem.index(ME), dq, dq_desc, row0 + (num_tiles - 1) * BLOCK_M, col, sm_scale, 0)
+        g += num_tiles
+        _write_dkdv(dk, dv, DK, DV, (bh // H).to(gl.int64), (bh % H).to(gl.int64), stride_dkb, stride_dkh, stride_dkn,
+                    stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM)
+    tma.store_wait(0)
+
+
+@gluon.jit
 def _persistent_dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
     """_dq_reducer over this program's items. The accumulator is one 2-D array (rows of one head's queries, see
     _dkdvdq_persistent_kernel), so its descriptor is made once; a key block's last query tile may reach past its
@@ -518,6 +574,7 @@ def _persistent_dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.const
      k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty,
      WORK, first, count, n_kblocks) = loads
     dtype: gl.constexpr = q_smem.dtype
+    KV_BUFS: gl.constexpr = k_smem.shape[0] // CONSUMERS  # 2, or 1 at head_dim 128
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], dtype)
     qd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
@@ -530,7 +587,7 @@ def _persistent_dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.const
         h = (bh % H).to(gl.int64)
         if i > 0:  # every copy through the descriptors below has landed: the last K/V and the tiles in the ring
             for c in gl.static_range(CONSUMERS):
-                mbarrier.wait(kv_ready.index(((i - 1) % 2) * CONSUMERS + c), ((i - 1) // 2) & 1)
+                mbarrier.wait(kv_ready.index(((i - 1) % KV_BUFS) * CONSUMERS + c), ((i - 1) // KV_BUFS) & 1)
             for t in range(gl.maximum(g - STAGES, 0), g):
                 mbarrier.wait(ready.index(t % STAGES), (t // STAGES) & 1)
         k_desc = _head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, TILE, HEAD_DIM, kv_layout)
@@ -541,8 +598,8 @@ def _persistent_dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.const
                                               block_shape=[BLOCK_M], layout=row_layout)
         delta_desc = tma.make_tensor_descriptor(DELTA + bh.to(gl.int64) * stride_delta, shape=[N], strides=[1],
                                                 block_shape=[BLOCK_M], layout=row_layout)
-        buf = i % 2
-        mbarrier.wait(kv_free.index(buf), ((i // 2) & 1) ^ 1)  # item i − 2's users are done with this buffer
+        buf = i % KV_BUFS
+        mbarrier.wait(kv_free.index(buf), ((i // KV_BUFS) & 1) ^ 1)  # item i − KV_BUFS's users are done with it
         for c in gl.static_range(CONSUMERS):
             mbarrier.expect(kv_ready.index(buf * CONSUMERS + c), kv_bytes)
             tma.async_copy_global_to_shared(k_desc, [start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
@@ -575,37 +632,48 @@ def _dkdvdq_persistent_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WOR
     """_dkdvdq_kernel's work, program p taking items WORK[WORK_START[p] : WORK_START[p+1]] (item = bh · n_kblocks +
     key block). DQ_ACC: fp32, one 2-D (acc_rows, acc_cols) array in which head h of batch b adds its query n into row
     b·acc_rows_b + h·acc_rows_h + n at columns h·acc_cols_h ...: (B·H·N, HEAD_DIM) with (H·N, N, 0) for (B, H, N, D)
-    memory, (B·N, H·HEAD_DIM) with (N, 0, HEAD_DIM) for (B, N, H, D) rows (the model's layout)."""
+    memory, (B·N, H·HEAD_DIM) with (N, 0, HEAD_DIM) for (B, N, H, D) rows (the model's layout). At head_dim 128 the
+    consumers compute dQ themselves, as in _dkdvdq_kernel, and K, V have one buffer (REDUCER_REGS unused)."""
     dtype: gl.constexpr = Q.dtype.element_ty
+    SPLIT_DQ: gl.constexpr = HEAD_DIM > 64
+    DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_DQ else HEAD_DIM  # columns per dQ reduce-add
+    KV_BUFS: gl.constexpr = 1 if SPLIT_DQ else 2  # two would not fit beside the split's dQ staging
     first = gl.load(WORK_START + gl.program_id(0))
     count = gl.load(WORK_START + gl.program_id(0) + 1) - first
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], dtype)
     qd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, BLOCK_M], dtype)
-    acc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32)
+    acc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
     row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     dq_desc = tma.make_tensor_descriptor(DQ_ACC, shape=[acc_rows, acc_cols], strides=[acc_cols, 1],
-                                         block_shape=[BLOCK_M, HEAD_DIM], layout=acc_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, TILE, HEAD_DIM], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, TILE, HEAD_DIM], kv_layout)
+                                         block_shape=[BLOCK_M, DQ_COLS], layout=acc_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [KV_BUFS * CONSUMERS, TILE, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [KV_BUFS * CONSUMERS, TILE, HEAD_DIM], kv_layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qd_layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qd_layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, TILE, BLOCK_M], ds_layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], acc_layout)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [2 * CONSUMERS, 1], mbarrier.MBarrierLayout())
-    kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_COLS], acc_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [KV_BUFS * CONSUMERS, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [KV_BUFS, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2 * CONSUMERS):
+    for i in gl.static_range(KV_BUFS * CONSUMERS):
         mbarrier.init(kv_ready.index(i), count=1)
+    for i in gl.static_range(KV_BUFS):
+        if SPLIT_DQ:  # both consumers
+            mbarrier.init(kv_free.index(i), count=CONSUMERS)
+        else:  # both consumers and the dQ warpgroup
+            mbarrier.init(kv_free.index(i), count=CONSUMERS + 1)
     for i in gl.static_range(2):
-        mbarrier.init(kv_free.index(i), count=CONSUMERS + 1)  # both consumers and the dQ warpgroup
         mbarrier.init(ds_ready.index(i), count=CONSUMERS)
-        mbarrier.init(ds_free.index(i), count=1)
+        if SPLIT_DQ:  # both consumers read every dSᵀ buffer
+            mbarrier.init(ds_free.index(i), count=CONSUMERS)
+        else:
+            mbarrier.init(ds_free.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)
@@ -620,11 +688,17 @@ def _dkdvdq_persistent_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WOR
              WORK, first, count, n_kblocks)
     dqs = (k_smem, ds_smem, dq_smem, kv_ready, kv_free, ds_ready, ds_free, dq_desc, N, H, acc_rows_b, acc_rows_h,
            acc_cols_h, sm_scale, WORK, first, count, n_kblocks)
-    gl.warp_specialize([(_persistent_dkdv_consumer, (shared, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES)),
-                        (_persistent_dkdv_consumer, (shared, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES)),
-                        (_persistent_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES)),
-                        (_persistent_dq_reducer, (dqs, HEAD_DIM, BLOCK_M))],
-                       [4, 1, 4], [CONSUMER_REGS, PRODUCER_REGS, REDUCER_REGS])
+    if SPLIT_DQ:
+        gl.warp_specialize([(_persistent_split_consumer, (shared, dqs, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES)),
+                            (_persistent_split_consumer, (shared, dqs, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES)),
+                            (_persistent_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES))],
+                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_persistent_dkdv_consumer, (shared, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES)),
+                            (_persistent_dkdv_consumer, (shared, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES)),
+                            (_persistent_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES)),
+                            (_persistent_dq_reducer, (dqs, HEAD_DIM, BLOCK_M))],
+                           [4, 1, 4], [CONSUMER_REGS, PRODUCER_REGS, REDUCER_REGS])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -823,7 +897,8 @@ def launch_dkdv_dq_persistent(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
     _dkdvdq_persistent_kernel[(programs,)](
         q, k, v, do, lse, delta, dk, dv, dq_acc, work, work_start, *_strides3(q), *_strides3(k), *_strides3(v),
         *_strides3(do), *_strides3(dk), *_strides3(dv), stride_lse, stride_delta, H, N, n_kblocks, *acc_shape,
-        *acc_steps, qk_scale, sm_scale, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages, CONSUMER_REGS=FUSED_CONSUMER_REGS,
+        *acc_steps, qk_scale, sm_scale, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
+        CONSUMER_REGS=SPLIT_CONSUMER_REGS if D > 64 else FUSED_CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, REDUCER_REGS=REDUCER_REGS, num_warps=4)
 
 

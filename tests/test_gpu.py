@@ -117,17 +117,18 @@ def test_persistent_forward_on_few_programs_matches_the_plain_kernel(head_dim, c
 
 
 @pytest.mark.skipif(not HOPPER, reason="the warp-specialized backward is written for sm_90 (wgmma)")
-@pytest.mark.parametrize("stages", [2, 3])
-def test_persistent_backward_on_few_programs_matches_the_plain_kernel(stages, monkeypatch):
+@pytest.mark.parametrize("head_dim,stages", [(64, 2), (64, 3), (128, 2)])
+def test_persistent_backward_on_few_programs_matches_the_plain_kernel(head_dim, stages, monkeypatch):
     """The persistent five-matmul kernel on 3 programs, many (batch·head, key block) items each: the ring, hand-over
     and K/V-buffer counters run on across items, the descriptors are rewritten between heads, and a key block's last
-    query tile reaches into the next head's accumulator rows (adding zeros). dK/dV bitwise the plain kernel's, dQ
-    equal to its rounding (another summation order), on ragged lengths, the model's strides."""
+    query tile reaches into the next batch's accumulator rows (adding zeros). dK/dV bitwise the plain kernel's, dQ
+    equal to its rounding (another summation order), on ragged lengths, the model's strides; at head_dim 128 with dQ
+    split between the consumers and one K/V buffer."""
     kernels = fa._gluon_module("flash_backward_specialized")
     plain = fa.TileConfig(64, 128, 4, stages, tma=True, specialized=True)
     for seq, batch, heads in ((777, 2, 3), (2048, 1, 5), (4100, 2, 2)):
         g = torch.Generator(device="cuda").manual_seed(seq + stages)
-        qkv = torch.randn(batch, seq, 3, heads, 64, device="cuda", generator=g).to(torch.bfloat16)
+        qkv = torch.randn(batch, seq, 3, heads, head_dim, device="cuda", generator=g).to(torch.bfloat16)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
         do = torch.randn(q.shape, device="cuda", generator=g).to(torch.bfloat16)
         o, lse = fa.launch_forward(q, k, v, True, 0.125)
@@ -174,8 +175,12 @@ def test_specialized_backward_vs_float64(seq, batch, heads, head_dim, dtype):
         dq = fa.launch_backward_dq(do, q, k, v, lse, delta, True, scale, fa.TileConfig(128, 64, 4, 3, specialized=True),
                                    o=o)
         assert (delta - delta_t).abs().max().item() < 1e-3
-        dq5, dk, dv = fa.launch_backward_fused(do, q, k, v, o, lse, scale, fa.TileConfig(64, 128, 4, 2, specialized=True))
-        assert rel_err(dq5, refs[0]) < TOL[dtype] and rel_err(dq5, refs[0]) <= 1.05 * rel_err(dq_t, refs[0]) + 1e-6
+        split = fa.TileConfig(64, 128, 4, 2, tma=True, specialized=True)
+        dq5, dk, dv = fa.launch_backward_fused(do, q, k, v, o, lse, scale, split)
+        dq_p, dk_p, dv_p = fa.launch_backward_fused(do, q, k, v, o, lse, scale, dataclasses.replace(split, persistent=True))
+        assert torch.equal(dk_p, dk) and torch.equal(dv_p, dv)
+        for dq_5 in (dq5, dq_p):
+            assert rel_err(dq_5, refs[0]) < TOL[dtype] and rel_err(dq_5, refs[0]) <= 1.05 * rel_err(dq_t, refs[0]) + 1e-6
         for ours, theirs, ref in zip((dk, dv), (dk_t, dv_t), refs[1:]):
             assert rel_err(ours, ref) <= 1.05 * rel_err(theirs, ref) + 1e-6
     assert rel_err(dq, refs[0]) < TOL[dtype] and rel_err(dq, refs[0]) <= 1.05 * rel_err(dq_t, refs[0]) + 1e-6
