@@ -21,7 +21,7 @@ tokens (fp16/bf16, head_dim 64 or 128) take the warp-specialized forward of flas
 (FlashAttention-3's producer warp and consumer warpgroups in ping-pong, written in Gluon; persistent below 16K tokens
 at head_dim 64 and at every length at 128), and the warp-specialized backward kernels of
 flash_backward_specialized.py (the five-matmul dK/dV/dQ kernel at head_dim 64 from 4K tokens, persistent below 16K, and
-at head_dim 128 from 2K; the dQ kernel at head_dim 128 from 4K where deterministic results are asked for); they compute the same outputs as the Triton kernels here
+at head_dim 128 from 2K, persistent below 8K; the dQ kernel at head_dim 128 from 4K where deterministic results are asked for); they compute the same outputs as the Triton kernels here
 (the five-matmul dQ up to its summation order, which varies between runs).
 
 Causal masking: tiles entirely above the diagonal are never visited; only tiles on the diagonal pay for
@@ -513,10 +513,10 @@ _GPU_CONFIGS_FROM_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
 #   deterministic (dQ is summed by reduce-adds in arrival order), so deterministic mode
 #   (torch.use_deterministic_algorithms) keeps the seven-matmul backward.
 # - dK/dV/dQ at D=128 (_dkdvdq_kernel without its dQ warpgroup, each consumer computes half of dQ's columns, one
-#   tile behind its dK/dV; NOTES.md V, W), 2 stages, from 2K tokens. GPU time of the whole backward (torch.profiler,
-#   16K tokens, 16 heads; the accumulator in q's memory order): 2K 0.932 vs 0.982 ms for the seven-matmul one (cuDNN
-#   0.814), 4K 1.494 vs 1.574 (cuDNN 1.400); do_bench 8K 2.801 vs 3.192 (cuDNN 2.835), 16K 5.108 vs 5.838 (cuDNN
-#   5.238), before the accumulator change; 1K slower (0.662 vs 0.645); 3 stages 2–6% slower.
+#   tile behind its dK/dV; NOTES.md V, W), from 2K tokens: persistent with 3 stages (one K/V buffer) below 8K, plain
+#   with 2 from 8K. The whole backward in ms (do_bench, 16K tokens, 16 heads, 4527005): persistent s3 / plain s2 /
+#   seven-matmul / cuDNN 2K 0.920 / 0.956 / 1.033 / 0.882, 4K 1.514 / 1.602 / 1.704 / 1.426, 8K 2.787 / 2.806 / 3.206
+#   / 2.810, 16K 5.224 / 5.102 / 5.982 / 5.313; 1K 0.702 / 0.672 / 0.649 / 0.543 (the seven-matmul one stays).
 # - dQ at D=128: 128 rows per program, 64-key tiles, 3 stages: 16K 2.294 vs 2.594, 32K 8.82 vs 10.07; 4K 0.662 vs
 #   0.738 in one run, 0.712 vs 0.704 in another (2K 0.438 vs 0.448: a tie, left to Triton). At D=64 the Triton dQ
 #   kernel (128 rows over 8 warps) stays ahead at every length (16K: 2.82 vs 2.69).
@@ -527,7 +527,8 @@ _SPECIALIZED_FROM_SEQ: dict[tuple[str, int], list[tuple[int, TileConfig]]] = {
     ("fwd", 128): [(1024, TileConfig(128, 128, 4, 3, tma=True, specialized=True, persistent=True))],
     ("dkdvdq", 64): [(4096, TileConfig(64, 128, 4, 3, tma=True, specialized=True, persistent=True)),
                      (16384, TileConfig(64, 128, 4, 3, tma=True, specialized=True))],
-    ("dkdvdq", 128): [(2048, TileConfig(64, 128, 4, 2, tma=True, specialized=True))],
+    ("dkdvdq", 128): [(2048, TileConfig(64, 128, 4, 3, tma=True, specialized=True, persistent=True)),
+                      (8192, TileConfig(64, 128, 4, 2, tma=True, specialized=True))],
     ("dq", 128): [(4096, TileConfig(128, 64, 4, 3, tma=True, specialized=True))],
 }
 

@@ -1,0 +1,808 @@
+"""The causal FlashAttention backward on Hopper, warp-specialized, in Gluon (Triton's explicit-layout dialect), for
+the sizes where it is faster than the Triton kernels of flash_attention.py (kernels/NOTES.md P, Q):
+
+    P = exp2(Q Kᵀ · scale·log2e − LSE),  dP = dO Vᵀ,  dS = P ∘ (dP − delta),  delta = rowsum(dO ∘ O)
+    dV = Pᵀ dO,  dK = scale · dSᵀ Q,  dQ = scale · dS K                       (the same outputs as flash_attention.py)
+
+Two kernels, each splitting its warps by role (`gl.warp_specialize`) like the ping-pong forward
+(flash_forward_pingpong.py):
+
+- **dK/dV/dQ** (head_dim 64): the five-matmul backward. One producer warp loads the program's 128 keys (K, V) once,
+  then streams the query tiles Q_t, dO_t and their LSE/delta rows through a ring of STAGES shared-memory buffers with
+  TMA (ready[s]: the copies landed; empty[s]: both consumers are done with the buffer). Two consumer warpgroups own 64
+  keys each: per tile a consumer issues Sᵀ_t, dPᵀ_t and the previous tile's dV, dK matmuls, waits for the scores only,
+  computes Pᵀ_t, dSᵀ_t while its accumulation runs, and hands dSᵀ_t to shared memory. A third warpgroup reads both
+  consumers' dSᵀ_t transposed, computes dQ_t = dS_t K over the 128 keys and adds it into an fp32 accumulator with a
+  TMA reduce-add; the caller zeroes the accumulator and casts it to dq. So no kernel recomputes QKᵀ and dO·Vᵀ for dQ,
+  at the price of an fp32 accumulator and a dQ whose summation order varies from run to run (not deterministic).
+  Its persistent variant (NOTES.md T; below 16K tokens) runs one program per SM over a host-made list of key blocks
+  (persistent_schedule), with K and V double-buffered so that a block's loads overlap the last one's tail.
+- **dK/dV/dQ at head_dim 128** (NOTES.md V): there dK and dV take 128 registers per consumer, and a dQ warpgroup does
+  not fit beside them. So, as in FlashAttention-3, each consumer runs its tile in order (Sᵀ, dPᵀ; Pᵀ, dSᵀ; dV, dK)
+  and, once both consumers stored dSᵀ_t, computes half of dQ_t's columns from both (dS_t K[:, its half]) and
+  reduce-adds them itself. Not persistent.
+- **dQ** (head_dim 128, the seven-matmul backward's dQ half, deterministic): one program owns 128 query rows (two
+  consumers of 64), keeps Q and dO, streams K_j, V_j; per tile S_j, dP_j and the previous tile's dQ matmul are
+  issued and dS_j is computed while the dQ matmul runs. Each consumer also writes its rows' delta for the Triton
+  dK/dV kernel.
+
+The consumers run free: ordering their matmuls by turns (as the forward does) was 5–12% slower here, since each step
+already holds four (dK/dV) or three (dQ) matmuls against one exponential per score. Every matmul is retired within
+its step (a wgmma result in flight at the loop's back-edge makes ptxas serialize them all, NOTES.md F). The register
+file is split by role (setmaxnreg).
+
+Scope: causal, fp16/bf16, head_dim 64 or 128 (dK/dV/dQ; the dQ kernel at 128), one length for queries and keys, TMA-aligned inputs,
+sm_90; the dK/dV/dQ kernel reads LSE and delta rows through TMA, so their starts must be 16-byte aligned.
+flash_attention.py picks these kernels where its table says so and falls back to its Triton kernels otherwise.
+"""
+from __future__ import annotations
+
+import functools
+
+from torch import Tensor
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+from minigpt_kernels.flash_attention import _strides3
+from minigpt_kernels.flash_forward_pingpong import CONSUMER_REGS, PRODUCER_REGS, _head_rows, _mma_layout
+from minigpt_kernels.persistent_schedule import device_schedule, sm_count
+
+TILE = gl.constexpr(64)  # keys (dK/dV) or query rows (dQ) per consumer warpgroup: the M of one wgmma
+CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program (the warp_specialize lists below name two)
+# registers per thread in the dK/dV/dQ kernel: 2 consumer warpgroups + the dQ warpgroup + the producer warp share the
+# 64K register file (2·128·208 + 128·88 + 32·24 ≤ 65536); below 208 the consumers' wgmmas serialize (ptxas C7512)
+FUSED_CONSUMER_REGS = 208
+REDUCER_REGS = 88
+# at head_dim 128: 2 consumers (dK, dV: 128 registers each, then their half of dQ) + the producer warp
+SPLIT_CONSUMER_REGS = 240
+
+
+# ------------------------------------------------------------------------------------------------
+# dK, dV and dQ: a program owns 128 keys; the producer streams the query tiles Q_t, dO_t with their LSE and delta
+# rows; a third warpgroup adds each tile's dQ into an fp32 accumulator
+# ------------------------------------------------------------------------------------------------
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """global[coord ...] += src (a shared-memory tile), by TMA (cp.reduce.async.bulk.tensor.add): Gluon 3.6 has the
+    op but no wrapper for it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _pT_dsT(sT, dpT, lse_smem, delta_smem, keys, rows, masked, qk_scale, dtype: gl.constexpr):
+    """Pᵀ and dSᵀ of one tile (keys × queries) from Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, rounded to the input dtype. Rows past N
+    read LSE = 0 and delta = 0 (TMA zero fill), so Pᵀ = 1 there; their Q and dO rows are 0 too, so they add exactly 0
+    to dV (Pᵀ dO), and dSᵀ = Pᵀ ∘ (V dOᵀ − delta) = 0 adds 0 to dK and dQ."""
+    col_layout: gl.constexpr = gl.SliceLayout(0, sT.type.layout)
+    # Pᵀ = exp2(K Qᵀ · scale·log2e − LSE)
+    pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse_smem.load(col_layout), 0))
+    if masked:  # a tile that crosses this consumer's diagonal: query i sees key j iff i >= j
+        pT = gl.where(gl.expand_dims(rows, 0) >= gl.expand_dims(keys, 1), pT, 0.0)
+    # dSᵀ = Pᵀ ∘ (dPᵀ − delta)
+    dsT = pT * (dpT - gl.expand_dims(delta_smem.load(col_layout), 0))
+    return pT.to(dtype), dsT.to(dtype)
+
+
+@gluon.jit
+def _hand_over(ds_smem, ds_ready, ds_free, dsT16, t, ME: gl.constexpr):
+    """This consumer's dSᵀ_t into shared buffer t % 2 for the dQ warpgroup, once that has read what the buffer held
+    (tile t − 2). The store is fenced for the tensor cores (async proxy) before the arrive."""
+    u = t % 2
+    mbarrier.wait(ds_free.index(u), ((t // 2) & 1) ^ 1)
+    ds_smem.index(u * CONSUMERS + ME).store(dsT16)
+    fence_async_shared()
+    mbarrier.arrive(ds_ready.index(u), count=1)
+
+
+@gluon.jit
+def _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, t, ME: gl.constexpr,
+                 STAGES: gl.constexpr, zero_s, keys, cols, masked, qk_scale, a_layout: gl.constexpr):
+    """Query tile t (ring position t) with nothing else in flight: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, then Pᵀ, dSᵀ and the
+    hand-over (a key block's first tile; every tile of the head_dim-128 kernel). Returns (Pᵀ, dSᵀ) as register
+    operands of the dV, dK matmuls."""
+    mbarrier.wait(ready.index(t % STAGES), (t // STAGES) & 1)
+    sT = warpgroup_mma(k, q_smem.index(t % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dpT = warpgroup_mma(v, do_smem.index(t % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    sT, dpT = warpgroup_mma_wait(0, deps=(sT, dpT))
+    pT16, dsT16 = _pT_dsT(sT, dpT, lse_smem.index(t % STAGES), delta_smem.index(t % STAGES), keys, cols, masked,
+                          qk_scale, q_smem.dtype)
+    _hand_over(ds_smem, ds_ready, ds_free, dsT16, t, ME)
+    return gl.convert_layout(pT16, a_layout), gl.convert_layout(dsT16, a_layout)
+
+
+@gluon.jit
+def _dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready, ds_free, t,
+               ME: gl.constexpr, STAGES: gl.constexpr, zero_s, dv, dk, pT16, dsT16, keys, cols, masked, qk_scale,
+               a_layout: gl.constexpr):
+    """One query tile at ring position t: issue Sᵀ_t = K Q_tᵀ, dPᵀ_t = V dO_tᵀ, then dV += Pᵀ_{t−1} dO_{t−1} and
+    dK += dSᵀ_{t−1} Q_{t−1}; wait for Sᵀ_t, dPᵀ_t only (wgmma groups retire in order) and compute Pᵀ_t, dSᵀ_t and the
+    hand-over while dV and dK still run; then release tile t−1's buffers. Returns (dV, dK, Pᵀ_t, dSᵀ_t)."""
+    stage = t % STAGES
+    prev = (t - 1) % STAGES
+    mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+    sT = warpgroup_mma(k, q_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dpT = warpgroup_mma(v, do_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dv = warpgroup_mma(pT16, do_smem.index(prev), dv, is_async=True)
+    dk = warpgroup_mma(dsT16, q_smem.index(prev), dk, is_async=True)
+    sT, dpT = warpgroup_mma_wait(2, deps=(sT, dpT))
+    pT16_t, dsT16_t = _pT_dsT(sT, dpT, lse_smem.index(stage), delta_smem.index(stage), keys, cols, masked, qk_scale,
+                              q_smem.dtype)
+    _hand_over(ds_smem, ds_ready, ds_free, dsT16_t, t, ME)
+    dv, dk, pT16, dsT16 = warpgroup_mma_wait(0, deps=(dv, dk, pT16, dsT16))
+    mbarrier.arrive(empty.index(prev), count=1)  # tile t−1's buffers no longer read by this consumer
+    return dv, dk, gl.convert_layout(pT16_t, a_layout), gl.convert_layout(dsT16_t, a_layout)
+
+
+@gluon.jit
+def _dkdv_last(q_smem, do_smem, t, STAGES: gl.constexpr, dv, dk, pT16, dsT16):
+    """The last tile's (ring position t) dV += Pᵀ dO and dK += dSᵀ Q."""
+    dv = warpgroup_mma(pT16, do_smem.index(t % STAGES), dv, is_async=True)
+    dk = warpgroup_mma(dsT16, q_smem.index(t % STAGES), dk, is_async=True)
+    dv, dk, pT16, dsT16 = warpgroup_mma_wait(0, deps=(dv, dk, pT16, dsT16))
+    return dv, dk
+
+
+@gluon.jit
+def _write_dkdv(dk, dv, DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0,
+                sm_scale, HEAD_DIM: gl.constexpr):
+    """dK (scaled: dS was taken w.r.t. the scaled scores) and dV of this consumer's 64 keys; keys past N not written."""
+    d_layout: gl.constexpr = dk.type.layout
+    dk = dk * sm_scale
+    out_keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, d_layout))
+    out_cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, d_layout)), 0)
+    rows64 = gl.expand_dims(out_keys.to(gl.int64), 1)
+    mask = gl.expand_dims(out_keys < N, 1)
+    gl.store(DK + b * stride_dkb + h * stride_dkh + rows64 * stride_dkn + out_cols, dk.to(DK.dtype.element_ty),
+             mask=mask)
+    gl.store(DV + b * stride_dvb + h * stride_dvh + rows64 * stride_dvn + out_cols, dv.to(DV.dtype.element_ty),
+             mask=mask)
+
+
+@gluon.jit
+def _dq_tile(k0, k1, ds_smem, dq_smem, ds_ready, ds_free, dq_desc, t, row, zero, sm_scale):
+    """The dQ warpgroup's tile at hand-over position t: dQ_t = scale · Σ_c dS_t[:, keys of c] K_c (dS_t = (dSᵀ_t)ᵀ:
+    the stored tiles read transposed), staged in fp32 shared memory and added into the accumulator's rows from `row`
+    on by a TMA reduce-add, which runs while the next tile's matmul does."""
+    u = t % 2
+    mbarrier.wait(ds_ready.index(u), (t // 2) & 1)
+    dq = warpgroup_mma(ds_smem.index(u * CONSUMERS).permute((1, 0)), k0, zero, use_acc=False, is_async=True)
+    dq = warpgroup_mma(ds_smem.index(u * CONSUMERS + 1).permute((1, 0)), k1, dq, is_async=True)
+    dq = warpgroup_mma_wait(0, deps=(dq,))
+    mbarrier.arrive(ds_free.index(u), count=1)  # the consumers may overwrite buffer u
+    _reduce_add_dq(dq_smem.index(u), dq, dq_desc, row, 0, sm_scale, 1)  # its last reduce was two tiles ago
+
+
+@gluon.jit
+def _reduce_add_dq(staging, dq, dq_desc, row, col, sm_scale, PENDING: gl.constexpr):
+    """DQ_ACC[row:, col:] += scale · dq, through the fp32 shared buffer `staging` by a TMA reduce-add, once at most
+    PENDING reduces issued before are still reading their buffers (the last one from `staging` among the done)."""
+    tma.store_wait(PENDING)
+    staging.store(dq * sm_scale)  # dS was taken w.r.t. the scaled scores
+    fence_async_shared()
+    _tma_reduce_add(dq_desc, [row, col], staging)  # rows past the array's end are clipped by TMA
+
+
+@gluon.jit
+def _dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """Consumer warpgroup ME: dK, dV of keys start_n + 64·ME ... + 63 over query tiles 0 .. num_tiles−1 (tile t holds
+    queries start_n + t·BLOCK_M ...), handing each tile's dSᵀ to the dQ warpgroup."""
+    (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty, ds_smem, ds_ready, ds_free,
+     DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+     N, start_n, num_tiles, qk_scale, sm_scale) = shared
+    s_layout: gl.constexpr = _mma_layout(BLOCK_M, 4)   # Sᵀ, dPᵀ: 64 keys × BLOCK_M queries
+    d_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)  # dK, dV: 64 keys × HEAD_DIM
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)  # Pᵀ, dSᵀ in registers
+    # query tiles (counted from the program's first key) that reach below this consumer's last key get the mask
+    MASKED_TILES: gl.constexpr = (TILE * (ME + 1) + BLOCK_M - 1) // BLOCK_M
+    key0 = start_n + ME * TILE
+    keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
+    cols = start_n + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    zero_s = gl.zeros([TILE, BLOCK_M], gl.float32, layout=s_layout)
+    dk = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
+    dv = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
+    k = k_smem.index(ME)
+    v = v_smem.index(ME)
+    mbarrier.wait(kv_ready.index(ME), 0)
+    pT16, dsT16 = _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, 0, ME,
+                              STAGES, zero_s, keys, cols, 0 < MASKED_TILES, qk_scale, a_layout)
+    for t in range(1, num_tiles):
+        dv, dk, pT16, dsT16 = _dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready,
+                                         ds_free, t, ME, STAGES, zero_s, dv, dk, pT16, dsT16, keys, cols + t * BLOCK_M,
+                                         t < MASKED_TILES, qk_scale, a_layout)
+    dv, dk = _dkdv_last(q_smem, do_smem, num_tiles - 1, STAGES, dv, dk, pT16, dsT16)
+    _write_dkdv(dk, dv, DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0,
+                sm_scale, HEAD_DIM)
+
+
+@gluon.jit
+def _dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """The dQ warpgroup: per query tile t, dQ_t = scale · dS_t K over the program's 128 keys (both consumers' dSᵀ_t,
+    read transposed from shared memory), staged in fp32 shared memory and added into the accumulator's rows by a TMA
+    reduce-add, which runs while the next tile's matmul does."""
+    (k_smem, ds_smem, dq_smem, kv_ready, ds_ready, ds_free, dq_desc, start_n, num_tiles, sm_scale) = dqs
+    dq_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)  # dQ_t: BLOCK_M (= 64) queries × HEAD_DIM
+    zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.wait(kv_ready.index(c), 0)
+    for t in range(num_tiles):
+        _dq_tile(k_smem.index(0), k_smem.index(1), ds_smem, dq_smem, ds_ready, ds_free, dq_desc, t,
+                 start_n + t * BLOCK_M, zero, sm_scale)  # rows past N are clipped by TMA
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """The producer warp: each consumer's K and V rows once, then query tile t (Q, dO, LSE, delta) into buffer
+    t % STAGES as soon as both consumers have released what it held (tile t − STAGES). Rows past N read as 0."""
+    (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+     kv_ready, ready, empty, start_n, num_tiles) = loads
+    dtype: gl.constexpr = q_smem.dtype
+    kv_bytes: gl.constexpr = 2 * TILE * HEAD_DIM * dtype.primitive_bitwidth // 8
+    # TMA counts a whole box, rows past N (zero-filled) included
+    tile_bytes: gl.constexpr = 2 * BLOCK_M * HEAD_DIM * dtype.primitive_bitwidth // 8 + 2 * BLOCK_M * 4
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.expect(kv_ready.index(c), kv_bytes)
+        tma.async_copy_global_to_shared(k_desc, [start_n + c * TILE, 0], kv_ready.index(c), k_smem.index(c))
+        tma.async_copy_global_to_shared(v_desc, [start_n + c * TILE, 0], kv_ready.index(c), v_smem.index(c))
+    for t in range(num_tiles):
+        stage = t % STAGES
+        row = start_n + t * BLOCK_M
+        # round r = t // STAGES of this buffer waits for round r − 1's release; a fresh barrier passes parity 1
+        mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)
+        bar = ready.index(stage)
+        mbarrier.expect(bar, tile_bytes)
+        tma.async_copy_global_to_shared(q_desc, [row, 0], bar, q_smem.index(stage))
+        tma.async_copy_global_to_shared(do_desc, [row, 0], bar, do_smem.index(stage))
+        tma.async_copy_global_to_shared(lse_desc, [row], bar, lse_smem.index(stage))
+        tma.async_copy_global_to_shared(delta_desc, [row], bar, delta_smem.index(stage))
+
+
+@gluon.jit
+def _dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
+                   stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                   stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
+                   stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                   stride_accb, stride_acch, stride_accn, stride_lse, stride_delta, H, N, qk_scale, sm_scale,
+                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, REDUCER_REGS: gl.constexpr):
+    """dK, dV of one block of 128 keys of one (batch, head), causal, over the queries from the block's first key on,
+    and this block's share of dQ for those queries, added into DQ_ACC. Program 0 holds the first keys (most queries),
+    so the longest programs start first. At head_dim 128 a dQ warpgroup does not fit the register file beside two
+    consumers holding dK and dV (128 registers each): each consumer computes half of dQ's columns itself (NOTES.md V;
+    REDUCER_REGS unused)."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    SPLIT_DQ: gl.constexpr = HEAD_DIM > 64
+    DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_DQ else HEAD_DIM  # columns per dQ reduce-add
+    start_n = gl.program_id(0) * (CONSUMERS * TILE)
+    bh = gl.program_id(1)
+    b = (bh // H).to(gl.int64)
+    h = (bh % H).to(gl.int64)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], dtype)
+    qd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, BLOCK_M], dtype)
+    acc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
+    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    k_desc = _head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, TILE, HEAD_DIM, kv_layout)
+    v_desc = _head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, TILE, HEAD_DIM, kv_layout)
+    q_desc = _head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, BLOCK_M, HEAD_DIM, qd_layout)
+    do_desc = _head_rows(DO, b, h, stride_dob, stride_doh, stride_don, N, BLOCK_M, HEAD_DIM, qd_layout)
+    dq_desc = tma.make_tensor_descriptor(DQ_ACC + b * stride_accb + h * stride_acch, shape=[N, HEAD_DIM],
+                                         strides=[stride_accn, 1], block_shape=[BLOCK_M, DQ_COLS], layout=acc_layout)
+    lse_desc = tma.make_tensor_descriptor(LSE + bh.to(gl.int64) * stride_lse, shape=[N], strides=[1],
+                                          block_shape=[BLOCK_M], layout=row_layout)
+    delta_desc = tma.make_tensor_descriptor(DELTA + bh.to(gl.int64) * stride_delta, shape=[N], strides=[1],
+                                            block_shape=[BLOCK_M], layout=row_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, TILE, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, TILE, HEAD_DIM], kv_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qd_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qd_layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, TILE, BLOCK_M], ds_layout)  # dSᵀ: 2 tiles in flight
+    # dQ staging for the reduce: two tiles in flight, or one per consumer (SPLIT_DQ)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_COLS], acc_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(CONSUMERS):
+        mbarrier.init(kv_ready.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=CONSUMERS)
+        if SPLIT_DQ:  # both consumers read every dSᵀ buffer
+            mbarrier.init(ds_free.index(i), count=CONSUMERS)
+        else:  # the dQ warpgroup does
+            mbarrier.init(ds_free.index(i), count=1)
+    fence_async_shared()
+    num_tiles = gl.cdiv(N - start_n, BLOCK_M)  # query tiles from the block's first key to the end
+
+    shared = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty, ds_smem, ds_ready, ds_free,
+              DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+              N, start_n, num_tiles, qk_scale, sm_scale)
+    loads = (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
+             delta_smem, kv_ready, ready, empty, start_n, num_tiles)
+    dqs = (k_smem, ds_smem, dq_smem, kv_ready, ds_ready, ds_free, dq_desc, start_n, num_tiles, sm_scale)
+    # the first consumer is the default partition; the lists are literals for the compiler
+    if SPLIT_DQ:
+        gl.warp_specialize([(_dkdv_dq_split_consumer, (shared, dqs, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES)),
+                            (_dkdv_dq_split_consumer, (shared, dqs, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES)),
+                            (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES))],
+                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_dkdv_consumer, (shared, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES)),
+                            (_dkdv_consumer, (shared, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES)),
+                            (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES)),
+                            (_dq_reducer, (dqs, HEAD_DIM, BLOCK_M))],
+                           [4, 1, 4], [CONSUMER_REGS, PRODUCER_REGS, REDUCER_REGS])
+
+
+# ------------------------------------------------------------------------------------------------
+# _dkdvdq_kernel's consumers at head_dim 128: dQ split between them (FlashAttention-3's split), no dQ warpgroup
+# ------------------------------------------------------------------------------------------------
+@gluon.jit
+def _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready, ds_free,
+                        dq_smem, dq_desc, t, row, ME: gl.constexpr, STAGES: gl.constexpr, zero_s, zero_q, dv, dk, keys,
+                        cols, masked, qk_scale, sm_scale, a_layout: gl.constexpr):
+    """Query tile t (ring position t), in order: Sᵀ_t, dPᵀ_t, Pᵀ_t, dSᵀ_t and the hand-over (_tile_scores); dV += Pᵀ_t dO_t
+    and dK += dSᵀ_t Q_t; once both consumers stored dSᵀ_t, this consumer's 64 columns of dQ_t = dS_t K (both consumers'
+    keys, K's columns 64·ME ...), all retired within the step; then those columns' reduce-add. Returns (dV, dK)."""
+    stage = t % STAGES
+    u = t % 2
+    pT16, dsT16 = _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, t, ME,
+                               STAGES, zero_s, keys, cols, masked, qk_scale, a_layout)
+    dv = warpgroup_mma(pT16, do_smem.index(stage), dv, is_async=True)
+    dk = warpgroup_mma(dsT16, q_smem.index(stage), dk, is_async=True)
+    mbarrier.wait(ds_ready.index(u), (t // 2) & 1)  # the other consumer's dSᵀ_t is stored too
+    dq = warpgroup_mma(ds_smem.index(u * CONSUMERS).permute((1, 0)), k0, zero_q, use_acc=False, is_async=True)
+    dq = warpgroup_mma(ds_smem.index(u * CONSUMERS + 1).permute((1, 0)), k1, dq, is_async=True)
+    dv, dk, dq, pT16, dsT16 = warpgroup_mma_wait(0, deps=(dv, dk, dq, pT16, dsT16))
+    mbarrier.arrive(ds_free.index(u), count=1)  # both consumers' arrivals free buffer u
+    mbarrier.arrive(empty.index(stage), count=1)  # tile t's buffers no longer read by this consumer
+    _reduce_add_dq(dq_smem.index(ME), dq, dq_desc, row, ME * k0.shape[1], sm_scale, 0)  # its last reduce: tile t − 1
+    return dv, dk
+
+
+@gluon.jit
+def _dkdv_dq_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                            STAGES: gl.constexpr):
+    """Consumer warpgroup ME of the head_dim-128 kernel: dK, dV of keys start_n + 64·ME ... + 63, and columns 64·ME ...
+    of each query tile's dQ, over query tiles 0 .. num_tiles−1."""
+    (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty, ds_smem, ds_ready, ds_free,
+     DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+     N, start_n, num_tiles, qk_scale, sm_scale) = shared
+    dq_smem, dq_desc = dqs[2], dqs[6]
+    HALF: gl.constexpr = HEAD_DIM // 2
+    s_layout: gl.constexpr = _mma_layout(BLOCK_M, 4)   # Sᵀ, dPᵀ: 64 keys × BLOCK_M queries
+    d_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)  # dK, dV: 64 keys × HEAD_DIM
+    q_layout: gl.constexpr = _mma_layout(HALF, 4)      # dQ's columns: BLOCK_M queries × HEAD_DIM/2
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)  # Pᵀ, dSᵀ in registers
+    MASKED_TILES: gl.constexpr = (TILE * (ME + 1) + BLOCK_M - 1) // BLOCK_M
+    key0 = start_n + ME * TILE
+    keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
+    cols = start_n + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    zero_s = gl.zeros([TILE, BLOCK_M], gl.float32, layout=s_layout)
+    zero_q = gl.zeros([BLOCK_M, HALF], gl.float32, layout=q_layout)
+    dk = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
+    dv = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
+    k = k_smem.index(ME)
+    v = v_smem.index(ME)
+    k0 = k_smem.index(0).slice(ME * HALF, HALF, dim=1)  # this consumer's dQ columns, of both consumers' keys
+    k1 = k_smem.index(1).slice(ME * HALF, HALF, dim=1)
+    for c in gl.static_range(CONSUMERS):  # dQ reads the other consumer's keys too
+        mbarrier.wait(kv_ready.index(c), 0)
+    for t in range(num_tiles):
+        dv, dk = _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
+                                     ds_ready, ds_free, dq_smem, dq_desc, t, start_n + t * BLOCK_M, ME, STAGES, zero_s,
+                                     zero_q, dv, dk, keys, cols + t * BLOCK_M, t < MASKED_TILES, qk_scale, sm_scale,
+                                     a_layout)
+    tma.store_wait(0)
+    _write_dkdv(dk, dv, DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0,
+                sm_scale, HEAD_DIM)
+
+
+# ------------------------------------------------------------------------------------------------
+# The persistent dK/dV/dQ kernel: one program per SM walking a host-made list of (batch·head, 128-key block) items
+# ------------------------------------------------------------------------------------------------
+@gluon.jit
+def _key_block(WORK, index, n_kblocks, N, BLOCK_M: gl.constexpr):
+    """Item `index` of the list: (batch·head, first key, query tiles from that key to the end)."""
+    item = gl.load(WORK + index)
+    start_n = (item % n_kblocks) * (CONSUMERS * TILE)
+    return item // n_kblocks, start_n, gl.cdiv(N - start_n, BLOCK_M)
+
+
+@gluon.jit
+def _persistent_dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                              STAGES: gl.constexpr):
+    """_dkdv_consumer over this program's items. The ring and hand-over counters run on across items (g: the query
+    tiles of the items before); K and V alternate between two buffers, released to the producer (kv_free) after the
+    item's last matmul that reads them."""
+    (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty, ds_smem, ds_ready,
+     ds_free, DK, DV, H, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+     N, qk_scale, sm_scale, WORK, first, count, n_kblocks) = shared
+    s_layout: gl.constexpr = _mma_layout(BLOCK_M, 4)
+    d_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
+    MASKED_TILES: gl.constexpr = (TILE * (ME + 1) + BLOCK_M - 1) // BLOCK_M
+    zero_s = gl.zeros([TILE, BLOCK_M], gl.float32, layout=s_layout)
+    g = 0
+    for i in range(count):
+        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M)
+        buf = i % 2
+        key0 = start_n + ME * TILE
+        keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
+        cols = start_n + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        dk = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
+        dv = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
+        k = k_smem.index(buf * CONSUMERS + ME)
+        v = v_smem.index(buf * CONSUMERS + ME)
+        mbarrier.wait(kv_ready.index(buf * CONSUMERS + ME), (i // 2) & 1)
+
+        pT16, dsT16 = _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, g,
+                                  ME, STAGES, zero_s, keys, cols, 0 < MASKED_TILES, qk_scale, a_layout)
+        for t in range(1, num_tiles):
+            dv, dk, pT16, dsT16 = _dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
+                                             ds_ready, ds_free, g + t, ME, STAGES, zero_s, dv, dk, pT16, dsT16, keys,
+                                             cols + t * BLOCK_M, t < MASKED_TILES, qk_scale, a_layout)
+        mbarrier.arrive(kv_free.index(buf), count=1)  # the last Sᵀ, dPᵀ (K, V) have retired
+        dv, dk = _dkdv_last(q_smem, do_smem, g + num_tiles - 1, STAGES, dv, dk, pT16, dsT16)
+        mbarrier.arrive(empty.index((g + num_tiles - 1) % STAGES), count=1)
+        g += num_tiles
+        _write_dkdv(dk, dv, DK, DV, (bh // H).to(gl.int64), (bh % H).to(gl.int64), stride_dkb, stride_dkh, stride_dkn,
+                    stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM)
+
+
+@gluon.jit
+def _persistent_dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """_dq_reducer over this program's items. The accumulator is one (B·H·N, HEAD_DIM) array, so its descriptor is
+    made once; a key block's last query tile may reach past its head's N rows into the next head's first ones, where
+    it adds exact zeros (queries past N have dS = 0; a non-finite K would make those rows NaN, as it does its own)."""
+    (k_smem, ds_smem, dq_smem, kv_ready, kv_free, ds_ready, ds_free, dq_desc, N, sm_scale, WORK, first, count,
+     n_kblocks) = dqs
+    dq_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)
+    zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
+    g = 0
+    for i in range(count):
+        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M)
+        buf = i % 2
+        for c in gl.static_range(CONSUMERS):
+            mbarrier.wait(kv_ready.index(buf * CONSUMERS + c), (i // 2) & 1)
+        row0 = bh * N + start_n
+        for t in range(num_tiles):
+            _dq_tile(k_smem.index(buf * CONSUMERS), k_smem.index(buf * CONSUMERS + 1), ds_smem, dq_smem, ds_ready,
+                     ds_free, dq_desc, g + t, row0 + t * BLOCK_M, zero, sm_scale)
+        mbarrier.arrive(kv_free.index(buf), count=1)  # its last dQ matmul (K) has retired
+        g += num_tiles
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _persistent_dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """_dkdvdq_producer over this program's items: the next item's K, V into the other buffer once its last users
+    released it (kv_free), then its query tiles into the ring. The per-head descriptors are rewritten in place once
+    every copy through them has landed."""
+    (Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_lse, stride_delta, H, N,
+     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty,
+     WORK, first, count, n_kblocks) = loads
+    dtype: gl.constexpr = q_smem.dtype
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], dtype)
+    qd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    kv_bytes: gl.constexpr = 2 * TILE * HEAD_DIM * dtype.primitive_bitwidth // 8
+    tile_bytes: gl.constexpr = 2 * BLOCK_M * HEAD_DIM * dtype.primitive_bitwidth // 8 + 2 * BLOCK_M * 4
+    g = 0
+    for i in range(count):
+        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M)
+        b = (bh // H).to(gl.int64)
+        h = (bh % H).to(gl.int64)
+        if i > 0:  # every copy through the descriptors below has landed: the last K/V and the tiles in the ring
+            for c in gl.static_range(CONSUMERS):
+                mbarrier.wait(kv_ready.index(((i - 1) % 2) * CONSUMERS + c), ((i - 1) // 2) & 1)
+            for t in range(gl.maximum(g - STAGES, 0), g):
+                mbarrier.wait(ready.index(t % STAGES), (t // STAGES) & 1)
+        k_desc = _head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, TILE, HEAD_DIM, kv_layout)
+        v_desc = _head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, TILE, HEAD_DIM, kv_layout)
+        q_desc = _head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, BLOCK_M, HEAD_DIM, qd_layout)
+        do_desc = _head_rows(DO, b, h, stride_dob, stride_doh, stride_don, N, BLOCK_M, HEAD_DIM, qd_layout)
+        lse_desc = tma.make_tensor_descriptor(LSE + bh.to(gl.int64) * stride_lse, shape=[N], strides=[1],
+                                              block_shape=[BLOCK_M], layout=row_layout)
+        delta_desc = tma.make_tensor_descriptor(DELTA + bh.to(gl.int64) * stride_delta, shape=[N], strides=[1],
+                                                block_shape=[BLOCK_M], layout=row_layout)
+        buf = i % 2
+        mbarrier.wait(kv_free.index(buf), ((i // 2) & 1) ^ 1)  # item i − 2's users are done with this buffer
+        for c in gl.static_range(CONSUMERS):
+            mbarrier.expect(kv_ready.index(buf * CONSUMERS + c), kv_bytes)
+            tma.async_copy_global_to_shared(k_desc, [start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
+                                            k_smem.index(buf * CONSUMERS + c))
+            tma.async_copy_global_to_shared(v_desc, [start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
+                                            v_smem.index(buf * CONSUMERS + c))
+        for t in range(num_tiles):
+            gt = g + t
+            stage = gt % STAGES
+            row = start_n + t * BLOCK_M
+            mbarrier.wait(empty.index(stage), ((gt // STAGES) & 1) ^ 1)
+            bar = ready.index(stage)
+            mbarrier.expect(bar, tile_bytes)
+            tma.async_copy_global_to_shared(q_desc, [row, 0], bar, q_smem.index(stage))
+            tma.async_copy_global_to_shared(do_desc, [row, 0], bar, do_smem.index(stage))
+            tma.async_copy_global_to_shared(lse_desc, [row], bar, lse_smem.index(stage))
+            tma.async_copy_global_to_shared(delta_desc, [row], bar, delta_smem.index(stage))
+        g += num_tiles
+
+
+@gluon.jit
+def _dkdvdq_persistent_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
+                              stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                              stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
+                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                              stride_lse, stride_delta, H, N, n_kblocks, acc_rows, qk_scale, sm_scale,
+                              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, REDUCER_REGS: gl.constexpr):
+    """_dkdvdq_kernel's work, program p taking items WORK[WORK_START[p] : WORK_START[p+1]] (item = bh · n_kblocks +
+    key block). DQ_ACC: contiguous fp32 (B·H·N, HEAD_DIM), acc_rows = B·H·N."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    first = gl.load(WORK_START + gl.program_id(0))
+    count = gl.load(WORK_START + gl.program_id(0) + 1) - first
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], dtype)
+    qd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, BLOCK_M], dtype)
+    acc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32)
+    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    dq_desc = tma.make_tensor_descriptor(DQ_ACC, shape=[acc_rows, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                         block_shape=[BLOCK_M, HEAD_DIM], layout=acc_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, TILE, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, TILE, HEAD_DIM], kv_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qd_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qd_layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, TILE, BLOCK_M], ds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], acc_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [2 * CONSUMERS, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2 * CONSUMERS):
+        mbarrier.init(kv_ready.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(kv_free.index(i), count=CONSUMERS + 1)  # both consumers and the dQ warpgroup
+        mbarrier.init(ds_ready.index(i), count=CONSUMERS)
+        mbarrier.init(ds_free.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    fence_async_shared()
+
+    shared = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty, ds_smem,
+              ds_ready, ds_free, DK, DV, H, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+              N, qk_scale, sm_scale, WORK, first, count, n_kblocks)
+    loads = (Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+             stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_lse, stride_delta, H, N,
+             k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty,
+             WORK, first, count, n_kblocks)
+    dqs = (k_smem, ds_smem, dq_smem, kv_ready, kv_free, ds_ready, ds_free, dq_desc, N, sm_scale, WORK, first, count,
+           n_kblocks)
+    gl.warp_specialize([(_persistent_dkdv_consumer, (shared, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES)),
+                        (_persistent_dkdv_consumer, (shared, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES)),
+                        (_persistent_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES)),
+                        (_persistent_dq_reducer, (dqs, HEAD_DIM, BLOCK_M))],
+                       [4, 1, 4], [CONSUMER_REGS, PRODUCER_REGS, REDUCER_REGS])
+
+
+# ------------------------------------------------------------------------------------------------
+# dQ: a program owns 128 query rows; the producer streams the key tiles K_j, V_j (the forward's structure)
+# ------------------------------------------------------------------------------------------------
+@gluon.jit
+def _ds(s, dp, lse, delta, rows, cols, masked, qk_scale, dtype: gl.constexpr, a_layout: gl.constexpr):
+    """dS of one tile (rows × keys) from S = Q Kᵀ and dP = dO Vᵀ, as the register A operand of the dQ matmul."""
+    # P = exp2(Q Kᵀ · scale·log2e − LSE)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 1))
+    if masked:  # the diagonal tile: keys after the row get probability 0
+        p = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0), p, 0.0)
+    # dS = P ∘ (dP − delta)
+    return gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), a_layout)
+
+
+@gluon.jit
+def _dq_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Consumer warpgroup ME: dQ of query rows start_m + 64·ME ... + 63 over key tiles 0 .. num_tiles−1, and the rows'
+    delta = rowsum(dO ∘ O), written for the dK/dV kernel that runs next."""
+    (q_smem, do_smem, k_smem, v_smem, qdo_ready, kv_ready, kv_empty,
+     O, DO, LSE, DELTA, DQ, b, h, bh, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
+     stride_dqb, stride_dqh, stride_dqn, stride_lse, stride_delta, N, start_m, num_tiles, qk_scale, sm_scale) = shared
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N, 4)   # S, dP: 64 rows × BLOCK_N keys
+    d_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)  # dQ: 64 rows × HEAD_DIM
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)  # dS in registers
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # O and dO rows, for delta
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row0 = start_m + ME * TILE
+    rows = row0 + gl.arange(0, TILE, layout=row_s)
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    full_tiles = row0 // BLOCK_N  # key tiles wholly at or before this consumer's first row need no mask
+
+    # delta_i = Σ_d dO_id · O_id; LSE (+inf past N, so P = 0 there)
+    io_rows = row0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, io_layout))
+    io_cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout)), 0)
+    io_mask = gl.expand_dims(io_rows < N, 1)
+    io_rows64 = gl.expand_dims(io_rows.to(gl.int64), 1)
+    o = gl.load(O + b * stride_ob + h * stride_oh + io_rows64 * stride_on + io_cols, mask=io_mask, other=0.0)
+    do = gl.load(DO + b * stride_dob + h * stride_doh + io_rows64 * stride_don + io_cols, mask=io_mask, other=0.0)
+    delta = gl.convert_layout(gl.sum(o.to(gl.float32) * do.to(gl.float32), 1), row_s)
+    gl.store(DELTA + bh.to(gl.int64) * stride_delta + rows, delta, mask=rows < N)
+    lse = gl.load(LSE + bh.to(gl.int64) * stride_lse + rows, mask=rows < N, other=float("inf"))
+
+    zero_s = gl.zeros([TILE, BLOCK_N], gl.float32, layout=s_layout)
+    dq = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
+    q = q_smem.index(ME)
+    do_s = do_smem.index(ME)
+    mbarrier.wait(qdo_ready.index(ME), 0)
+
+    # tile 0: S_0 = Q K_0ᵀ and dP_0 = dO V_0ᵀ alone (no dQ yet)
+    mbarrier.wait(kv_ready.index(0), 0)
+    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dp = warpgroup_mma(do_s, v_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s, dp = warpgroup_mma_wait(0, deps=(s, dp))
+    ds16 = _ds(s, dp, lse, delta, rows, cols, 0 >= full_tiles, qk_scale, dtype, a_layout)
+
+    for j in range(1, num_tiles):
+        stage = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(kv_ready.index(stage), (j // STAGES) & 1)
+        # issue S_j = Q K_jᵀ, dP_j = dO V_jᵀ, then dQ += dS_{j−1} K_{j−1}
+        s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_s, v_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds16, k_smem.index(prev), dq, is_async=True)
+        # wait for S_j, dP_j; dS_j while the dQ matmul still runs
+        s, dp = warpgroup_mma_wait(1, deps=(s, dp))
+        ds16_j = _ds(s, dp, lse, delta, rows, cols + j * BLOCK_N, j >= full_tiles, qk_scale, dtype, a_layout)
+        dq, ds16 = warpgroup_mma_wait(0, deps=(dq, ds16))
+        mbarrier.arrive(kv_empty.index(prev), count=1)  # K_{j−1}, V_{j−1} no longer read by this consumer
+        ds16 = ds16_j
+
+    last = (num_tiles - 1) % STAGES
+    dq = warpgroup_mma(ds16, k_smem.index(last), dq, is_async=True)
+    dq, ds16 = warpgroup_mma_wait(0, deps=(dq, ds16))
+
+    dq = dq * sm_scale  # dS was taken w.r.t. the scaled scores
+    out_rows = row0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, d_layout))
+    out_cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, d_layout)), 0)
+    gl.store(DQ + b * stride_dqb + h * stride_dqh + gl.expand_dims(out_rows.to(gl.int64), 1) * stride_dqn + out_cols,
+             dq.to(DQ.dtype.element_ty), mask=gl.expand_dims(out_rows < N, 1))
+
+
+@gluon.jit
+def _dq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The producer warp: each consumer's Q and dO rows once, then K_j, V_j into buffer j % STAGES as soon as both
+    consumers have released what it held (tile j − STAGES). Rows past N read as 0 (TMA)."""
+    (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qdo_ready, kv_ready, kv_empty,
+     start_m, num_tiles) = loads
+    dtype: gl.constexpr = q_smem.dtype
+    qdo_bytes: gl.constexpr = 2 * TILE * HEAD_DIM * dtype.primitive_bitwidth // 8
+    kv_bytes: gl.constexpr = 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.expect(qdo_ready.index(c), qdo_bytes)
+        tma.async_copy_global_to_shared(q_desc, [start_m + c * TILE, 0], qdo_ready.index(c), q_smem.index(c))
+        tma.async_copy_global_to_shared(do_desc, [start_m + c * TILE, 0], qdo_ready.index(c), do_smem.index(c))
+    for j in range(num_tiles):
+        stage = j % STAGES
+        mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(kv_ready.index(stage), kv_bytes)
+        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], kv_ready.index(stage), k_smem.index(stage))
+        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], kv_ready.index(stage), v_smem.index(stage))
+
+
+@gluon.jit
+def _dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ,
+               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
+               stride_ob, stride_oh, stride_on, stride_dqb, stride_dqh, stride_dqn,
+               stride_lse, stride_delta, H, N, qk_scale, sm_scale,
+               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """dQ (and delta) of one tile of 128 query rows of one (batch, head), causal; the last rows (most keys) first."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    BLOCK_M: gl.constexpr = CONSUMERS * TILE
+    start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
+    bh = gl.program_id(1)
+    b = (bh // H).to(gl.int64)
+    h = (bh % H).to(gl.int64)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    q_desc = _head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, TILE, HEAD_DIM, q_layout)
+    do_desc = _head_rows(DO, b, h, stride_dob, stride_doh, stride_don, N, TILE, HEAD_DIM, q_layout)
+    k_desc = _head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, BLOCK_N, HEAD_DIM, kv_layout)
+    v_desc = _head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, BLOCK_N, HEAD_DIM, kv_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, TILE, HEAD_DIM], q_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, TILE, HEAD_DIM], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    qdo_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(CONSUMERS):
+        mbarrier.init(qdo_ready.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(kv_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=CONSUMERS)
+    fence_async_shared()
+    num_tiles = gl.cdiv(gl.minimum(start_m + BLOCK_M, N), BLOCK_N)  # key tiles up to the diagonal
+
+    shared = (q_smem, do_smem, k_smem, v_smem, qdo_ready, kv_ready, kv_empty,
+              O, DO, LSE, DELTA, DQ, b, h, bh, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
+              stride_dqb, stride_dqh, stride_dqn, stride_lse, stride_delta, N, start_m, num_tiles, qk_scale, sm_scale)
+    loads = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qdo_ready, kv_ready, kv_empty,
+             start_m, num_tiles)
+    gl.warp_specialize([(_dq_consumer, (shared, gl.constexpr(0), HEAD_DIM, BLOCK_N, STAGES)),
+                        (_dq_consumer, (shared, gl.constexpr(1), HEAD_DIM, BLOCK_N, STAGES)),
+                        (_dq_producer, (loads, HEAD_DIM, BLOCK_N, STAGES))],
+                       [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ------------------------------------------------------------------------------------------------
+# Launchers (the caller checks the scope and sets Triton's scratch allocator for the device-side TMA descriptors)
+# ------------------------------------------------------------------------------------------------
+def launch_dkdv_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
+                   stride_delta: int, dk: Tensor, dv: Tensor, dq_acc: Tensor, sm_scale: float, qk_scale: float,
+                   block_m: int, stages: int) -> None:
+    """Write the causal dK, dV of q, k, v, do (B, H, N, D) into dk, dv (k's shape, contiguous last dimension) and add
+    dQ into dq_acc (fp32, q's shape, zeroed by the caller, 16-byte aligned rows). lse, delta: fp32 rows at
+    t + (b·H + h)·stride with 16-byte aligned starts (1-D TMA). qk_scale = sm_scale·log2(e). block_m: queries per
+    streamed tile (64: the M of the dQ matmul). At head_dim 128 the consumers compute dQ themselves (no dQ warpgroup),
+    with more registers each."""
+    B, H, N, D = q.shape
+    grid = (-(-N // (CONSUMERS.value * TILE.value)), B * H)
+    _dkdvdq_kernel[grid](q, k, v, do, lse, delta, dk, dv, dq_acc, *_strides3(q), *_strides3(k), *_strides3(v),
+                         *_strides3(do), *_strides3(dk), *_strides3(dv), *_strides3(dq_acc), stride_lse, stride_delta,
+                         H, N, qk_scale, sm_scale, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
+                         CONSUMER_REGS=SPLIT_CONSUMER_REGS if D > 64 else FUSED_CONSUMER_REGS,
+                         PRODUCER_REGS=PRODUCER_REGS, REDUCER_REGS=REDUCER_REGS, num_warps=4)
+
+
+@functools.lru_cache(maxsize=64)
+def key_block_costs(n: int, keys: int, block_m: int) -> tuple[float, ...]:
+    """Each block of `keys` keys' work in the causal backward: its query tiles, from the block's first key on."""
+    return tuple(float(-(-(n - kb * keys) // block_m)) for kb in range(-(-n // keys)))
+
+
+def launch_dkdv_dq_persistent(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int,
+                              delta: Tensor, stride_delta: int, dk: Tensor, dv: Tensor, dq_acc: Tensor, sm_scale: float,
+                              qk_scale: float, block_m: int, stages: int, programs: int | None = None) -> None:
+    """launch_dkdv_dq's contract with a contiguous dq_acc, on one program per SM (or `programs`) walking a schedule
+    of (batch·head, 128-key block) items (persistent_schedule), an item costing its query tiles."""
+    B, H, N, D = q.shape
+    if not dq_acc.is_contiguous():
+        raise ValueError("launch_dkdv_dq_persistent: dq_acc must be contiguous (B, H, N, D)")
+    keys = CONSUMERS.value * TILE.value
+    n_kblocks = -(-N // keys)
+    programs = min(programs or sm_count(q.device), B * H * n_kblocks)
+    work, work_start = device_schedule(B * H, key_block_costs(N, keys, block_m), programs, q.device)
+    _dkdvdq_persistent_kernel[(programs,)](
+        q, k, v, do, lse, delta, dk, dv, dq_acc, work, work_start, *_strides3(q), *_strides3(k), *_strides3(v),
+        *_strides3(do), *_strides3(dk), *_strides3(dv), stride_lse, stride_delta, H, N, n_kblocks, B * H * N, qk_scale,
+        sm_scale, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages, CONSUMER_REGS=FUSED_CONSUMER_REGS,
+        PRODUCER_REGS=PRODUCER_REGS, REDUCER_REGS=REDUCER_REGS, num_warps=4)
+
+
+def launch_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
+              stride_delta: int, dq: Tensor, sm_scale: float, qk_scale: float, block_n: int, stages: int) -> None:
+    """Write the causal dQ of q, k, v, do (B, H, N, D) into dq (q's shape, contiguous last dimension), and
+    delta = rowsum(dO ∘ O) into delta's rows (fp32, t + (b·H + h)·stride). block_n: keys per streamed tile."""
+    B, H, N, D = q.shape
+    grid = (-(-N // (CONSUMERS.value * TILE.value)), B * H)
+    _dq_kernel[grid](q, k, v, do, o, lse, delta, dq, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do),
+                     *_strides3(o), *_strides3(dq), stride_lse, stride_delta, H, N, qk_scale, sm_scale,
+                     HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS[CONSUMERS.value],
+                     PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
