@@ -17,10 +17,11 @@ Two kernels, each splitting its warps by role (`gl.warp_specialize`) like the pi
   at the price of an fp32 accumulator and a dQ whose summation order varies from run to run (not deterministic).
   Its persistent variant (NOTES.md T; below 16K tokens) runs one program per SM over a host-made list of key blocks
   (persistent_schedule), with K and V double-buffered so that a block's loads overlap the last one's tail.
-- **dK/dV/dQ at head_dim 128** (NOTES.md V): there dK and dV take 128 registers per consumer, and a dQ warpgroup does
-  not fit beside them. So, as in FlashAttention-3, each consumer runs its tile in order (Sᵀ, dPᵀ; Pᵀ, dSᵀ; dV, dK)
-  and, once both consumers stored dSᵀ_t, computes half of dQ_t's columns from both (dS_t K[:, its half]) and
-  reduce-adds them itself. Not persistent.
+- **dK/dV/dQ at head_dim 128** (NOTES.md V, W): there dK and dV take 128 registers per consumer, and a dQ warpgroup
+  does not fit beside them. So, as in FlashAttention-3, each consumer computes half of dQ's columns itself from both
+  consumers' dS (dS_t K[:, its half]) and reduce-adds them. It does so one tile behind: step t computes Sᵀ_t, dPᵀ_t,
+  Pᵀ_t, dSᵀ_t, then issues dQ_{t−1} (both consumers stored dSᵀ_{t−1} by then) with dV_t and dK_t, so the consumers
+  need not meet at every tile. Its persistent variant (below 8K tokens) has one K/V buffer, for shared memory.
 - **dQ** (head_dim 128, the seven-matmul backward's dQ half, deterministic): one program owns 128 query rows (two
   consumers of 64), keeps Q and dO, streams K_j, V_j; per tile S_j, dP_j and the previous tile's dQ matmul are
   issued and dS_j is computed while the dQ matmul runs. Each consumer also writes its rows' delta for the Triton
@@ -362,12 +363,11 @@ def _dq_split_issue(k0, k1, ds_smem, ds_ready, t, zero_q):
 def _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready, ds_free,
                         dq_smem, dq_desc, t, dq_row, dq_col, ME: gl.constexpr, STAGES: gl.constexpr, zero_s, zero_q, dv,
                         dk, keys, cols, masked, qk_scale, sm_scale, a_layout: gl.constexpr):
-    """Query tile t ≥ 1 (ring position t), with the previous tile's dQ one step behind: Sᵀ_t, dPᵀ_t, Pᵀ_t, dSᵀ_t and the
-    hand-over (_tile_scores); then issue this consumer's columns of dQ_{t−1}, dV += Pᵀ_t dO_t and dK += dSᵀ_t Q_t; retire
-    dQ_{t−1} (wgmma groups retire in order) and start its reduce-add (rows from dq_row on, columns from dq_col on) while
-    dV and dK run. Waiting
-    for the other consumer's dSᵀ one step late lets the two drift apart, so that one's softmax can overlap the other's
-    matmuls (they met at every tile before). Returns (dV, dK)."""
+    """Query tile t ≥ 1 (ring position t), with the previous tile's dQ one step behind: Sᵀ_t, dPᵀ_t, Pᵀ_t, dSᵀ_t and
+    the hand-over (_tile_scores); then issue this consumer's columns of dQ_{t−1}, dV += Pᵀ_t dO_t and dK += dSᵀ_t Q_t;
+    retire dQ_{t−1} (wgmma groups retire in order) and start its reduce-add (rows from dq_row on, columns from dq_col
+    on) while dV and dK run. Waiting for the other consumer's dSᵀ one step late lets the two drift apart, so that one's
+    softmax can overlap the other's matmuls (they met at every tile before). Returns (dV, dK)."""
     stage = t % STAGES
     pT16, dsT16 = _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, t, ME,
                                STAGES, zero_s, keys, cols, masked, qk_scale, a_layout)

@@ -1,4 +1,5 @@
-"""The head_dim-128 five-matmul backward with dQ one step behind (this tree) against ed9d9df's (old_bwd.py):
+"""The head_dim-128 five-matmul backward with dQ one step behind (this tree) against ed9d9df's (old_bwd.py, made by
+`git show ed9d9df:kernels/flash_backward_specialized.py > old_bwd.py` beside this script):
 float64 check, then backward ms next to the seven-matmul backward and cuDNN (bf16 causal, 16K tokens, 16 heads)."""
 import importlib, json, os, sys
 import torch
