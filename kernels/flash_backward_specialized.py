@@ -264,6 +264,15 @@ def _dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGE
 
 
 @gluon.jit
+def _init_hand_over(ds_ready, ds_free, SPLIT_DQ: gl.constexpr):
+    """The dSᵀ hand-over's two buffers: ready once both consumers stored theirs; free once their reader is done with
+    them, the dQ warpgroup, or at head_dim 128 (SPLIT_DQ) both consumers, which compute dQ themselves."""
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=CONSUMERS)
+        mbarrier.init(ds_free.index(i), count=CONSUMERS if SPLIT_DQ else 1)
+
+
+@gluon.jit
 def _dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
                    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
@@ -317,12 +326,7 @@ def _dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)
-    for i in gl.static_range(2):
-        mbarrier.init(ds_ready.index(i), count=CONSUMERS)
-        if SPLIT_DQ:  # both consumers read every dSᵀ buffer
-            mbarrier.init(ds_free.index(i), count=CONSUMERS)
-        else:  # the dQ warpgroup does
-            mbarrier.init(ds_free.index(i), count=1)
+    _init_hand_over(ds_ready, ds_free, SPLIT_DQ)
     fence_async_shared()
     num_tiles = gl.cdiv(N - start_n, BLOCK_M)  # query tiles from the block's first key to the end
 
@@ -383,6 +387,31 @@ def _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, rea
 
 
 @gluon.jit
+def _split_key_block(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready, ds_free,
+                     dq_smem, dq_desc, g, num_tiles, row0, col, ME: gl.constexpr, STAGES: gl.constexpr, zero_s, zero_q,
+                     dv, dk, keys, cols, qk_scale, sm_scale, a_layout: gl.constexpr, BLOCK_M: gl.constexpr):
+    """One key block of the head_dim-128 kernel: its query tiles at ring positions g ... g + num_tiles − 1, tile 0
+    without a dQ behind it, the steps, then the last tile's dQ. Its dQ columns go to accumulator rows row0 ... and
+    columns col ...; every read of K and V has retired on return. Returns (dV, dK)."""
+    MASKED_TILES: gl.constexpr = (TILE * (ME + 1) + BLOCK_M - 1) // BLOCK_M
+    pT16, dsT16 = _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, g, ME,
+                               STAGES, zero_s, keys, cols, 0 < MASKED_TILES, qk_scale, a_layout)
+    dv, dk = _dkdv_last(q_smem, do_smem, g, STAGES, dv, dk, pT16, dsT16)
+    mbarrier.arrive(empty.index(g % STAGES), count=1)
+    for t in range(1, num_tiles):
+        dv, dk = _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
+                                     ds_ready, ds_free, dq_smem, dq_desc, g + t, row0 + (t - 1) * BLOCK_M, col, ME,
+                                     STAGES, zero_s, zero_q, dv, dk, keys, cols + t * BLOCK_M, t < MASKED_TILES,
+                                     qk_scale, sm_scale, a_layout)
+    last = g + num_tiles - 1
+    dq = _dq_split_issue(k0, k1, ds_smem, ds_ready, last, zero_q)
+    dq = warpgroup_mma_wait(0, deps=(dq,))
+    mbarrier.arrive(ds_free.index(last % 2), count=1)
+    _reduce_add_dq(dq_smem.index(ME), dq, dq_desc, row0 + (num_tiles - 1) * BLOCK_M, col, sm_scale, 0)
+    return dv, dk
+
+
+@gluon.jit
 def _dkdv_dq_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             STAGES: gl.constexpr):
     """Consumer warpgroup ME of the head_dim-128 kernel: dK, dV of keys start_n + 64·ME ... + 63, and columns 64·ME ...
@@ -396,7 +425,6 @@ def _dkdv_dq_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.constexp
     d_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)  # dK, dV: 64 keys × HEAD_DIM
     q_layout: gl.constexpr = _mma_layout(HALF, 4)      # dQ's columns: BLOCK_M queries × HEAD_DIM/2
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)  # Pᵀ, dSᵀ in registers
-    MASKED_TILES: gl.constexpr = (TILE * (ME + 1) + BLOCK_M - 1) // BLOCK_M
     key0 = start_n + ME * TILE
     keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
     cols = start_n + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
@@ -410,22 +438,9 @@ def _dkdv_dq_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.constexp
     k1 = k_smem.index(1).slice(ME * HALF, HALF, dim=1)
     for c in gl.static_range(CONSUMERS):  # dQ reads the other consumer's keys too
         mbarrier.wait(kv_ready.index(c), 0)
-    # tile 0: no dQ behind it yet
-    pT16, dsT16 = _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, 0, ME,
-                               STAGES, zero_s, keys, cols, 0 < MASKED_TILES, qk_scale, a_layout)
-    dv, dk = _dkdv_last(q_smem, do_smem, 0, STAGES, dv, dk, pT16, dsT16)
-    mbarrier.arrive(empty.index(0), count=1)
-    for t in range(1, num_tiles):
-        dv, dk = _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
-                                     ds_ready, ds_free, dq_smem, dq_desc, t, start_n + (t - 1) * BLOCK_M, ME * HALF, ME,
-                                     STAGES, zero_s, zero_q, dv, dk, keys, cols + t * BLOCK_M, t < MASKED_TILES,
-                                     qk_scale, sm_scale, a_layout)
-    # the last tile's dQ
-    last = num_tiles - 1
-    dq = _dq_split_issue(k0, k1, ds_smem, ds_ready, last, zero_q)
-    dq = warpgroup_mma_wait(0, deps=(dq,))
-    mbarrier.arrive(ds_free.index(last % 2), count=1)
-    _reduce_add_dq(dq_smem.index(ME), dq, dq_desc, start_n + last * BLOCK_M, ME * HALF, sm_scale, 0)
+    dv, dk = _split_key_block(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready,
+                              ds_free, dq_smem, dq_desc, 0, num_tiles, start_n, ME * HALF, ME, STAGES, zero_s, zero_q,
+                              dv, dk, keys, cols, qk_scale, sm_scale, a_layout, BLOCK_M)
     tma.store_wait(0)
     _write_dkdv(dk, dv, DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0,
                 sm_scale, HEAD_DIM)
@@ -498,7 +513,6 @@ def _persistent_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.const
     d_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)
     q_layout: gl.constexpr = _mma_layout(HALF, 4)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
-    MASKED_TILES: gl.constexpr = (TILE * (ME + 1) + BLOCK_M - 1) // BLOCK_M
     zero_s = gl.zeros([TILE, BLOCK_M], gl.float32, layout=s_layout)
     zero_q = gl.zeros([BLOCK_M, HALF], gl.float32, layout=q_layout)
     k = k_smem.index(ME)
@@ -517,21 +531,10 @@ def _persistent_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.const
         dv = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
         for c in gl.static_range(CONSUMERS):
             mbarrier.wait(kv_ready.index(c), i & 1)
-        pT16, dsT16 = _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, g,
-                                   ME, STAGES, zero_s, keys, cols, 0 < MASKED_TILES, qk_scale, a_layout)
-        dv, dk = _dkdv_last(q_smem, do_smem, g, STAGES, dv, dk, pT16, dsT16)
-        mbarrier.arrive(empty.index(g % STAGES), count=1)
-        for t in range(1, num_tiles):
-            dv, dk = _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
-                                         ds_ready, ds_free, dq_smem, dq_desc, g + t, row0 + (t - 1) * BLOCK_M, col, ME,
-                                         STAGES, zero_s, zero_q, dv, dk, keys, cols + t * BLOCK_M, t < MASKED_TILES,
-                                         qk_scale, sm_scale, a_layout)
-        last = g + num_tiles - 1
-        dq = _dq_split_issue(k0, k1, ds_smem, ds_ready, last, zero_q)
-        dq = warpgroup_mma_wait(0, deps=(dq,))
-        mbarrier.arrive(ds_free.index(last % 2), count=1)
+        dv, dk = _split_key_block(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
+                                  ds_ready, ds_free, dq_smem, dq_desc, g, num_tiles, row0, col, ME, STAGES, zero_s,
+                                  zero_q, dv, dk, keys, cols, qk_scale, sm_scale, a_layout, BLOCK_M)
         mbarrier.arrive(kv_free.index(0), count=1)  # this consumer's last reads of K and V have retired
-        _reduce_add_dq(dq_smem.index(ME), dq, dq_desc, row0 + (num_tiles - 1) * BLOCK_M, col, sm_scale, 0)
         g += num_tiles
         _write_dkdv(dk, dv, DK, DV, (bh // H).to(gl.int64), (bh % H).to(gl.int64), stride_dkb, stride_dkh, stride_dkn,
                     stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM)
@@ -668,12 +671,7 @@ def _dkdvdq_persistent_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WOR
             mbarrier.init(kv_free.index(i), count=CONSUMERS)
         else:  # both consumers and the dQ warpgroup
             mbarrier.init(kv_free.index(i), count=CONSUMERS + 1)
-    for i in gl.static_range(2):
-        mbarrier.init(ds_ready.index(i), count=CONSUMERS)
-        if SPLIT_DQ:  # both consumers read every dSᵀ buffer
-            mbarrier.init(ds_free.index(i), count=CONSUMERS)
-        else:
-            mbarrier.init(ds_free.index(i), count=1)
+    _init_hand_over(ds_ready, ds_free, SPLIT_DQ)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)
