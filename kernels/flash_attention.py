@@ -818,25 +818,33 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
 
 def launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, sm_scale: float,
                     dkdv_cfg: TileConfig | None = None, dq_cfg: TileConfig | None = None,
-                    deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                    deterministic: bool = False, out: tuple[Tensor, Tensor, Tensor] | None = None,
+                    fp32_dq: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """The backward: (dq, dk, dv). Where the table says so (long causal sequences at head_dim 64 or 128 on an
     H100/H200), the five-matmul backward (launch_backward_fused), unless deterministic results are asked for (deterministic=True or
     torch.use_deterministic_algorithms): its dQ is summed in a varying order. Otherwise the deterministic
     seven-matmul backward: the dQ kernel, then the dK/dV kernel (the cfgs override their tiles). The dQ kernel also
     computes delta = rowsum(dO ∘ O) for its rows (it loads dO anyway) and leaves it for the dK/dV kernel, which
-    saves a pass over O and dO: 1–3% of the backward at 1K–4K and at 128K tokens (kernels/NOTES.md, L)."""
+    saves a pass over O and dO: 1–3% of the backward at 1K–4K and at 128K tokens (kernels/NOTES.md, L).
+    out=(dq, dk, dv): write the gradients there (q's, k's, v's shapes, contiguous last dimensions) and return them;
+    fp32_dq: where the five-matmul backward runs, return its fp32 dQ accumulator in out's dq's stead (see
+    launch_backward_fused)."""
     if do.stride(-1) != 1:
         do = do.contiguous()
     B, H, N = lse.shape
+    if out is not None:
+        _grad_outputs(out, False, ("dq", "dk", "dv"), (q, k, v))  # checked here, before either path runs
     if dkdv_cfg is None and dq_cfg is None and not (deterministic or torch.are_deterministic_algorithms_enabled()):
         # the table's choice for this length, if the inputs fit the warp-specialized kernels (checked only then)
         cfg = fused_backward_config(q.shape[-1], causal, q.dtype, N, True)
         if cfg is not None and specialized_ready(q, k, v, causal, module="flash_backward_specialized", also=(do,)):
-            return launch_backward_fused(do, q, k, v, o, lse, sm_scale, cfg)
+            return launch_backward_fused(do, q, k, v, o, lse, sm_scale, cfg, out=out, fp32_dq=fp32_dq)
     # rows start 16-byte aligned whatever N, as TMA reads them
     delta = torch.empty((B, H, (N + 3) // 4 * 4), dtype=torch.float32, device=lse.device)[:, :, :N]
-    dq = launch_backward_dq(do, q, k, v, lse, delta, causal, sm_scale, dq_cfg, o=o)
-    dk, dv = launch_backward_dkdv(do, q, k, v, lse, delta, causal, sm_scale, dkdv_cfg)
+    dq = launch_backward_dq(do, q, k, v, lse, delta, causal, sm_scale, dq_cfg, o=o,
+                            out=None if out is None else out[0])
+    dk, dv = launch_backward_dkdv(do, q, k, v, lse, delta, causal, sm_scale, dkdv_cfg,
+                                  out=None if out is None else out[1:])
     return dq, dk, dv
 
 
@@ -847,13 +855,17 @@ FUSED_DQ_ACC_BYTES = 256 << 20
 
 
 def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, sm_scale: float,
-                          cfg: TileConfig | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                          cfg: TileConfig | None = None, out: tuple[Tensor, Tensor, Tensor] | None = None,
+                          fp32_dq: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """The causal five-matmul backward (kernels/NOTES.md Q): (dq, dk, dv) in the memory layouts of q, k, v. A delta
     kernel, then the dK/dV/dQ kernel of flash_backward_specialized.py, which adds dQ into a zeroed fp32 accumulator
     (a TMA reduce-add per query tile and block of 128 keys), then one cast into dq. No kernel recomputes QKᵀ and dO·Vᵀ
     for dQ; dQ's summation order follows the programs' timing, so it can differ in the last bits between runs.
     Needs inputs that fit the warp-specialized kernels (specialized_ready); at head_dim 128 the kernel splits dQ's
-    columns between its consumers."""
+    columns between its consumers. out=(dq, dk, dv): write the gradients there.
+    fp32_dq: return the fp32 accumulator (q's shape and memory order) as dq, without the cast, when it holds
+    every head at once (a caller that transforms dQ anyway, e.g. rotates it back, then rounds it only once);
+    otherwise dq as usual."""
     if do.stride(-1) != 1:
         do = do.contiguous()
     B, H, N, D = q.shape
@@ -865,8 +877,9 @@ def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
                          f"least 2 stages (TileConfig(64, 128, 4, stages, specialized=True)), got {cfg}")
     c = cfg or _specialized_entry("dkdvdq", D, N) or _SPECIALIZED_FROM_SEQ[("dkdvdq", D)][0][1]
     kernels = _gluon_module("flash_backward_specialized")
-    dq, dk, dv = _empty_in_layout_of(q), _empty_in_layout_of(k), _empty_in_layout_of(v)
+    dq, dk, dv = _grad_outputs(out, False, ("dq", "dk", "dv"), (q, k, v))
     group = max(1, min(H, FUSED_DQ_ACC_BYTES // (B * N * D * 4)))  # heads per launch
+    keep_acc = fp32_dq and group == H
     acc = torch.empty(B * group * N * D, dtype=torch.float32, device=q.device)
     triton.set_allocator(_tma_scratch)
     launch = kernels.launch_dkdv_dq_persistent if c.persistent else kernels.launch_dkdv_dq
@@ -878,6 +891,8 @@ def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
         (lse_h, stride_lse), (delta, stride_delta) = _rows_for_tma(lse_h, stride_lse), _rows_for_tma(delta, stride_delta)
         launch(do_h, q[:, hs], k[:, hs], v[:, hs], lse_h, stride_lse, delta, stride_delta, dk[:, hs], dv[:, hs], dq_acc,
                sm_scale, sm_scale * LOG2E, c.block_m, c.num_stages)
+        if keep_acc:
+            return dq_acc, dk, dv
         dq[:, hs].copy_(dq_acc)
     return dq, dk, dv
 

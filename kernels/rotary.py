@@ -28,10 +28,11 @@ def _qkv_rotary_kernel(PACKED, Q, K, V, COS, SIN, N, H, n_blocks,
                        stride_pb, stride_pn, stride_pp, stride_ph,  # PACKED (B, N, 3, H, D): part p, token n, head h
                        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,  # Q, K, V (B, N, H, D)
                        stride_vb, stride_vn, stride_vh, stride_cn,
-                       BACKWARD: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+                       BACKWARD: tl.constexpr, WITH_V: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
     """One head of BLOCK tokens. Forward: q, k rotated and v copied from the qkv projection PACKED into Q, K, V.
     BACKWARD: their gradients Q, K, V rotated back (k's and q's) and copied (v's) into the projection's gradient
-    PACKED."""
+    PACKED; without WITH_V, v's part is left as it is (already written there). Q or K may be PACKED's own part
+    (rotated in place: each element is loaded before it is stored, by the same program)."""
     pid = tl.program_id(0)  # one grid axis: no per-axis limit on heads · batch or on tokens
     bh = (pid // n_blocks).to(tl.int64)
     b, h = bh // H, bh % H
@@ -57,17 +58,30 @@ def _qkv_rotary_kernel(PACKED, Q, K, V, COS, SIN, N, H, n_blocks,
             y1, y2 = x1 * c - x2 * s, x1 * s + x2 * c
         tl.store(dst, y1.to(dst.dtype.element_ty), mask=ok)
         tl.store(dst + HALF, y2.to(dst.dtype.element_ty), mask=ok)
-    src, dst = (v, packed + 2 * stride_pp) if BACKWARD else (packed + 2 * stride_pp, v)
-    for half in tl.static_range(2):  # v as it is
-        tl.store(dst + half * HALF, tl.load(src + half * HALF, mask=ok), mask=ok)
+    if WITH_V:
+        src, dst = (v, packed + 2 * stride_pp) if BACKWARD else (packed + 2 * stride_pp, v)
+        for half in tl.static_range(2):  # v as it is
+            tl.store(dst + half * HALF, tl.load(src + half * HALF, mask=ok), mask=ok)
 
 
-def _launch(packed: Tensor, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> None:
+def _launch(packed: Tensor, q: Tensor, k: Tensor, v: Tensor | None, cos: Tensor, sin: Tensor, backward: bool) -> None:
+    """q, k, v: (B, N, H, D) views, any strides with a contiguous last dimension; v None: left out (backward only)."""
     B, N, _, H, D = packed.shape
     n_blocks = triton.cdiv(N, BLOCK_TOKENS)
+    with_v = v is not None
+    v = v if with_v else k  # a stand-in the kernel does not touch
     _qkv_rotary_kernel[(n_blocks * B * H,)](packed, q, k, v, cos, sin, N, H, n_blocks, *packed.stride()[:4],
-                             *(st for t in (q, k, v) for st in (t.stride(0), t.stride(1), t.stride(2))),
-                             cos.stride(0), BACKWARD=backward, HALF=D // 2, BLOCK=BLOCK_TOKENS, num_warps=4)
+                             *(st for t in (q, k, v) for st in t.stride()[:3]),
+                             cos.stride(0), BACKWARD=backward, WITH_V=with_v, HALF=D // 2, BLOCK=BLOCK_TOKENS,
+                             num_warps=4)
+
+
+def qkv_rotary_forward(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """qkv_rotary without autograd: q, k rotated and v, each a new (B, N, H, D) buffer; cos, sin (N, D/2)."""
+    B, N, _, H, D = qkv.shape
+    q, k, v = (torch.empty((B, N, H, D), dtype=qkv.dtype, device=qkv.device) for _ in range(3))
+    _launch(qkv, q, k, v, cos, sin, backward=False)
+    return q, k, v
 
 
 class QKVRotary(torch.autograd.Function):
@@ -75,9 +89,7 @@ class QKVRotary(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        B, N, _, H, D = qkv.shape
-        q, k, v = (torch.empty((B, N, H, D), dtype=qkv.dtype, device=qkv.device) for _ in range(3))
-        _launch(qkv, q, k, v, cos, sin, backward=False)
+        q, k, v = qkv_rotary_forward(qkv, cos, sin)
         ctx.save_for_backward(cos, sin)
         ctx.shape = qkv.shape
         return q, k, v
@@ -89,6 +101,14 @@ class QKVRotary(torch.autograd.Function):
         dqkv = torch.empty(ctx.shape, dtype=dq.dtype, device=dq.device)
         _launch(dqkv, dq, dk, dv, cos, sin, backward=True)
         return dqkv, None, None
+
+
+def rotate_back_into(dqkv: Tensor, dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """dqkv[:, :, 0] = rot⁻¹(dq) and dqkv[:, :, 1] = rot⁻¹(dk), in fp32 and rounded once; dqkv[:, :, 2] untouched.
+    The backward of qkv_rotary for an attention that wrote dv into dqkv itself (minigpt_kernels.flash_attention_qkv):
+    dqkv (B, N, 3, H, D) as qkv_rotary takes it; dq, dk (B, N, H, D) views of any dtype and strides with a
+    contiguous last dimension, e.g. an fp32 accumulator, or dqkv's own parts (rotated in place); cos, sin (N, D/2)."""
+    _launch(dqkv, dq, dk, None, cos, sin, backward=True)
 
 
 def _layout_fits(qkv: Tensor, cos: Tensor, sin: Tensor) -> bool:
@@ -111,13 +131,18 @@ def rotary_fits(qkv: Tensor, cos: Tensor, sin: Tensor) -> bool:
     return qkv.is_cuda and _layout_fits(qkv, cos, sin)
 
 
+def check_layout(qkv: Tensor, cos: Tensor, sin: Tensor, caller: str) -> None:
+    """ValueError unless qkv_rotary's kernel takes these inputs (see qkv_rotary)."""
+    if not (_layout_fits(qkv, cos, sin) and (qkv.is_cuda or INTERPRET)):
+        raise ValueError(f"{caller}: qkv (B, N, 3, H, D) with contiguous (3, H, D), D a power of two, on a GPU, and "
+                         f"fp32 (N, D/2) cos/sin tables with contiguous rows expected, got qkv {tuple(qkv.shape)} "
+                         f"strides {qkv.stride()} on {qkv.device}, cos {tuple(cos.shape)} {cos.dtype}")
+
+
 def qkv_rotary(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """q, k rotated by the tokens' angles (cos, sin: (N, D/2) fp32, or (N, 1, D/2) as minigpt.model.Rotary makes them)
     and v, each a (B, N, H, D) contiguous buffer, from the qkv projection (B, N, 3, H, D) with contiguous (3, H, D),
     D a power of two, on a GPU (or under Triton's interpreter); differentiable."""
-    if not (_layout_fits(qkv, cos, sin) and (qkv.is_cuda or INTERPRET)):
-        raise ValueError(f"qkv_rotary: qkv (B, N, 3, H, D) with contiguous (3, H, D), D a power of two, on a GPU, and "
-                         f"fp32 (N, D/2) cos/sin tables with contiguous rows expected, got qkv {tuple(qkv.shape)} "
-                         f"strides {qkv.stride()} on {qkv.device}, cos {tuple(cos.shape)} {cos.dtype}")
+    check_layout(qkv, cos, sin, "qkv_rotary")
     N, D = qkv.shape[1], qkv.shape[4]
     return QKVRotary.apply(qkv, cos.reshape(N, D // 2), sin.reshape(N, D // 2))

@@ -9,7 +9,9 @@ shape and dtype. The backends compute the same function and differ in memory and
 
 Each backend is one object: its name, its options, `unsupported(device, dtype, head_dim)` (config validation
 calls it, so a run that cannot work is refused before it starts) and, where it has them, a forward that also
-returns the row log-sum-exp and an attention whose forward was already run (kept attention uses both).
+returns the row log-sum-exp and an attention whose forward was already run (kept attention uses both), and an
+attention straight from the qkv projection with RoPE inside (`attend_projection`: flash folds RoPE's backward
+into its own).
 Adding a backend is one class here with `@register`; config, model, sweep and benchmark take it by name.
 """
 from __future__ import annotations
@@ -65,6 +67,12 @@ class AttentionBackend:
     def attend_saved(self, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool = True) -> Tensor:
         """`o` (from forward_with_lse on these inputs) made differentiable without running the forward again."""
         raise NotImplementedError(f"attention={self.name} cannot reuse a saved forward")
+
+    def attend_projection(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None:
+        """Causal attention straight from the qkv projection (B, N, 3, H, D), q and k rotated by cos, sin inside,
+        as (B, H, N, D); or None where this backend has no such path for these inputs (the model then rotates q
+        and k itself and calls the backend)."""
+        return None
 
 
 @register
@@ -166,6 +174,14 @@ class FlashAttention(AttentionBackend):
         from minigpt_kernels.flash_attention import flash_attention
 
         return flash_attention(q, k, v, causal=causal, precomputed=(o, lse), deterministic=self.deterministic)
+
+    def attend_projection(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None:
+        """Eager GPU calls: RoPE's backward folded into the kernel's (minigpt_kernels.flash_attention_qkv)."""
+        from minigpt_kernels.flash_attention_qkv import flash_attention_qkv, qkv_attention_fits
+
+        if not qkv_attention_fits(qkv, cos, sin):
+            return None
+        return flash_attention_qkv(qkv, cos, sin, deterministic=self.deterministic)
 
 
 AttentionFn = Callable[..., Tensor]  # what the model calls: attend(q, k, v, causal=True) -> o

@@ -49,7 +49,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention in three steps, heads -> attend_heads -> project; Block calls them in turn
-    (so a recomputed block can run the token-local ones in chunks)."""
+    (so a recomputed block can run the token-local ones in chunks), the first two through forward."""
 
     def __init__(self, cfg: ModelConfig, attend: AttentionFn):
         super().__init__()
@@ -58,14 +58,30 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.attend = attend
 
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """The heads' outputs y (B, H, N, D) for the block's normed input x: heads, then attend_heads; or, where
+        the backend takes the qkv projection itself (flash, eager, on a GPU), that path, which folds RoPE's
+        backward into the attention's (kernels/flash_attention_qkv.py)."""
+        qkv = self.project_qkv(x)
+        from_projection = getattr(self.attend, "attend_projection", None)  # a plain function has none
+        y = from_projection(qkv, cos, sin) if from_projection is not None else None
+        return y if y is not None else self.attend_heads(*self.rotate(qkv, cos, sin))
+
+    def project_qkv(self, x: Tensor) -> Tensor:
+        """The qkv projection of x (B, N, C) as (B, N, 3, H, D)."""
+        B, N, C = x.shape
+        return self.c_attn(x).view(B, N, 3, self.n_head, self.head_dim)
+
     def heads(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k (rotated) and v of x, each (B, N, H, D)."""
+        return self.rotate(self.project_qkv(x), cos, sin)
+
+    def rotate(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q, k (rotated) and v as (B, N, H, D), each in its own buffer: the attention keeps all three for its
         backward, and views would keep the whole qkv matmul output alive with them (3 KB more per token
         and layer). RoPE is applied in this layout so the caller's transposes are free strided views.
         On a GPU, eager runs do the split and RoPE in one Triton pass each way (kernels/rotary.py: a dozen
         elementwise passes fewer); compiled regions keep the PyTorch code, which Inductor fuses itself."""
-        B, N, C = x.shape
-        qkv = self.c_attn(x).view(B, N, 3, self.n_head, self.head_dim)
         if rotary_fits(qkv, cos, sin) and not torch.compiler.is_compiling():
             return qkv_rotary(qkv, cos, sin)
         q, k = apply_rotary(qkv[:, :, 0], cos, sin), apply_rotary(qkv[:, :, 1], cos, sin)
@@ -104,7 +120,7 @@ class Block(nn.Module):
         self.mlp_chunk = cfg.mlp_chunk
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        return self.after_attention(x, self.attn.attend_heads(*self.qkv(x, cos, sin)))
+        return self.after_attention(x, self.attn(self.ln_1(x), cos, sin))
 
     # The two token-local halves of forward, around the attention call. A recomputed block (minigpt/levers.py)
     # runs each of them a chunk of tokens at a time.
@@ -185,11 +201,12 @@ class GPT(nn.Module):
 
     def compile_regions(self, backend: str = "inductor") -> None:
         """torch.compile the token-local pieces of the model (regional compilation, as torchtitan compiles per
-        block): each block's qkv projection + RoPE and its LayerNorm + MLP, and the LM head + loss.
+        block): each block's RoPE and its LayerNorm + MLP, and the LM head + loss (the qkv projection is one
+        matmul, the same eager).
 
-        The attention call between them stays as it is (a custom op for flash), so every memory lever wraps
-        compiled code unchanged: recompute and kept attention rerun the same compiled pieces, chunking calls
-        them per chunk. Shapes repeat from step to step, so each piece compiles once (once more for a ragged
+        The attention call between them stays eager (flash's kernels; its custom ops only where Dynamo traces a
+        whole model), so every memory lever wraps compiled code unchanged: recompute and kept attention rerun the
+        same compiled pieces, chunking calls them per chunk. Shapes repeat from step to step, so each piece compiles once (once more for a ragged
         last chunk, and for the no-grad forward of a recomputed block) and never again.
         """
         # each region meets a handful of shapes and strides (chunks and a ragged last chunk, grad and no-grad,
@@ -197,6 +214,6 @@ class GPT(nn.Module):
         limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
         setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 32))
         for block in self.blocks:
-            block.attn.heads = torch.compile(block.attn.heads, backend=backend, dynamic=False)
+            block.attn.rotate = torch.compile(block.attn.rotate, backend=backend, dynamic=False)
             block.norm_mlp = torch.compile(block.norm_mlp, backend=backend, dynamic=False)
         self.loss_sum = torch.compile(self.loss_sum, backend=backend, dynamic=False)

@@ -302,6 +302,9 @@ class RingFlashAttention(FlashAttention):
     def __init__(self, group: dist.ProcessGroup | None):
         self.group = group
 
+    def attend_projection(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> None:
+        return None  # the ring takes rotated q, k, v (flash's single-GPU path would skip the other ranks)
+
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tensor:
         return ring_attention(q, k, v, self.group, causal)
 

@@ -275,7 +275,7 @@ def test_deterministic_mode_keeps_the_seven_matmul_backward(monkeypatch):
     do = torch.randn_like(o)
     calls = []
 
-    def recorder(do, q, k, v, *rest):
+    def recorder(do, q, k, v, *rest, **options):
         calls.append(q.shape)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 

@@ -383,6 +383,41 @@ def test_qkv_rotary_kernel_matches_the_pytorch_rotary_in_bf16():
     assert torch.equal(got[2], want[2])
 
 
+@pytest.mark.skipif(not HOPPER, reason="the five-matmul backward is written for sm_90 (wgmma)")
+@pytest.mark.parametrize("acc_bytes", [fa.FUSED_DQ_ACC_BYTES, 1], ids=["fp32-dq", "head-groups"])
+@pytest.mark.parametrize("B,N,H,D", [(2, 4100, 3, 64), (1, 2050, 2, 128)])
+def test_flash_attention_qkv_on_the_five_matmul_backward(B, N, H, D, acc_bytes, monkeypatch):
+    """kernels/flash_attention_qkv.py where the five-matmul backward runs, in bf16: the forward and dV, dK bitwise
+    those of qkv_rotary + flash_attention; dQ, rotated back from the fp32 accumulator (or, head group by head group,
+    from the cast dq), within the pair's error against float64. The flash backend hands the model's calls to it."""
+    from minigpt.attention import FlashAttention
+    from minigpt.model import Rotary
+    from minigpt_kernels.flash_attention_qkv import flash_attention_qkv
+    from minigpt_kernels.rotary import qkv_rotary
+
+    monkeypatch.setattr(fa, "FUSED_DQ_ACC_BYTES", acc_bytes)
+    g = torch.Generator(device="cuda").manual_seed(N + D)
+    qkv = torch.randn(B, N, 3, H, D, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    cos, sin = Rotary(D).cuda()(N, torch.arange(N, device="cuda") + 100)
+    do = torch.randn(B, H, N, D, device="cuda", generator=g).to(torch.bfloat16)
+    o = flash_attention_qkv(qkv, cos, sin)
+    (dqkv,) = torch.autograd.grad(o, qkv, do)
+    q, k, v = qkv_rotary(qkv, cos, sin)
+    want = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    (want_dqkv,) = torch.autograd.grad(want, qkv, do)
+    assert torch.equal(o, want) and torch.equal(dqkv[:, :, 1:], want_dqkv[:, :, 1:])
+    ref_qkv = qkv.detach().double().requires_grad_()
+    rot = [ref_qkv[:, :, i].transpose(1, 2) for i in range(3)]
+    c, s = cos.double().reshape(N, D // 2), sin.double().reshape(N, D // 2)
+    for i in range(2):
+        x1, x2 = rot[i].chunk(2, dim=-1)
+        rot[i] = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    (ref,) = torch.autograd.grad(reference_attention(*rot, True), ref_qkv, do.double())
+    err, pair_err = rel_err(dqkv[:, :, 0], ref[:, :, 0]), rel_err(want_dqkv[:, :, 0], ref[:, :, 0])
+    assert err < TOL[torch.bfloat16] and err <= 1.05 * pair_err + 1e-6, (err, pair_err)
+    assert torch.equal(FlashAttention().attend_projection(qkv, cos, sin), o)
+
+
 def test_torch_compile_with_flash_has_no_graph_break():
     from minigpt.attention import get_attention
     from minigpt.config import ModelConfig
