@@ -77,5 +77,5 @@ if __name__ == "__main__":
     kinds = sorted({k for r in rows for k in r["by_kind_ms"]})
     print("\n| ms per step (8K x 4) | " + " | ".join(f"{r['attention']} {'comp' if r['compiled'] else 'eager'}" for r in rows) + " |")
     for k in ["wall_ms", "gpu_ms"] + kinds:
-        vals = [r[k] if k in r else r["by_kind_ms"].get(k, 0.0) for r in rows]
+        vals = [r[k] if k in ("wall_ms", "gpu_ms") else r["by_kind_ms"].get(k, 0.0) for r in rows]
         print(f"| {k} | " + " | ".join(f"{v:.1f}" for v in vals) + " |")
