@@ -80,8 +80,27 @@ def _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale):
 
 
 @gluon.jit
+def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, PACK_BY_HAND: gl.constexpr):
+    """P as the P·V wgmma's register operand: rounded to 16 bits, two values per 32-bit register. PACK_BY_HAND rounds
+    each pair with one cvt.rn.bf16x2/f16x2 (element 0 into the low half, the same rounding as two scalar conversions):
+    at three consumers (160 registers each) the compiler's conversion, scalar conversions packed only before the P·V
+    wgmma, leaves ptxas swapping the halves of every packed register back (32 PRMT per key tile, kernels/NOTES.md Z);
+    at two consumers ptxas packs them itself, and packing by hand only adds register moves per query tile."""
+    if PACK_BY_HAND:
+        if dtype == gl.bfloat16:
+            p16 = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.bfloat16,
+                                            is_pure=True, pack=2)
+        else:
+            p16 = gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.float16,
+                                            is_pure=True, pack=2)
+    else:
+        p16 = p.to(dtype)
+    return gl.convert_layout(p16, p_layout)
+
+
+@gluon.jit
 def _first_scores(q, k_smem, k_ready, turn, t, turn_phase, ME: gl.constexpr, NEXT: gl.constexpr, STAGES: gl.constexpr,
-                  no_scores, m_i, l_i, rows, cols, masked, qk_scale, p_layout: gl.constexpr):
+                  no_scores, m_i, l_i, rows, cols, masked, qk_scale, p_layout: gl.constexpr, PACK_P: gl.constexpr):
     """A query tile's first key tile (ring position t), at this consumer's turn: S_0 = Q K_0ᵀ alone (there is no P V
     yet), then its softmax. Returns (P_0 in the input dtype as the next matmul's operand, m, l)."""
     mbarrier.wait(turn.index(ME), turn_phase)
@@ -90,13 +109,13 @@ def _first_scores(q, k_smem, k_ready, turn, t, turn_phase, ME: gl.constexpr, NEX
     mbarrier.arrive(turn.index(NEXT), count=1)
     s = warpgroup_mma_wait(0, deps=(s,))
     p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, rows, cols, 0, masked, qk_scale)
-    return gl.convert_layout(p.to(q.dtype), p_layout), m_i, l_i
+    return _p_operand(p, q.dtype, p_layout, PACK_P), m_i, l_i
 
 
 @gluon.jit
 def _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, t, turn_phase, ME: gl.constexpr,
                    NEXT: gl.constexpr, STAGES: gl.constexpr, no_scores, acc, p16, m_i, l_i, rows, cols, key0, masked,
-                   qk_scale, p_layout: gl.constexpr, row_o: gl.constexpr):
+                   qk_scale, p_layout: gl.constexpr, row_o: gl.constexpr, PACK_P: gl.constexpr):
     """One key tile at ring position t: at this consumer's turn issue S_j = Q K_jᵀ and O += P_{j-1} V_{j-1}; then the
     softmax of S_j while the other consumers' matmuls run. Both matmuls are retired within the step: ptxas serializes
     every wgmma of a loop whose in-flight results cross the back-edge (NOTES.md F). Returns (acc, P_j, m, l)."""
@@ -114,7 +133,7 @@ def _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, t, turn_
     mbarrier.arrive(kv_empty.index(prev), count=1)  # K_{j-1} and V_{j-1} no longer read by this consumer
     # acc = α·acc: what P_{j-1} V_{j-1} added was under the old max, as was the rest
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-    return acc, gl.convert_layout(p.to(q.dtype), p_layout), m_i, l_i
+    return acc, _p_operand(p, q.dtype, p_layout, PACK_P), m_i, l_i
 
 
 @gluon.jit
@@ -152,6 +171,7 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
     s_layout: gl.constexpr = _mma_layout(BLOCK_N, 4)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P from registers
+    PACK_P: gl.constexpr = NUM_CONSUMERS == 3  # see _p_operand
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     NEXT: gl.constexpr = (ME + 1) % NUM_CONSUMERS
     row0 = start_m + ME * ROWS_PER_CONSUMER
@@ -168,11 +188,11 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
         mbarrier.arrive(turn.index(0), count=1)
 
     p16, m_i, l_i = _first_scores(q, k_smem, k_ready, turn, 0, 0, ME, NEXT, STAGES, no_scores, m_i, l_i, rows, cols,
-                                  0 >= full_tiles, qk_scale, p_layout)
+                                  0 >= full_tiles, qk_scale, p_layout, PACK_P)
     for j in range(1, num_tiles):  # this consumer's (j+1)-th turn
         acc, p16, m_i, l_i = _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, j, j & 1, ME, NEXT,
                                             STAGES, no_scores, acc, p16, m_i, l_i, rows, cols, j * BLOCK_N,
-                                            j >= full_tiles, qk_scale, p_layout, row_o)
+                                            j >= full_tiles, qk_scale, p_layout, row_o, PACK_P)
     acc = _last_pv(v_smem, v_ready, turn, num_tiles - 1, num_tiles & 1, ME, NEXT, STAGES, acc, p16)
     _write_rows(acc, m_i, l_i, O, LSE, b, h, bh, stride_ob, stride_oh, stride_on, N, row0, rows, HEAD_DIM, row_o)
 
@@ -300,6 +320,7 @@ def _persistent_consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, 
     s_layout: gl.constexpr = _mma_layout(BLOCK_N, 4)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    PACK_P: gl.constexpr = NUM_CONSUMERS == 3  # see _p_operand
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     NEXT: gl.constexpr = (ME + 1) % NUM_CONSUMERS
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -324,11 +345,11 @@ def _persistent_consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, 
         mbarrier.wait(q_ready.index(ME), i & 1)
 
         p16, m_i, l_i = _first_scores(q, k_smem, k_ready, turn, kv, turns & 1, ME, NEXT, STAGES, no_scores, m_i, l_i,
-                                      rows, cols, 0 >= full_tiles, qk_scale, p_layout)
+                                      rows, cols, 0 >= full_tiles, qk_scale, p_layout, PACK_P)
         for j in range(1, my_tiles):  # this consumer's own key tiles
             acc, p16, m_i, l_i = _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, kv + j,
                                                 (turns + j) & 1, ME, NEXT, STAGES, no_scores, acc, p16, m_i, l_i, rows,
-                                                cols, j * BLOCK_N, j >= full_tiles, qk_scale, p_layout, row_o)
+                                                cols, j * BLOCK_N, j >= full_tiles, qk_scale, p_layout, row_o, PACK_P)
         mbarrier.arrive(q_empty.index(ME), count=1)  # every S of this item has retired: the producer may reload Q
         acc = _last_pv(v_smem, v_ready, turn, kv + my_tiles - 1, (turns + my_tiles) & 1, ME, NEXT, STAGES, acc, p16)
         mbarrier.arrive(kv_empty.index((kv + my_tiles - 1) % STAGES), count=1)
