@@ -6,7 +6,7 @@ import importlib.util, json, math, os, sys
 import torch
 import triton
 from triton.testing import do_bench
-from minigpt_kernels import flash_attention as fa
+fa = importlib.import_module("minigpt_kernels.flash_attention")
 from minigpt_kernels import flash_forward_pingpong as new
 
 spec = importlib.util.spec_from_file_location("old_pingpong", os.path.join(os.path.dirname(__file__), "_old_pingpong.py"))
