@@ -496,10 +496,12 @@ _GPU_CONFIGS_FROM_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
 # - Forward (flash_forward_pingpong.py): ms, one process, H200, bf16, 16K tokens (NOTES.md O, S).
 #   - Persistent, head_dim 64, 2 consumers (128 query rows), 128-key tiles, 3 stages, from 1K tokens: 1K 0.241 vs the
 #     Triton forward's 0.260, 2K 0.377 vs 0.402, 4K 0.661 vs 0.719 (3 consumers: 0.267, 0.386, 0.679); 3 consumers
-#     from 8K: 1.208 vs 1.226 for 2 consumers and 1.257 for the plain ping-pong kernel.
+#     from 8K: 1.208 vs 1.226 for 2 consumers and 1.257 for the plain ping-pong kernel; with P packed by hand
+#     (NOTES.md Z) 1.141 against 1.213 before, in one process.
 #   - The plain (one program per query tile) ping-pong kernel, head_dim 64, 3 consumers, from 16K: 2.331 vs 2.347
-#     persistent; 32K (12 heads) 3.112 vs 3.423, 128K (12 heads) 49.9 vs 55.8. Its consumer loop compiles 36
-#     instructions shorter per tile at 3 consumers, which matters once tiles are long (NOTES.md S).
+#     persistent; 32K (12 heads) 3.112 vs 3.423, 128K (12 heads) 49.9 vs 55.8. Its consumer loop compiled 36
+#     instructions shorter per tile at 3 consumers (NOTES.md S); since P is packed by hand both loops compile to
+#     583–585 (Z), so the persistent kernel from 16K is worth re-measuring.
 #   - Persistent, head_dim 128, 2 consumers, 3 stages (225 KB of shared memory), from 1K: 1K 0.176 vs 0.217 (Triton),
 #     2K 0.268 vs 0.339, 4K 0.450 vs 0.570 for the plain ping-pong kernel, 8K 0.914 vs 1.005, 16K 1.700 vs 1.827,
 #     128K (12 heads) 82.45 vs 82.53.
