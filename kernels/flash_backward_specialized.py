@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from minigpt_kernels.flash_attention import _strides3
-from minigpt_kernels.flash_forward_pingpong import CONSUMER_REGS, PRODUCER_REGS, _head_rows, _mma_layout
+from minigpt_kernels.flash_forward_pingpong import CONSUMER_REGS, PRODUCER_REGS, _head_rows, _mma_layout, _tma_load
 from minigpt_kernels.persistent_schedule import device_schedule, sm_count
 
 TILE = gl.constexpr(64)  # keys (dK/dV) or query rows (dQ) per consumer warpgroup: the M of one wgmma
@@ -248,8 +248,8 @@ def _dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGE
     tile_bytes: gl.constexpr = 2 * BLOCK_M * HEAD_DIM * dtype.primitive_bitwidth // 8 + 2 * BLOCK_M * 4
     for c in gl.static_range(CONSUMERS):
         mbarrier.expect(kv_ready.index(c), kv_bytes)
-        tma.async_copy_global_to_shared(k_desc, [start_n + c * TILE, 0], kv_ready.index(c), k_smem.index(c))
-        tma.async_copy_global_to_shared(v_desc, [start_n + c * TILE, 0], kv_ready.index(c), v_smem.index(c))
+        _tma_load(k_desc, [start_n + c * TILE, 0], kv_ready.index(c), k_smem.index(c))
+        _tma_load(v_desc, [start_n + c * TILE, 0], kv_ready.index(c), v_smem.index(c))
     for t in range(num_tiles):
         stage = t % STAGES
         row = start_n + t * BLOCK_M
@@ -257,10 +257,10 @@ def _dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGE
         mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)
         bar = ready.index(stage)
         mbarrier.expect(bar, tile_bytes)
-        tma.async_copy_global_to_shared(q_desc, [row, 0], bar, q_smem.index(stage))
-        tma.async_copy_global_to_shared(do_desc, [row, 0], bar, do_smem.index(stage))
-        tma.async_copy_global_to_shared(lse_desc, [row], bar, lse_smem.index(stage))
-        tma.async_copy_global_to_shared(delta_desc, [row], bar, delta_smem.index(stage))
+        _tma_load(q_desc, [row, 0], bar, q_smem.index(stage))
+        _tma_load(do_desc, [row, 0], bar, do_smem.index(stage))
+        _tma_load(lse_desc, [row], bar, lse_smem.index(stage))
+        _tma_load(delta_desc, [row], bar, delta_smem.index(stage))
 
 
 @gluon.jit
@@ -605,9 +605,9 @@ def _persistent_dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.const
         mbarrier.wait(kv_free.index(buf), ((i // KV_BUFS) & 1) ^ 1)  # item i − KV_BUFS's users are done with it
         for c in gl.static_range(CONSUMERS):
             mbarrier.expect(kv_ready.index(buf * CONSUMERS + c), kv_bytes)
-            tma.async_copy_global_to_shared(k_desc, [start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
+            _tma_load(k_desc, [start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
                                             k_smem.index(buf * CONSUMERS + c))
-            tma.async_copy_global_to_shared(v_desc, [start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
+            _tma_load(v_desc, [start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
                                             v_smem.index(buf * CONSUMERS + c))
         for t in range(num_tiles):
             gt = g + t
@@ -616,10 +616,10 @@ def _persistent_dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.const
             mbarrier.wait(empty.index(stage), ((gt // STAGES) & 1) ^ 1)
             bar = ready.index(stage)
             mbarrier.expect(bar, tile_bytes)
-            tma.async_copy_global_to_shared(q_desc, [row, 0], bar, q_smem.index(stage))
-            tma.async_copy_global_to_shared(do_desc, [row, 0], bar, do_smem.index(stage))
-            tma.async_copy_global_to_shared(lse_desc, [row], bar, lse_smem.index(stage))
-            tma.async_copy_global_to_shared(delta_desc, [row], bar, delta_smem.index(stage))
+            _tma_load(q_desc, [row, 0], bar, q_smem.index(stage))
+            _tma_load(do_desc, [row, 0], bar, do_smem.index(stage))
+            _tma_load(lse_desc, [row], bar, lse_smem.index(stage))
+            _tma_load(delta_desc, [row], bar, delta_smem.index(stage))
         g += num_tiles
 
 
@@ -792,14 +792,14 @@ def _dq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: g
     kv_bytes: gl.constexpr = 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
     for c in gl.static_range(CONSUMERS):
         mbarrier.expect(qdo_ready.index(c), qdo_bytes)
-        tma.async_copy_global_to_shared(q_desc, [start_m + c * TILE, 0], qdo_ready.index(c), q_smem.index(c))
-        tma.async_copy_global_to_shared(do_desc, [start_m + c * TILE, 0], qdo_ready.index(c), do_smem.index(c))
+        _tma_load(q_desc, [start_m + c * TILE, 0], qdo_ready.index(c), q_smem.index(c))
+        _tma_load(do_desc, [start_m + c * TILE, 0], qdo_ready.index(c), do_smem.index(c))
     for j in range(num_tiles):
         stage = j % STAGES
         mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)
         mbarrier.expect(kv_ready.index(stage), kv_bytes)
-        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], kv_ready.index(stage), k_smem.index(stage))
-        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], kv_ready.index(stage), v_smem.index(stage))
+        _tma_load(k_desc, [j * BLOCK_N, 0], kv_ready.index(stage), k_smem.index(stage))
+        _tma_load(v_desc, [j * BLOCK_N, 0], kv_ready.index(stage), v_smem.index(stage))
 
 
 @gluon.jit

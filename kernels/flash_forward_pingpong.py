@@ -39,6 +39,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from minigpt_kernels.persistent_schedule import device_schedule, sm_count
 
+# The TMA copy of a tile into shared memory: async_copy_global_to_shared in triton 3.6 (what the GPU machines run),
+# async_load in later releases, where the old name is kept only to raise.
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
 ROWS_PER_CONSUMER = gl.constexpr(64)  # query rows per consumer warpgroup: the M of one wgmma
 PRODUCER_REGS = 24  # registers per producer thread; the consumers take what is left (setmaxnreg)
 CONSUMER_REGS = {2: 232, 3: 160}  # per consumer thread: 2 warpgroups of 232 + the producer's, or 3 of 160
@@ -207,16 +211,16 @@ def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_
     kv_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
     for c in gl.static_range(NUM_CONSUMERS):
         mbarrier.expect(q_ready.index(c), q_bytes)
-        tma.async_copy_global_to_shared(q_desc, [start_m + c * ROWS_PER_CONSUMER, 0], q_ready.index(c),
+        _tma_load(q_desc, [start_m + c * ROWS_PER_CONSUMER, 0], q_ready.index(c),
                                         q_smem.index(c))
     for j in range(num_tiles):
         stage = j % STAGES
         # round r = j // STAGES of this buffer waits for round r − 1's release; a fresh barrier passes parity 1
         mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(stage), kv_bytes)
-        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+        _tma_load(k_desc, [j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
         mbarrier.expect(v_ready.index(stage), kv_bytes)
-        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+        _tma_load(v_desc, [j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
 
 
 @gluon.jit
@@ -395,16 +399,16 @@ def _persistent_producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.conste
         for c in gl.static_range(NUM_CONSUMERS):
             mbarrier.wait(q_empty.index(c), (i & 1) ^ 1)  # a fresh barrier passes parity 1
             mbarrier.expect(q_ready.index(c), q_bytes)
-            tma.async_copy_global_to_shared(q_desc, [start_m + c * ROWS_PER_CONSUMER, 0], q_ready.index(c),
+            _tma_load(q_desc, [start_m + c * ROWS_PER_CONSUMER, 0], q_ready.index(c),
                                             q_smem.index(c))
         for j in range(num_tiles):
             t = kv + j
             stage = t % STAGES
             mbarrier.wait(kv_empty.index(stage), ((t // STAGES) & 1) ^ 1)
             mbarrier.expect(k_ready.index(stage), kv_bytes)
-            tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+            _tma_load(k_desc, [j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
             mbarrier.expect(v_ready.index(stage), kv_bytes)
-            tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+            _tma_load(v_desc, [j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
         kv += num_tiles
 
 
