@@ -1,0 +1,180 @@
+"""Build the Gluon kernels for sm_90 (H100/H200) on a machine without a GPU, and read their machine code.
+
+Two uses, both from kernels/NOTES.md Z, where GPU time is the scarce thing:
+- a check that every kernel variant the dispatch table can pick still compiles with the installed triton (Gluon's
+  API moves between releases: triton 3.9 renamed the TMA load that 3.6 has);
+- instruction counts per loop of the SASS, to compare variants before spending GPU time on them (a key tile of the
+  three-consumer forward went from 618 to 585 instructions when P was packed by hand).
+
+    python -m minigpt_kernels.sm90_build              # every variant: instructions, spills, PRMTs, inner loops
+    python -m minigpt_kernels.sm90_build --only fwd   # those whose name contains "fwd"
+
+It compiles with `triton.compile(GluonASTSource(...), target=GPUTarget("cuda", 90, 32))` and disassembles with the
+cuobjdump that ships with triton. What ptxas does under another triton can differ from the GPU machines' 3.6.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import re
+import subprocess
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+
+from minigpt_kernels import flash_backward_specialized as bwd
+from minigpt_kernels import flash_forward_pingpong as fwd
+
+SM90 = GPUTarget("cuda", 90, 32)
+FP32_POINTERS = {"LSE", "DELTA", "DQ_ACC"}
+INT32_POINTERS = {"WORK", "WORK_START"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compiled form of a kernel: its constexprs as the launcher passes them, and the input dtype."""
+    name: str
+    kernel: Any  # a gluon.jit function
+    constexprs: dict[str, Any]
+    dtype: str = "bf16"
+
+
+def table_variants() -> list[Variant]:
+    """The variants flash_attention's _SPECIALIZED_FROM_SEQ can pick (constexprs as the launchers in
+    flash_forward_pingpong.py and flash_backward_specialized.py derive them), plus fp16 at three consumers."""
+    out = []
+    for d, consumers, persistent in ((64, 2, True), (64, 3, True), (64, 3, False), (128, 2, True)):
+        c = dict(HEAD_DIM=d, NUM_CONSUMERS=consumers, BLOCK_N=128, STAGES=3, CONSUMER_REGS=fwd.CONSUMER_REGS[consumers],
+                 PRODUCER_REGS=fwd.PRODUCER_REGS)
+        if persistent:
+            c["SKIP"] = fwd.consumers_can_stop_early(consumers, 128)
+        kind = "persistent" if persistent else "plain"
+        kernel = fwd._persistent_fwd_kernel if persistent else fwd._pingpong_fwd_kernel
+        out.append(Variant(f"fwd {kind} D{d} C{consumers}", kernel, c))
+        if consumers == 3:
+            out.append(Variant(f"fwd {kind} D{d} C{consumers} fp16", kernel, c, "fp16"))
+    for d, stages, persistent in ((64, 3, True), (64, 3, False), (128, 3, True), (128, 2, False)):
+        c = dict(HEAD_DIM=d, BLOCK_M=64, STAGES=stages, PRODUCER_REGS=bwd.PRODUCER_REGS, REDUCER_REGS=bwd.REDUCER_REGS,
+                 CONSUMER_REGS=bwd.SPLIT_CONSUMER_REGS if d > 64 else bwd.FUSED_CONSUMER_REGS)
+        kernel = bwd._dkdvdq_persistent_kernel if persistent else bwd._dkdvdq_kernel
+        out.append(Variant(f"dkdvdq {'persistent' if persistent else 'plain'} D{d} s{stages}", kernel, c))
+    out.append(Variant("dq D128", bwd._dq_kernel, dict(HEAD_DIM=128, BLOCK_N=64, STAGES=3, PRODUCER_REGS=bwd.PRODUCER_REGS,
+                                                        CONSUMER_REGS=fwd.CONSUMER_REGS[bwd.CONSUMERS.value])))
+    return out
+
+
+def signature(kernel: Any, constexprs: dict[str, Any], dtype: str) -> dict[str, str]:
+    """Argument types by the kernels' naming: capitals are tensors (LSE, DELTA, DQ_ACC fp32; WORK lists int32; the
+    rest the input dtype) except the sizes H and N; *scale is fp32; every other argument an int32."""
+    sig = {}
+    for name in inspect.signature(kernel.fn).parameters:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in FP32_POINTERS:
+            sig[name] = "*fp32"
+        elif name in INT32_POINTERS:
+            sig[name] = "*i32"
+        elif name.isupper() and name not in ("H", "N"):
+            sig[name] = f"*{dtype}"
+        elif name.endswith("scale"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def compile_sm90(v: Variant) -> Any:
+    """The variant compiled for sm_90 (pointers and strides assumed 16-divisible, as the launchers' inputs are)."""
+    sig = signature(v.kernel, v.constexprs, v.dtype)
+    names = list(sig)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*" or n.startswith("stride")}
+    source = GluonASTSource(v.kernel, sig, {(names.index(k),): val for k, val in v.constexprs.items()}, aligned)
+    return triton.compile(source, target=SM90, options={"num_warps": 4})
+
+
+def sass(compiled: Any, workdir: str = "/tmp") -> str:
+    """The compiled kernel's SASS, by the cuobjdump that ships with triton."""
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    path = os.path.join(workdir, f"minigpt_sm90_{os.getpid()}.cubin")
+    with open(path, "wb") as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        return subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.remove(path)
+
+
+@dataclass
+class Loop:
+    """Instructions from a backward branch's target to the branch: a loop body (or a loop with the loops it holds)."""
+    start: int
+    end: int
+    opcodes: Counter
+
+    @property
+    def length(self) -> int:
+        return sum(self.opcodes.values())
+
+
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
+
+
+def instructions(listing: str) -> list[tuple[int, str, str]]:
+    """(address, opcode, operands) of each instruction of a cuobjdump listing."""
+    return [(int(a, 16), op, rest) for a, op, rest in _INSTRUCTION.findall(listing)]
+
+
+def loops(listing: str) -> list[Loop]:
+    """Every backward branch's loop, innermost (shortest) first; opcodes counted by their first part (HGMMA, PRMT)."""
+    code = instructions(listing)
+    found = []
+    for address, op, rest in code:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if target and int(target.group(1), 16) < address:
+            start = int(target.group(1), 16)
+            found.append(Loop(start, address, Counter(o.split(".")[0] for a, o, _ in code if start <= a <= address)))
+    return sorted(found, key=lambda loop: loop.length)
+
+
+def report(v: Variant) -> dict[str, Any]:
+    """What one variant compiles to: instructions, STL (spill stores), PRMT, HGMMA, the lengths of the loops that hold
+    wgmmas (innermost first), or the error that stopped it."""
+    try:
+        listing = sass(compile_sm90(v))
+    except Exception as e:  # noqa: BLE001 - reported per variant, so one broken kernel does not hide the others
+        return {"name": v.name, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"}
+    ops = Counter(op.split(".")[0] for _, op, _ in instructions(listing))
+    return {"name": v.name, "error": None, "instructions": sum(ops.values()), "STL": ops["STL"], "PRMT": ops["PRMT"],
+            "HGMMA": ops["HGMMA"], "wgmma_loops": sorted({loop.length for loop in loops(listing) if loop.opcodes["HGMMA"]})}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help="variants whose name contains this")
+    parser.add_argument("--json", action="store_true", help="one JSON list of the reports instead of a table")
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("sm90_build: unset TRITON_INTERPRET (under the interpreter Gluon cannot compile for a GPU)")
+    reports = []
+    if not args.json:
+        print(f"triton {triton.__version__}, sm_90")
+        print("| variant | instructions | STL | PRMT | loops holding wgmmas (instructions) |\n|---|---|---|---|---|")
+    for v in table_variants():
+        if args.only in v.name:
+            reports.append(report(v))
+            r = reports[-1]
+            if not args.json:
+                print(f"| {v.name} | {r['error']} |" if r["error"] else f"| {v.name} | {r['instructions']} | "
+                      f"{r['STL']} | {r['PRMT']} | {', '.join(map(str, r['wgmma_loops'][:4]))} |", flush=True)
+    if args.json:
+        print(json.dumps(reports))
+
+
+if __name__ == "__main__":
+    main()
