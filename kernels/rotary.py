@@ -112,13 +112,18 @@ def rotate_back_into(dqkv: Tensor, dq: Tensor, dk: Tensor, cos: Tensor, sin: Ten
 
 
 def _layout_fits(qkv: Tensor, cos: Tensor, sin: Tensor) -> bool:
-    """The projection (B, N, 3, H, D) with (3, H, D) contiguous and D a power of two; cos and sin fp32 tables of
-    N·D/2 angles on its device, rows contiguous and laid out alike."""
+    """The projection (B, N, 3, H, D) with (3, H, D) contiguous and D a power of two; cos and sin fp32 (N, D/2)
+    tables (size-1 dimensions between allowed, as (N, 1, D/2)) on its device, rows contiguous and laid out alike, and
+    needing no gradient (the kernel's backward gives none for them)."""
     B, N, three, H, D = qkv.shape
     if not (three == 3 and D >= 4 and (D & (D - 1)) == 0 and qkv.stride(4) == 1 and qkv.stride(3) == D
             and qkv.stride(2) == H * D):
         return False
-    if cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.numel() != N * D // 2 or sin.shape != cos.shape:
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32 or sin.shape != cos.shape or cos.dim() < 2:
+        return False
+    if cos.shape[0] != N or cos.shape[-1] != D // 2 or cos.numel() != N * D // 2:  # not a transposed table
+        return False
+    if cos.requires_grad or sin.requires_grad:
         return False
     cos, sin = cos.reshape(N, D // 2), sin.reshape(N, D // 2)
     return cos.stride(1) == 1 and sin.stride() == cos.stride() and cos.device == qkv.device
@@ -135,7 +140,7 @@ def check_layout(qkv: Tensor, cos: Tensor, sin: Tensor, caller: str) -> None:
     """ValueError unless qkv_rotary's kernel takes these inputs (see qkv_rotary)."""
     if not (_layout_fits(qkv, cos, sin) and (qkv.is_cuda or INTERPRET)):
         raise ValueError(f"{caller}: qkv (B, N, 3, H, D) with contiguous (3, H, D), D a power of two, on a GPU, and "
-                         f"fp32 (N, D/2) cos/sin tables with contiguous rows expected, got qkv {tuple(qkv.shape)} "
+                         f"fp32 (N, D/2) cos/sin tables with contiguous rows and no grad expected, got qkv {tuple(qkv.shape)} "
                          f"strides {qkv.stride()} on {qkv.device}, cos {tuple(cos.shape)} {cos.dtype}")
 
 

@@ -48,8 +48,10 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention in three steps, heads -> attend_heads -> project; Block calls them in turn
-    (so a recomputed block can run the token-local ones in chunks), the first two through forward."""
+    """Multi-head causal self-attention. forward: project_qkv, then rotate + attend_heads, or the backend's
+    attend_projection where it takes the projection itself (flash); Block applies project (c_proj) to the result.
+    A recomputed block calls heads (project_qkv + rotate) and attend_heads itself, to run the token-local part in
+    chunks."""
 
     def __init__(self, cfg: ModelConfig, attend: AttentionFn):
         super().__init__()
@@ -59,7 +61,7 @@ class CausalSelfAttention(nn.Module):
         self.attend = attend
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """The heads' outputs y (B, H, N, D) for the block's normed input x: heads, then attend_heads; or, where
+        """The heads' outputs y (B, H, N, D) for the block's normed input x: rotate, then attend_heads; or, where
         the backend takes the qkv projection itself (flash, eager, on a GPU), that path, which folds RoPE's
         backward into the attention's (kernels/flash_attention_qkv.py)."""
         qkv = self.project_qkv(x)
@@ -122,8 +124,8 @@ class Block(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         return self.after_attention(x, self.attn(self.ln_1(x), cos, sin))
 
-    # The two token-local halves of forward, around the attention call. A recomputed block (minigpt/levers.py)
-    # runs each of them a chunk of tokens at a time.
+    # The token-local pieces around the attention call, for a recomputed block (minigpt/levers.py), which runs each
+    # a chunk of tokens at a time (forward itself lets attn take the backend's own path from the projection).
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v (B, N, H, D) of the block input x."""
         return self.attn.heads(self.ln_1(x), cos, sin)
@@ -201,13 +203,15 @@ class GPT(nn.Module):
 
     def compile_regions(self, backend: str = "inductor") -> None:
         """torch.compile the token-local pieces of the model (regional compilation, as torchtitan compiles per
-        block): each block's RoPE and its LayerNorm + MLP, and the LM head + loss (the qkv projection is one
-        matmul, the same eager).
+        block): each block's RoPE (run by sdpa and naive, and by flash in recomputed blocks; flash otherwise applies
+        RoPE in its own kernels from the projection) and its LayerNorm + MLP, and the LM head + loss. The qkv
+        projection is one matmul, no faster compiled.
 
         The attention call between them stays eager (flash's kernels; its custom ops only where Dynamo traces a
         whole model), so every memory lever wraps compiled code unchanged: recompute and kept attention rerun the
-        same compiled pieces, chunking calls them per chunk. Shapes repeat from step to step, so each piece compiles once (once more for a ragged
-        last chunk, and for the no-grad forward of a recomputed block) and never again.
+        same compiled pieces, chunking calls them per chunk. Shapes repeat from step to step, so each piece
+        compiles once (once more for a ragged last chunk, and for the no-grad forward of a recomputed block) and
+        never again.
         """
         # each region meets a handful of shapes and strides (chunks and a ragged last chunk, grad and no-grad,
         # recomputed or not, eval): room for all of them, where Dynamo's default (8) would fall back to eager

@@ -418,6 +418,26 @@ def test_flash_attention_qkv_on_the_five_matmul_backward(B, N, H, D, acc_bytes, 
     assert torch.equal(FlashAttention().attend_projection(qkv, cos, sin), o)
 
 
+@pytest.mark.parametrize("B,N,H,D", [(2, 4100, 3, 64), (1, 777, 2, 128)])
+def test_flash_attention_qkv_deterministic_writes_the_seven_matmul_gradients_into_dqkv(B, N, H, D):
+    """deterministic=True: the seven-matmul backward writes dq, dk, dv into strided views of dqkv and RoPE's backward
+    rotates dq, dk in place; every gradient bitwise that of qkv_rotary + flash_attention(deterministic=True), and
+    bitwise the same in a second run."""
+    from minigpt.model import Rotary
+    from minigpt_kernels.flash_attention_qkv import flash_attention_qkv
+    from minigpt_kernels.rotary import qkv_rotary
+
+    g = torch.Generator(device="cuda").manual_seed(N + D + 1)
+    qkv = torch.randn(B, N, 3, H, D, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    cos, sin = Rotary(D).cuda()(N)
+    do = torch.randn(B, H, N, D, device="cuda", generator=g).to(torch.bfloat16)
+    runs = [torch.autograd.grad(flash_attention_qkv(qkv, cos, sin, deterministic=True), qkv, do)[0] for _ in range(2)]
+    q, k, v = qkv_rotary(qkv, cos, sin)
+    want = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), deterministic=True)
+    (want_dqkv,) = torch.autograd.grad(want, qkv, do)
+    assert torch.isfinite(runs[0]).all() and torch.equal(runs[0], want_dqkv) and torch.equal(runs[0], runs[1])
+
+
 def test_torch_compile_with_flash_has_no_graph_break():
     from minigpt.attention import get_attention
     from minigpt.config import ModelConfig

@@ -75,6 +75,14 @@ def test_inputs_it_does_not_take_are_refused_and_the_model_falls_back(monkeypatc
     strided = torch.randn(1, 4, 2, 3, 16).transpose(2, 3)  # (3, H, D) not contiguous
     assert not rotary._layout_fits(strided, cos, sin)
     assert not rotary._layout_fits(qkv, cos.double(), sin.double())  # a float64 model's tables
+    flat = cos.reshape(4, 8)  # the same angles as (N, D/2): taken; transposed to (D/2, N) (contiguous): refused
+    assert rotary._layout_fits(qkv, flat, sin.reshape(4, 8))
+    assert not rotary._layout_fits(qkv, flat.t().contiguous(), sin.reshape(4, 8).t().contiguous())
+    assert not rotary._layout_fits(qkv, cos.reshape(1, 32), sin.reshape(1, 32))  # one row of N·D/2 angles
+    # tables that want a gradient: the kernel's backward gives none, the PyTorch rotation does, so they take that
+    assert not rotary._layout_fits(qkv, cos.clone().requires_grad_(), sin)
+    with pytest.raises(ValueError, match="no grad"):
+        rotary.qkv_rotary(qkv, cos.clone().requires_grad_(), sin)
     with pytest.raises(ValueError, match="contiguous"):
         rotary.qkv_rotary(strided, cos, sin)
     with pytest.raises(ValueError, match="fp32"):
