@@ -1,4 +1,4 @@
-"""float64 reference attention shared by the attention and kernel tests."""
+"""float64 references shared by the attention and kernel tests: attention, and RoPE's rotation."""
 import torch
 
 
@@ -15,3 +15,10 @@ def reference_attention(q, k, v, causal: bool, scale: float | None = None):
 def rel_err(x, ref) -> float:
     """‖x − ref‖ / ‖ref‖, with the denominator floored at 1 so an exactly-zero reference (dQ at seq 1) is an absolute check."""
     return ((x.double() - ref).norm() / ref.norm().clamp_min(1.0)).item()
+
+
+def rotate64(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """RoPE in float64, [x1, x2] -> [x1 cos - x2 sin, x1 sin + x2 cos]: x (B, N, H, D), angles (N, D/2)."""
+    x1, x2 = x.double().chunk(2, dim=-1)
+    c, s = angles.double().cos()[:, None], angles.double().sin()[:, None]
+    return torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)

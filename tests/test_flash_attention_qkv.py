@@ -6,7 +6,7 @@ import importlib
 import pytest
 import torch
 
-from attention_reference import reference_attention, rel_err
+from attention_reference import reference_attention, rel_err, rotate64
 from minigpt.attention import FlashAttention, SdpaAttention
 from minigpt.config import ModelConfig
 from minigpt.model import CausalSelfAttention, Rotary
@@ -30,12 +30,6 @@ def poison_outputs(monkeypatch):
     for module in (fa, rotary, fqkv):
         monkeypatch.setattr(module.torch, "empty", nan_empty)
 
-
-def rotate64(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """RoPE in float64: x (B, N, H, D), angles (N, D/2)."""
-    x1, x2 = x.double().chunk(2, dim=-1)
-    c, s = angles.double().cos()[:, None], angles.double().sin()[:, None]
-    return torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
 
 
 CASES = [(1, 1, 1, 16, torch.float32), (2, 37, 3, 16, torch.float32), (1, 70, 2, 32, torch.float16),

@@ -5,6 +5,7 @@ import importlib
 import pytest
 import torch
 
+from attention_reference import rotate64
 from minigpt.model import Rotary, apply_rotary
 
 rotary = importlib.import_module("minigpt_kernels.rotary")
@@ -17,12 +18,6 @@ def poison_outputs(monkeypatch):
     real_empty = torch.empty
     monkeypatch.setattr(rotary.torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
 
-
-def rotate64(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """[x1, x2] -> [x1 cos - x2 sin, x1 sin + x2 cos] in float64; x (B, N, H, D), angles (N, D/2)."""
-    x1, x2 = x.double().chunk(2, dim=-1)
-    c, s = angles.double().cos()[:, None], angles.double().sin()[:, None]
-    return torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
 
 
 CASES = [(1, 1, 1, 8, torch.float32), (2, 37, 3, 16, torch.float32), (1, 70, 2, 64, torch.float16),
