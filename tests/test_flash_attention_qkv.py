@@ -31,7 +31,6 @@ def poison_outputs(monkeypatch):
         monkeypatch.setattr(module.torch, "empty", nan_empty)
 
 
-
 CASES = [(1, 1, 1, 16, torch.float32), (2, 37, 3, 16, torch.float32), (1, 70, 2, 32, torch.float16),
          (1, 130, 1, 64, torch.float32), (2, 29, 2, 64, torch.float16)]
 

@@ -19,7 +19,6 @@ def poison_outputs(monkeypatch):
     monkeypatch.setattr(rotary.torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
 
 
-
 CASES = [(1, 1, 1, 8, torch.float32), (2, 37, 3, 16, torch.float32), (1, 70, 2, 64, torch.float16),
          (3, 33, 1, 32, torch.float32), (1, 5, 4, 128, torch.float16)]
 
