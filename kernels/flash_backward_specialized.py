@@ -606,9 +606,9 @@ def _persistent_dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.const
         for c in gl.static_range(CONSUMERS):
             mbarrier.expect(kv_ready.index(buf * CONSUMERS + c), kv_bytes)
             _tma_load(k_desc, [start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
-                                            k_smem.index(buf * CONSUMERS + c))
+                      k_smem.index(buf * CONSUMERS + c))
             _tma_load(v_desc, [start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
-                                            v_smem.index(buf * CONSUMERS + c))
+                      v_smem.index(buf * CONSUMERS + c))
         for t in range(num_tiles):
             gt = g + t
             stage = gt % STAGES
