@@ -498,10 +498,11 @@ _GPU_CONFIGS_FROM_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
 #     Triton forward's 0.260, 2K 0.377 vs 0.402, 4K 0.661 vs 0.719 (3 consumers: 0.267, 0.386, 0.679); 3 consumers
 #     from 8K: 1.208 vs 1.226 for 2 consumers and 1.257 for the plain ping-pong kernel; with P packed by hand
 #     (NOTES.md Z) 1.141 against 1.213 before, in one process.
-#   - The plain (one program per query tile) ping-pong kernel, head_dim 64, 3 consumers, from 16K: 2.331 vs 2.347
-#     persistent; 32K (12 heads) 3.112 vs 3.423, 128K (12 heads) 49.9 vs 55.8. Its consumer loop compiled 36
-#     instructions shorter per tile at 3 consumers (NOTES.md S); since P is packed by hand both loops compile to
-#     583–585 (Z), so the persistent kernel from 16K is worth re-measuring.
+#   - Persistent at 3 consumers also from 16K, now that P is packed by hand and both loops compile to 583–585
+#     instructions per tile (NOTES.md S, Z; before, its loop was 36 longer and the plain kernel won from 16K):
+#     persistent vs plain, model strides, 12 heads unless named, b2dd292: 16K (2 × 12) 1.597 vs 1.691, 16K (32
+#     heads) 2.145 vs 2.199, 32K 3.124 vs 3.215, 64K 12.38 vs 12.57. The plain (one program per query tile) ping-pong
+#     kernel from 128K: 49.35 vs 49.57.
 #   - Persistent, head_dim 128, 2 consumers, 3 stages (225 KB of shared memory), from 1K: 1K 0.176 vs 0.217 (Triton),
 #     2K 0.268 vs 0.339, 4K 0.450 vs 0.570 for the plain ping-pong kernel, 8K 0.914 vs 1.005, 16K 1.700 vs 1.827,
 #     128K (12 heads) 82.45 vs 82.53.
@@ -525,7 +526,7 @@ _GPU_CONFIGS_FROM_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
 _SPECIALIZED_FROM_SEQ: dict[tuple[str, int], list[tuple[int, TileConfig]]] = {
     ("fwd", 64): [(1024, TileConfig(128, 128, 4, 3, tma=True, specialized=True, persistent=True)),
                   (8192, TileConfig(192, 128, 4, 3, tma=True, specialized=True, persistent=True)),
-                  (16384, TileConfig(192, 128, 4, 3, tma=True, specialized=True))],
+                  (131072, TileConfig(192, 128, 4, 3, tma=True, specialized=True))],
     ("fwd", 128): [(1024, TileConfig(128, 128, 4, 3, tma=True, specialized=True, persistent=True))],
     ("dkdvdq", 64): [(4096, TileConfig(64, 128, 4, 3, tma=True, specialized=True, persistent=True)),
                      (16384, TileConfig(64, 128, 4, 3, tma=True, specialized=True))],

@@ -17,7 +17,7 @@ waiting on its own matmuls. Here one program owns 64·NUM_CONSUMERS query rows a
 The register file is split by role (setmaxnreg): 24 registers per producer thread, the rest to the consumers, whose
 64×BLOCK_N scores and 64×HEAD_DIM accumulator live in registers. Measured in kernels/NOTES.md (O): 12% faster than
 the Triton forward at 128K tokens (head_dim 64), slower below 8K tokens (each program pays its set-up for one query
-tile of little work); flash_attention.py runs it at head_dim 64 from 16K tokens.
+tile of little work); flash_attention.py runs it at head_dim 64 from 128K tokens.
 
 The persistent variant (`launch_forward_persistent`, NOTES.md S) runs one program per SM over a list of such tiles
 made on the host, so the set-up and pipeline fill of one tile overlap the last key tiles of the one before: the

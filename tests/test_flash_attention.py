@@ -173,7 +173,7 @@ def test_gpu_tile_tables_respect_the_kernels_shape_rules():
 
 def test_long_causal_launches_take_the_warp_specialized_kernels_only_where_they_fit(monkeypatch):
     """The GPU table sends causal fp16/bf16 launches to the warp-specialized Gluon kernels where they were measured
-    faster: the forward (flash_forward_pingpong.py) at head_dim 64/128 from 1K tokens (persistent below 16K tokens
+    faster: the forward (flash_forward_pingpong.py) at head_dim 64/128 from 1K tokens (persistent below 128K tokens
     at 64, at every length at 128), the five-matmul dK/dV/dQ kernel (flash_backward_specialized.py) at head_dim 64
     from 4K (persistent below 16K) and at 128 from 2K (persistent below 8K), the dQ kernel at head_dim 128 from 4K (the seven-matmul
     backward's, also in deterministic mode); and only when the inputs fit them. Anything
@@ -197,7 +197,7 @@ def test_long_causal_launches_take_the_warp_specialized_kernels_only_where_they_
     forward = {(d, n): fa.tile_config("fwd", d, True, torch.bfloat16, n, specialized=True) for d in (64, 128)
                for n in lengths[1:]}
     assert {key for key, cfg in forward.items() if cfg.persistent} == {
-        *((64, n) for n in (1024, 2048, 4096, 8192)), *((128, n) for n in lengths[1:])}
+        *((64, n) for n in (1024, 2048, 4096, 8192, 16384)), *((128, n) for n in lengths[1:])}
     assert [forward[64, n].block_m for n in lengths[1:]] == [128, 128, 128, 192, 192, 192]
     assert all(cfg.block_m % 64 == 0 and cfg.block_n == 128 for cfg in forward.values())
     assert fa.fused_backward_config(64, True, torch.float16, 1 << 20, True).block_n == 128

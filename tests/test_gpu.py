@@ -68,7 +68,7 @@ def test_pingpong_forward_vs_float64(seq, batch, heads, head_dim, consumers, blo
 
 
 @pytest.mark.skipif(not HOPPER, reason="the ping-pong forward is written for sm_90 (wgmma)")
-@pytest.mark.parametrize("head_dim,seq,persistent", [(64, 4096, True), (64, 8192, True), (64, 16384, False),
+@pytest.mark.parametrize("head_dim,seq,persistent", [(64, 4096, True), (64, 16384, True), (64, 131072, False),
                                                      (128, 2048, True)])
 def test_causal_forward_runs_the_pingpong_kernel(head_dim, seq, persistent, monkeypatch):
     """From 1K tokens the table's forward is the ping-pong kernel, persistent where the table says: the default
