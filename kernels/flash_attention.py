@@ -494,10 +494,11 @@ _GPU_CONFIGS_FROM_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
 # faster (specialized_ready decides whether the inputs fit them; anything else takes the tables above). Each key lists
 # (from this many tokens, config), shortest first; the last entry that applies wins.
 # - Forward (flash_forward_pingpong.py): ms, one process, H200, bf16, 16K tokens (NOTES.md O, S).
-#   - Persistent, head_dim 64, 2 consumers (128 query rows), 128-key tiles, 3 stages, from 1K tokens: 1K 0.241 vs the
-#     Triton forward's 0.260, 2K 0.377 vs 0.402, 4K 0.661 vs 0.719 (3 consumers: 0.267, 0.386, 0.679); 3 consumers
-#     from 8K: 1.208 vs 1.226 for 2 consumers and 1.257 for the plain ping-pong kernel; with P packed by hand
-#     (NOTES.md Z) 1.141 against 1.213 before, in one process.
+#   - Persistent, head_dim 64, 2 consumers (128 query rows), 128-key tiles, 3 stages, at 1K tokens: 0.241 vs the
+#     Triton forward's 0.260 (2K 0.377 vs 0.402, 4K 0.661 vs 0.719). 3 consumers from 2K since P is packed by hand
+#     (NOTES.md Z, AA; before, 0.386 and 0.679 at 2K and 4K): 2 / 3 consumers, 32 heads, 2K 0.384 / 0.373, 4K 0.679
+#     / 0.657, 12 heads 2K 0.149 / 0.141, 4K 0.256 / 0.241, but 1K 0.242 / 0.253; at 8K 1.208 vs 1.226 for 2
+#     consumers and 1.257 for the plain ping-pong kernel before the packing, 1.141 against 1.213 with it.
 #   - Persistent at 3 consumers also from 16K, now that P is packed by hand and both loops compile to 583–585
 #     instructions per tile (NOTES.md S, Z; before, its loop was 36 longer and the plain kernel won from 16K):
 #     persistent vs plain, model strides, 12 heads unless named, b2dd292: 16K (2 × 12) 1.597 vs 1.691, 16K (32
@@ -525,7 +526,7 @@ _GPU_CONFIGS_FROM_SEQ: dict[tuple[str, int], tuple[int, TileConfig]] = {
 #   kernel (128 rows over 8 warps) stays ahead at every length (16K: 2.82 vs 2.69).
 _SPECIALIZED_FROM_SEQ: dict[tuple[str, int], list[tuple[int, TileConfig]]] = {
     ("fwd", 64): [(1024, TileConfig(128, 128, 4, 3, tma=True, specialized=True, persistent=True)),
-                  (8192, TileConfig(192, 128, 4, 3, tma=True, specialized=True, persistent=True)),
+                  (2048, TileConfig(192, 128, 4, 3, tma=True, specialized=True, persistent=True)),
                   (131072, TileConfig(192, 128, 4, 3, tma=True, specialized=True))],
     ("fwd", 128): [(1024, TileConfig(128, 128, 4, 3, tma=True, specialized=True, persistent=True))],
     ("dkdvdq", 64): [(4096, TileConfig(64, 128, 4, 3, tma=True, specialized=True, persistent=True)),

@@ -198,7 +198,7 @@ def test_long_causal_launches_take_the_warp_specialized_kernels_only_where_they_
                for n in lengths[1:]}
     assert {key for key, cfg in forward.items() if cfg.persistent} == {
         *((64, n) for n in (1024, 2048, 4096, 8192, 16384)), *((128, n) for n in lengths[1:])}
-    assert [forward[64, n].block_m for n in lengths[1:]] == [128, 128, 128, 192, 192, 192]
+    assert [forward[64, n].block_m for n in lengths[1:]] == [128, 192, 192, 192, 192, 192]
     assert all(cfg.block_m % 64 == 0 and cfg.block_n == 128 for cfg in forward.values())
     assert fa.fused_backward_config(64, True, torch.float16, 1 << 20, True).block_n == 128
     assert fa.tile_config("dq", 128, True, torch.float16, 1 << 20, specialized=True).block_m == 128
