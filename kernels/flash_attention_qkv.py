@@ -30,8 +30,9 @@ from minigpt_kernels.rotary import check_layout, qkv_rotary_forward, rotary_fits
 
 
 class FlashAttentionQKV(torch.autograd.Function):
-    """flash_attention_qkv's autograd: the forward keeps the rotated q, k (views of the rotary kernel's buffers), v
-    (a view of qkv), o and the LSE; the backward writes dqkv, and gives cos and sin no gradient."""
+    """flash_attention_qkv's autograd: the forward keeps q, k (rotated) and v as views of the rotary kernel's own
+    buffers (so the projection's output need not outlive the forward), o and the LSE; the backward writes dqkv, and
+    gives cos and sin no gradient."""
 
     @staticmethod
     def forward(ctx, qkv: Tensor, cos: Tensor, sin: Tensor, sm_scale: float, deterministic: bool) -> Tensor:

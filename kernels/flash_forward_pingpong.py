@@ -211,8 +211,7 @@ def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_
     kv_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
     for c in gl.static_range(NUM_CONSUMERS):
         mbarrier.expect(q_ready.index(c), q_bytes)
-        _tma_load(q_desc, [start_m + c * ROWS_PER_CONSUMER, 0], q_ready.index(c),
-                                        q_smem.index(c))
+        _tma_load(q_desc, [start_m + c * ROWS_PER_CONSUMER, 0], q_ready.index(c), q_smem.index(c))
     for j in range(num_tiles):
         stage = j % STAGES
         # round r = j // STAGES of this buffer waits for round r − 1's release; a fresh barrier passes parity 1
@@ -399,8 +398,7 @@ def _persistent_producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.conste
         for c in gl.static_range(NUM_CONSUMERS):
             mbarrier.wait(q_empty.index(c), (i & 1) ^ 1)  # a fresh barrier passes parity 1
             mbarrier.expect(q_ready.index(c), q_bytes)
-            _tma_load(q_desc, [start_m + c * ROWS_PER_CONSUMER, 0], q_ready.index(c),
-                                            q_smem.index(c))
+            _tma_load(q_desc, [start_m + c * ROWS_PER_CONSUMER, 0], q_ready.index(c), q_smem.index(c))
         for j in range(num_tiles):
             t = kv + j
             stage = t % STAGES
