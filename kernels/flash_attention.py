@@ -250,12 +250,13 @@ def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_dob,
 
 
 @triton.jit
-def _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qn, stride_don,
+def _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, ds_head, stride_qn, stride_don,
                     start_n, lo, hi, N_Q, qk_scale,
                     MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr,
-                    TMA: tl.constexpr, ROW_TMA: tl.constexpr):
+                    TMA: tl.constexpr, ROW_TMA: tl.constexpr, STORE_DS: tl.constexpr):
     """Accumulate dK, dV of one key tile over query tiles [lo, hi) of the N_Q queries. Works on transposed tiles
-    (keys × queries)."""
+    (keys × queries). STORE_DS: also write each bf16/fp16 dS tile into this head's triangle of tiles (ds_head), for
+    _bwd_dq_from_ds_kernel."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     q_src = _tile_start(q_src, lo, stride_qn, INT64_OFFSETS, TMA)
@@ -278,23 +279,30 @@ def _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qn, 
         # dPᵀ = V dOᵀ;  dSᵀ = Pᵀ ∘ (dPᵀ − delta)
         delta = _load_rows(delta_src, start_m, rows, row_ok, 0.0, ROW_TMA)
         dsT = pT * (tl.dot(v, tl.trans(do)) - delta[None, :])
+        dsT = dsT.to(q.dtype)
         # dK += dSᵀ Q  (the softmax scale is applied once at the end)
-        dk = tl.dot(dsT.to(q.dtype), q, dk)
+        dk = tl.dot(dsT, q, dk)
+        if STORE_DS:  # tile (query tile i, key tile j ≤ i) is the (i(i+1)/2 + j)-th block, kept [query][key]
+            i, j = start_m // BLOCK_M, start_n // BLOCK_N
+            tile = ds_head + (i * (i + 1) // 2 + j) * (BLOCK_M * BLOCK_N)
+            tl.store(tile + offs_m[None, :] * BLOCK_N + tl.arange(0, BLOCK_N)[:, None], dsT)
         q_src = _next_tile(q_src, BLOCK_M, stride_qn, TMA)
         do_src = _next_tile(do_src, BLOCK_M, stride_don, TMA)
     return dk, dv
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS,
                      stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                      stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lse, stride_delta,
                      H, N_Q, N_K, qk_scale, sm_scale,
                      CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr, ROW_TMA: tl.constexpr):
+                     BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr, ROW_TMA: tl.constexpr,
+                     STORE_DS: tl.constexpr):
     """dK, dV of one tile of the N_K keys over the N_Q queries (N_Q == N_K when CAUSAL). ACCUMULATE: add them to
-    what DK, DV hold (fp32) instead of overwriting it. ROW_TMA: LSE and delta rows are read through TMA."""
+    what DK, DV hold (fp32) instead of overwriting it. ROW_TMA: LSE and delta rows are read through TMA.
+    STORE_DS (causal, BLOCK_M == BLOCK_N): also leave the dS tiles in DS (launch_backward_via_ds)."""
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
     b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
@@ -312,21 +320,23 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                           TMA)
     lse_src = _row_source(LSE + bh.to(tl.int64) * stride_lse, N_Q, BLOCK_M, ROW_TMA)
     delta_src = _row_source(DELTA + bh.to(tl.int64) * stride_delta, N_Q, BLOCK_M, ROW_TMA)
+    n_tiles = tl.cdiv(N_Q, BLOCK_M)
+    ds_head = DS + bh.to(tl.int64) * (n_tiles * (n_tiles + 1) // 2 * (BLOCK_M * BLOCK_N))
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     if CAUSAL:  # queries before this key tile cannot see it; the diagonal tiles get the mask
         diag_hi = tl.minimum(start_n + BLOCK_N, N_Q)
-        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qn, stride_don,
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, ds_head, stride_qn, stride_don,
                                  start_n, start_n, diag_hi, N_Q, qk_scale, True, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA,
-                                 ROW_TMA)
-        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qn, stride_don,
+                                 ROW_TMA, STORE_DS)
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, ds_head, stride_qn, stride_don,
                                  start_n, diag_hi, N_Q, N_Q, qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA,
-                                 ROW_TMA)
+                                 ROW_TMA, STORE_DS)
     else:
-        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, stride_qn, stride_don,
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, ds_head, stride_qn, stride_don,
                                  start_n, 0, N_Q, N_Q, qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA,
-                                 ROW_TMA)
+                                 ROW_TMA, False)
 
     dk *= sm_scale  # dS was taken w.r.t. the scaled scores
     dk_ptrs = DK + b * stride_dkb + h * stride_dkh + rows_n[:, None] * stride_dkn + offs_d[None, :]
@@ -416,6 +426,34 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, O,
     if ACCUMULATE:  # dQ = dQ_before + this launch's share (scaled above, alone); this program is the tile's only writer
         dq += tl.load(dq_ptrs, mask=row_ok[:, None], other=0.0)
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _bwd_dq_from_ds_kernel(DS, K, DQ, stride_kb, stride_kh, stride_kn, stride_dqb, stride_dqh, stride_dqn, H, N,
+                           sm_scale, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """dQ of one causal query tile from the dS tiles the dK/dV kernel left (STORE_DS): dQ_i = scale · Σ_{j≤i} dS_ij K_j,
+    one matmul per tile instead of the three (QKᵀ, dO Vᵀ, dS K) of _bwd_dq_kernel."""
+    i = tl.num_programs(0) - 1 - tl.program_id(0)  # longest rows first
+    bh = tl.program_id(1)
+    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK)
+    offs_n = tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    n_tiles = tl.cdiv(N, BLOCK)
+    # this row of tiles, (i, 0) … (i, i), lies contiguous in the head's triangle
+    ds_ptrs = DS + bh.to(tl.int64) * (n_tiles * (n_tiles + 1) // 2 * (BLOCK * BLOCK)) \
+        + (i * (i + 1) // 2) * (BLOCK * BLOCK) + offs_m[:, None] * BLOCK + offs_n[None, :]
+    k_ptrs = K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
+    dq = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
+    for j in range(0, i + 1):
+        # keys past the end load as zeros: whatever their dS holds (finite), they add exactly 0
+        k = tl.load(k_ptrs, mask=(j * BLOCK + offs_n)[:, None] < N, other=0.0)
+        dq = tl.dot(tl.load(ds_ptrs), k, dq)  # dQ_i += dS_ij K_j
+        ds_ptrs += BLOCK * BLOCK
+        k_ptrs += BLOCK * stride_kn
+    rows = i.to(tl.int64) * BLOCK + offs_m
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn + offs_d[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None] < N)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -918,10 +956,11 @@ def launch_backward_delta(do: Tensor, o: Tensor, lse: Tensor) -> tuple[Tensor, T
 
 def launch_backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, causal: bool,
                          sm_scale: float, cfg: TileConfig | None = None, out: tuple[Tensor, Tensor] | None = None,
-                         accumulate: bool = False) -> tuple[Tensor, Tensor]:
+                         accumulate: bool = False, ds: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(dk, dv) of the Nk keys over the Nq queries (Nq == Nk when causal), in the memory layouts of k and v, or
     written into out=(dk, dv) (k's shape, contiguous last dimension); accumulate=True adds them to what out holds
-    (fp32): ring attention's travelling dK/dV accumulator."""
+    (fp32): ring attention's travelling dK/dV accumulator. ds (causal, square tiles): a flat buffer of
+    ds_tile_count(N, tile) · tile² elements in q's dtype that receives every dS tile (launch_backward_via_ds)."""
     _check_lengths(q, k, v, causal)
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
@@ -931,14 +970,50 @@ def launch_backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tenso
         raise ValueError("flash_attention: the warp-specialized dK/dV kernel computes dQ too: launch_backward_fused "
                          "runs it")
     c = cfg or tile_config("dkdv", D, causal, q.dtype, N_Q)
+    if ds is not None and not (causal and c.block_m == c.block_n and ds.dtype == q.dtype and ds.is_contiguous()
+                               and ds.numel() == B * H * ds_tile_count(N_Q, c.block_m) * c.block_m ** 2):
+        raise ValueError(f"flash_attention: ds takes causal launches with square tiles, a contiguous {q.dtype} buffer "
+                         f"of B·H·ds_tile_count(N, tile)·tile² elements; got {c} and {ds.numel()} {ds.dtype}")
     _bwd_dkdv_kernel[(triton.cdiv(N_K, c.block_n), B * H)](
-        q, k, v, do, lse, delta, dk, dv, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do),
+        q, k, v, do, lse, delta, dk, dv, dk if ds is None else ds, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do),
         *_strides3(dk), *_strides3(dv), stride_lse, stride_delta, H, N_Q, N_K, sm_scale * LOG2E, sm_scale,
         CAUSAL=causal, ACCUMULATE=accumulate, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
         INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v, do), TMA=_use_tma(c, q, do),
-        ROW_TMA=_use_tma(c, lse, delta),
+        ROW_TMA=_use_tma(c, lse, delta), STORE_DS=ds is not None,
         num_warps=c.num_warps, num_stages=c.num_stages, **_reg_cap(c))
     return dk, dv
+
+
+def ds_tile_count(n: int, tile: int) -> int:
+    """How many tile × tile dS blocks a causal head of n tokens has on or below its diagonal."""
+    t = triton.cdiv(n, tile)
+    return t * (t + 1) // 2
+
+
+def launch_backward_via_ds(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, sm_scale: float,
+                           cfg: TileConfig | None = None, dq_cfg: TileConfig | None = None,
+                           out: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The causal backward with dS kept in memory: (dq, dk, dv). The delta kernel; the dK/dV kernel, which also
+    writes each dS tile (q's dtype, as its own dK matmul rounds it) into a buffer of the lower triangle of tiles;
+    then dQ = scale · dS K from that buffer, one matmul per tile where the seven-matmul backward's dQ kernel does
+    three. Five matmuls, no atomics, deterministic, and the same dS values as the dQ kernel would compute.
+    The buffer holds B·H·N²/2 elements (at 1K tokens and head_dim 128, 4× q's size), so the table takes this path
+    only for short sequences (_VIA_DS_UP_TO_SEQ). cfg: the dK/dV kernel's tiles (square); dq_cfg: the dQ kernel's
+    warps and stages (its tiles are cfg's)."""
+    _check_lengths(q, k, v, True)
+    B, H, N, D = q.shape
+    c = cfg or tile_config("dkdv", D, True, q.dtype, N)
+    dc = dq_cfg or TileConfig(c.block_m, c.block_n, 4, 3)
+    if c.block_m != c.block_n or (dc.block_m, dc.block_n) != (c.block_m, c.block_n):
+        raise ValueError(f"flash_attention: the dS path takes square tiles, the same for both kernels; got {c}, {dc}")
+    dq, dk, dv = _grad_outputs(out, False, ("dq", "dk", "dv"), (q, k, v))
+    do, delta = launch_backward_delta(do, o, lse)
+    ds = torch.empty(B * H * ds_tile_count(N, c.block_m) * c.block_m ** 2, dtype=q.dtype, device=q.device)
+    launch_backward_dkdv(do, q, k, v, lse, delta, True, sm_scale, c, out=(dk, dv), ds=ds)
+    _bwd_dq_from_ds_kernel[(triton.cdiv(N, c.block_m), B * H)](
+        ds, k, dq, *_strides3(k), *_strides3(dq), H, N, sm_scale, HEAD_DIM=D, BLOCK=c.block_m,
+        num_warps=dc.num_warps, num_stages=dc.num_stages)
+    return dq, dk, dv
 
 
 def launch_backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, causal: bool,

@@ -151,6 +151,53 @@ def test_dq_kernel_computes_delta_for_the_dkdv_kernel(causal):
     assert torch.equal(delta_in_dq, delta)
 
 
+VIA_DS_CASES = [(1, 16, torch.float32, 16), (17, 32, torch.float32, 16), (64, 64, torch.float32, 32),
+                (77, 32, torch.float32, 16), (130, 16, torch.float32, 32), (50, 64, torch.float16, 16)]
+
+
+@pytest.mark.parametrize("seq,head_dim,dtype,tile", VIA_DS_CASES,
+                         ids=[f"n{s}-d{d}-{str(t)[6:]}-t{b}" for s, d, t, b in VIA_DS_CASES])
+def test_backward_via_ds_matches_float64_reference(seq, head_dim, dtype, tile):
+    """The backward that keeps dS in memory (the dK/dV kernel writes the triangle of dS tiles, dQ = dS K reads it):
+    gradients right against float64 on the model's strided q/k/v, with ragged last tiles and a single-token
+    sequence; its dK, dV bit for bit those of the plain dK/dV kernel with the same tiles. The buffer starts as NaN
+    (poison_outputs), so a dS tile the dK/dV kernel fails to write, or one dQ reads from the wrong place, shows."""
+    qkv, q, k, v = split_qkv(2, seq, 3, head_dim, dtype, seed=seq + 7 * head_dim)
+    scale = head_dim ** -0.5
+    o, lse = fa.launch_forward(q, k, v, True, scale)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(seq)).to(dtype)
+    cfg = fa.TileConfig(tile, tile, 4, 1, tma=True)
+    dq, dk, dv = fa.launch_backward_via_ds(do, q, k, v, o, lse, scale, cfg)
+    assert dq.stride() == fa._empty_in_layout_of(q).stride()
+
+    qkv64 = qkv.detach().double().requires_grad_()
+    ref = reference_attention(*(t.transpose(1, 2) for t in qkv64.unbind(2)), True, scale)
+    (grad_ref,) = torch.autograd.grad(ref, qkv64, do.double())
+    for name, got, want in zip("qkv", (dq, dk, dv), grad_ref.unbind(2)):
+        err = rel_err(got, want.transpose(1, 2))
+        assert err < 2 * TOL[dtype], f"d{name} relative error {err:.2e}"
+    do_c, delta = fa.launch_backward_delta(do, o, lse)
+    plain = fa.launch_backward_dkdv(do_c, q, k, v, lse, delta, True, scale, cfg)
+    assert torch.equal(plain[0], dk) and torch.equal(plain[1], dv)
+
+
+def test_backward_via_ds_refuses_what_its_buffer_cannot_index():
+    """The dS triangle is indexed in square tiles of the dK/dV kernel's size: other tiles, a dQ kernel with tiles of
+    its own, or a buffer of the wrong size are refused by name instead of writing out of bounds."""
+    _, q, k, v = split_qkv(1, 40, 2, 16, torch.float32, seed=1)
+    o, lse = fa.launch_forward(q, k, v, True, 0.25)
+    do = torch.randn(o.shape)
+    with pytest.raises(ValueError, match="square tiles"):
+        fa.launch_backward_via_ds(do, q, k, v, o, lse, 0.25, fa.TileConfig(16, 32, 4, 1))
+    with pytest.raises(ValueError, match="square tiles"):
+        fa.launch_backward_via_ds(do, q, k, v, o, lse, 0.25, fa.TileConfig(16, 16, 4, 1), fa.TileConfig(32, 32, 4, 1))
+    do_c, delta = fa.launch_backward_delta(do, o, lse)
+    wrong = torch.empty(1 * 2 * fa.ds_tile_count(40, 16) * 16 * 16 - 1)
+    with pytest.raises(ValueError, match="ds_tile_count"):
+        fa.launch_backward_dkdv(do_c, q, k, v, lse, delta, True, 0.25, fa.TileConfig(16, 16, 4, 1), ds=wrong)
+    assert fa.ds_tile_count(40, 16) == 6 and fa.ds_tile_count(1, 64) == 1
+
+
 def test_gpu_tile_tables_respect_the_kernels_shape_rules():
     """Every GPU tile choice (by head_dim, dtype, causality, sequence length) keeps the tiling the kernels assume:
     the dQ query tile is a whole number of key tiles and the dK/dV key tile a whole number of query tiles (the causal
