@@ -13,7 +13,9 @@ computes delta = rowsum(dO ∘ O) for its rows and leaves it for the other, whic
 query tiles to accumulate dK and dV. No atomics: every output tile has one writer, so results are deterministic.
 (On an H100/H200 at head_dim 64 from 4K tokens and 128 from 2K the backward is instead the five-matmul one of
 flash_backward_specialized.py, which adds dQ with fp32 reduce-adds; deterministic=True, the flash backend's
-attention.deterministic or torch.use_deterministic_algorithms keep this one.)
+attention.deterministic or torch.use_deterministic_algorithms keep this one. At head_dim 128 up to 1K tokens the
+dK/dV kernel also writes its dS tiles to memory and dQ = dS K becomes one matmul per tile, launch_backward_via_ds:
+O(N²) memory, worth it only where N² is small.)
 
 Tiles stream through TMA descriptors on Hopper (hardware bulk copies; rows past the end read as 0) when
 the inputs are 16-byte aligned, through masked pointer loads otherwise. On an H100/H200, causal sequences from 1K
@@ -93,15 +95,6 @@ def _load_tile(src, row, rows_ok, MASKED: tl.constexpr, TMA: tl.constexpr):
         return tl.load(src, mask=rows_ok[:, None], other=0.0)
     else:
         return tl.load(src)
-
-
-@triton.jit
-def _store_tile(dst, row, tile, TMA: tl.constexpr):
-    """Write a whole tile at `row` of a _tile_source (a pointer tile's own row 0 counted as row 0)."""
-    if TMA:
-        dst.store([row, 0], tile)
-    else:
-        tl.store(dst + row * tile.shape[1], tile)
 
 
 @triton.jit
@@ -259,13 +252,12 @@ def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_dob,
 
 
 @triton.jit
-def _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, ds_dst, stride_qn, stride_don,
+def _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, ds_head, stride_qn, stride_don,
                     start_n, lo, hi, N_Q, qk_scale,
                     MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr,
-                    TMA: tl.constexpr, ROW_TMA: tl.constexpr, STORE_DS: tl.constexpr, DS_KEY_MAJOR: tl.constexpr,
-                    DS_TMA: tl.constexpr):
+                    TMA: tl.constexpr, ROW_TMA: tl.constexpr, STORE_DS: tl.constexpr):
     """Accumulate dK, dV of one key tile over query tiles [lo, hi) of the N_Q queries. Works on transposed tiles
-    (keys × queries). STORE_DS: also write each dS tile into this head's triangle of tiles (ds_dst), for
+    (keys × queries). STORE_DS: also write each bf16/fp16 dS tile into this head's triangle of tiles (ds_head), for
     _bwd_dq_from_ds_kernel."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -292,12 +284,10 @@ def _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, ds_dst, str
         dsT = dsT.to(q.dtype)
         # dK += dSᵀ Q  (the softmax scale is applied once at the end)
         dk = tl.dot(dsT, q, dk)
-        if STORE_DS:  # tile (query tile i, key tile j ≤ i) is the (i(i+1)/2 + j)-th block of the head's triangle
+        if STORE_DS:  # tile (query tile i, key tile j ≤ i) is the (i(i+1)/2 + j)-th block, kept [query][key]
             i, j = start_m // BLOCK_M, start_n // BLOCK_N
-            if DS_KEY_MAJOR:
-                _store_tile(ds_dst, (i * (i + 1) // 2 + j) * BLOCK_N, dsT, DS_TMA)
-            else:
-                _store_tile(ds_dst, (i * (i + 1) // 2 + j) * BLOCK_M, tl.trans(dsT), DS_TMA)
+            tile = ds_head + (i * (i + 1) // 2 + j) * (BLOCK_M * BLOCK_N)
+            tl.store(tile + offs_m[None, :] * BLOCK_N + tl.arange(0, BLOCK_N)[:, None], dsT)
         q_src = _next_tile(q_src, BLOCK_M, stride_qn, TMA)
         do_src = _next_tile(do_src, BLOCK_M, stride_don, TMA)
     return dk, dv
@@ -311,7 +301,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS,
                      H, N_Q, N_K, qk_scale, sm_scale,
                      CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr, ROW_TMA: tl.constexpr,
-                     STORE_DS: tl.constexpr, DS_KEY_MAJOR: tl.constexpr, DS_TMA: tl.constexpr):
+                     STORE_DS: tl.constexpr):
     """dK, dV of one tile of the N_K keys over the N_Q queries (N_Q == N_K when CAUSAL). ACCUMULATE: add them to
     what DK, DV hold (fp32) instead of overwriting it. ROW_TMA: LSE and delta rows are read through TMA.
     STORE_DS (causal, BLOCK_M == BLOCK_N): also leave the dS tiles in DS (launch_backward_via_ds)."""
@@ -333,23 +323,22 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS,
     lse_src = _row_source(LSE + bh.to(tl.int64) * stride_lse, N_Q, BLOCK_M, ROW_TMA)
     delta_src = _row_source(DELTA + bh.to(tl.int64) * stride_delta, N_Q, BLOCK_M, ROW_TMA)
     n_tiles = tl.cdiv(N_Q, BLOCK_M)
-    ds_dst = _tile_source(DS + bh.to(tl.int64) * (n_tiles * (n_tiles + 1) // 2 * (BLOCK_M * BLOCK_N)),
-                          n_tiles * (n_tiles + 1) // 2 * BLOCK_M, BLOCK_N, offs_n, offs_n, BLOCK_N, BLOCK_N, DS_TMA)
+    ds_head = DS + bh.to(tl.int64) * (n_tiles * (n_tiles + 1) // 2 * (BLOCK_M * BLOCK_N))
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     if CAUSAL:  # queries before this key tile cannot see it; the diagonal tiles get the mask
         diag_hi = tl.minimum(start_n + BLOCK_N, N_Q)
-        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, ds_dst, stride_qn, stride_don,
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, ds_head, stride_qn, stride_don,
                                  start_n, start_n, diag_hi, N_Q, qk_scale, True, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA,
-                                 ROW_TMA, STORE_DS, DS_KEY_MAJOR, DS_TMA)
-        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, ds_dst, stride_qn, stride_don,
+                                 ROW_TMA, STORE_DS)
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, ds_head, stride_qn, stride_don,
                                  start_n, diag_hi, N_Q, N_Q, qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA,
-                                 ROW_TMA, STORE_DS, DS_KEY_MAJOR, DS_TMA)
+                                 ROW_TMA, STORE_DS)
     else:
-        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, ds_dst, stride_qn, stride_don,
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, ds_head, stride_qn, stride_don,
                                  start_n, 0, N_Q, N_Q, qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA,
-                                 ROW_TMA, False, DS_KEY_MAJOR, DS_TMA)
+                                 ROW_TMA, False)
 
     dk *= sm_scale  # dS was taken w.r.t. the scaled scores
     dk_ptrs = DK + b * stride_dkb + h * stride_dkh + rows_n[:, None] * stride_dkn + offs_d[None, :]
@@ -443,32 +432,28 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, O,
 
 @triton.jit
 def _bwd_dq_from_ds_kernel(DS, K, DQ, stride_kb, stride_kh, stride_kn, stride_dqb, stride_dqh, stride_dqn, H, N,
-                           sm_scale, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, DS_KEY_MAJOR: tl.constexpr,
-                           TMA: tl.constexpr):
+                           sm_scale, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
     """dQ of one causal query tile from the dS tiles the dK/dV kernel left (STORE_DS): dQ_i = scale · Σ_{j≤i} dS_ij K_j,
     one matmul per tile instead of the three (QKᵀ, dO Vᵀ, dS K) of _bwd_dq_kernel."""
     i = tl.num_programs(0) - 1 - tl.program_id(0)  # longest rows first
     bh = tl.program_id(1)
     b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
+    offs_m = tl.arange(0, BLOCK)
+    offs_n = tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
     n_tiles = tl.cdiv(N, BLOCK)
-    ds_src = _tile_source(DS + bh.to(tl.int64) * (n_tiles * (n_tiles + 1) // 2 * (BLOCK * BLOCK)),
-                          n_tiles * (n_tiles + 1) // 2 * BLOCK, BLOCK, offs, offs, BLOCK, BLOCK, TMA)
-    k_src = _tile_source(K + b * stride_kb + h * stride_kh, N, stride_kn, offs, offs_d, BLOCK, HEAD_DIM, TMA)
-    first = i * (i + 1) // 2 * BLOCK  # this row of tiles, (i, 0) … (i, i), lies contiguous in the head's triangle
-    ds_src = _tile_start(ds_src, first, BLOCK, False, TMA)
+    # this row of tiles, (i, 0) … (i, i), lies contiguous in the head's triangle
+    ds_ptrs = DS + bh.to(tl.int64) * (n_tiles * (n_tiles + 1) // 2 * (BLOCK * BLOCK)) \
+        + (i * (i + 1) // 2) * (BLOCK * BLOCK) + offs_m[:, None] * BLOCK + offs_n[None, :]
+    k_ptrs = K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
     dq = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
     for j in range(0, i + 1):
         # keys past the end load as zeros: whatever their dS holds (finite), they add exactly 0
-        k = _load_tile(k_src, j * BLOCK, (j * BLOCK + offs) < N, True, TMA)
-        ds = _load_tile(ds_src, first + j * BLOCK, None, False, TMA)
-        if DS_KEY_MAJOR:  # the tile was stored as dSᵀ (keys × queries)
-            ds = tl.trans(ds)
-        dq = tl.dot(ds, k, dq)  # dQ_i += dS_ij K_j
-        k_src = _next_tile(k_src, BLOCK, stride_kn, TMA)
-        ds_src = _next_tile(ds_src, BLOCK, BLOCK, TMA)
-    rows = i.to(tl.int64) * BLOCK + offs
+        k = tl.load(k_ptrs, mask=(j * BLOCK + offs_n)[:, None] < N, other=0.0)
+        dq = tl.dot(tl.load(ds_ptrs), k, dq)  # dQ_i += dS_ij K_j
+        ds_ptrs += BLOCK * BLOCK
+        k_ptrs += BLOCK * stride_kn
+    rows = i.to(tl.int64) * BLOCK + offs_m
     tl.store(DQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None] < N)
 
@@ -590,6 +575,26 @@ _SPECIALIZED_FROM_SEQ: dict[tuple[str, int], list[tuple[int, TileConfig]]] = {
                       (8192, TileConfig(64, 128, 4, 2, tma=True, specialized=True))],
     ("dq", 128): [(4096, TileConfig(128, 64, 4, 3, tma=True, specialized=True))],
 }
+
+
+# Causal 2-byte inputs at head_dim 128 up to this many tokens take the backward that keeps dS in memory
+# (launch_backward_via_ds; NOTES.md AB): whole backward ms, H200, bf16, 16K tokens, 16 heads, one process (0ab498f),
+# against the seven-matmul one: 1K 0.574 vs 0.651, 512 0.407 vs 0.484; at 2K the five-matmul kernel stays (0.898 vs
+# 0.944), and at head_dim 64 the seven-matmul one (1K: 0.669 vs 0.719). Its buffer holds B·H·N²/2 elements, so it runs
+# only where that is at most VIA_DS_MAX_BYTES.
+_VIA_DS_UP_TO_SEQ: dict[int, int] = {128: 1024}
+VIA_DS_MAX_BYTES = 1 << 30
+
+
+def via_ds_chosen(q: Tensor, causal: bool) -> bool:
+    """Whether the table sends this backward to launch_backward_via_ds: a causal 2-byte GPU input of a head_dim and
+    length the table lists, whose dS buffer fits VIA_DS_MAX_BYTES."""
+    B, H, N, D = q.shape
+    if INTERPRET or not (causal and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)) \
+            or N > _VIA_DS_UP_TO_SEQ.get(D, 0):
+        return False
+    tile = tile_config("dkdv", D, True, q.dtype, N).block_m
+    return B * H * ds_tile_count(N, tile) * tile * tile * q.element_size() <= VIA_DS_MAX_BYTES
 
 
 def _specialized_entry(kernel: str, head_dim: int, seq_len: int) -> TileConfig | None:
@@ -881,7 +886,8 @@ def launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse:
                     fp32_dq: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """The backward: (dq, dk, dv). Where the table says so (long causal sequences at head_dim 64 or 128 on an
     H100/H200), the five-matmul backward (launch_backward_fused), unless deterministic results are asked for (deterministic=True or
-    torch.use_deterministic_algorithms): its dQ is summed in a varying order. Otherwise the deterministic
+    torch.use_deterministic_algorithms): its dQ is summed in a varying order. Short causal sequences at head_dim 128
+    on a GPU: the backward that keeps dS in memory (launch_backward_via_ds; deterministic). Otherwise the deterministic
     seven-matmul backward: the dQ kernel, then the dK/dV kernel (the cfgs override their tiles). The dQ kernel also
     computes delta = rowsum(dO ∘ O) for its rows (it loads dO anyway) and leaves it for the dK/dV kernel, which
     saves a pass over O and dO: 1–3% of the backward at 1K–4K and at 128K tokens (kernels/NOTES.md, L).
@@ -898,6 +904,8 @@ def launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse:
         cfg = fused_backward_config(q.shape[-1], causal, q.dtype, N, True)
         if cfg is not None and specialized_ready(q, k, v, causal, module="flash_backward_specialized", also=(do,)):
             return launch_backward_fused(do, q, k, v, o, lse, sm_scale, cfg, out=out, fp32_dq=fp32_dq)
+    if dkdv_cfg is None and dq_cfg is None and via_ds_chosen(q, causal):  # deterministic too
+        return launch_backward_via_ds(do, q, k, v, o, lse, sm_scale, out=out)
     # rows start 16-byte aligned whatever N, as TMA reads them
     delta = torch.empty((B, H, (N + 3) // 4 * 4), dtype=torch.float32, device=lse.device)[:, :, :N]
     dq = launch_backward_dq(do, q, k, v, lse, delta, causal, sm_scale, dq_cfg, o=o,
@@ -973,8 +981,7 @@ def launch_backward_delta(do: Tensor, o: Tensor, lse: Tensor) -> tuple[Tensor, T
 
 def launch_backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, causal: bool,
                          sm_scale: float, cfg: TileConfig | None = None, out: tuple[Tensor, Tensor] | None = None,
-                         accumulate: bool = False, ds: Tensor | None = None,
-                         ds_key_major: bool = False) -> tuple[Tensor, Tensor]:
+                         accumulate: bool = False, ds: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(dk, dv) of the Nk keys over the Nq queries (Nq == Nk when causal), in the memory layouts of k and v, or
     written into out=(dk, dv) (k's shape, contiguous last dimension); accumulate=True adds them to what out holds
     (fp32): ring attention's travelling dK/dV accumulator. ds (causal, square tiles): a flat buffer of
@@ -997,8 +1004,7 @@ def launch_backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tenso
         *_strides3(dk), *_strides3(dv), stride_lse, stride_delta, H, N_Q, N_K, sm_scale * LOG2E, sm_scale,
         CAUSAL=causal, ACCUMULATE=accumulate, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
         INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v, do), TMA=_use_tma(c, q, do),
-        ROW_TMA=_use_tma(c, lse, delta), STORE_DS=ds is not None, DS_KEY_MAJOR=ds_key_major,
-        DS_TMA=ds is not None and _use_tma(c, ds),
+        ROW_TMA=_use_tma(c, lse, delta), STORE_DS=ds is not None,
         num_warps=c.num_warps, num_stages=c.num_stages, **_reg_cap(c))
     return dk, dv
 
@@ -1011,8 +1017,7 @@ def ds_tile_count(n: int, tile: int) -> int:
 
 def launch_backward_via_ds(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, sm_scale: float,
                            cfg: TileConfig | None = None, dq_cfg: TileConfig | None = None,
-                           out: tuple[Tensor, Tensor, Tensor] | None = None,
-                           key_major: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                           out: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The causal backward with dS kept in memory: (dq, dk, dv). The delta kernel; the dK/dV kernel, which also
     writes each dS tile (q's dtype, as its own dK matmul rounds it) into a buffer of the lower triangle of tiles;
     then dQ = scale · dS K from that buffer, one matmul per tile where the seven-matmul backward's dQ kernel does
@@ -1023,16 +1028,16 @@ def launch_backward_via_ds(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tenso
     _check_lengths(q, k, v, True)
     B, H, N, D = q.shape
     c = cfg or tile_config("dkdv", D, True, q.dtype, N)
-    dc = dq_cfg or TileConfig(c.block_m, c.block_n, 4, 3, tma=True)
+    dc = dq_cfg or TileConfig(c.block_m, c.block_n, 4, 3)  # 4 warps, 3 stages: best of 2–4 stages, 4 or 8 warps
     if c.block_m != c.block_n or (dc.block_m, dc.block_n) != (c.block_m, c.block_n):
         raise ValueError(f"flash_attention: the dS path takes square tiles, the same for both kernels; got {c}, {dc}")
     dq, dk, dv = _grad_outputs(out, False, ("dq", "dk", "dv"), (q, k, v))
     do, delta = launch_backward_delta(do, o, lse)
     ds = torch.empty(B * H * ds_tile_count(N, c.block_m) * c.block_m ** 2, dtype=q.dtype, device=q.device)
-    launch_backward_dkdv(do, q, k, v, lse, delta, True, sm_scale, c, out=(dk, dv), ds=ds, ds_key_major=key_major)
+    launch_backward_dkdv(do, q, k, v, lse, delta, True, sm_scale, c, out=(dk, dv), ds=ds)
     _bwd_dq_from_ds_kernel[(triton.cdiv(N, c.block_m), B * H)](
         ds, k, dq, *_strides3(k), *_strides3(dq), H, N, sm_scale, HEAD_DIM=D, BLOCK=c.block_m,
-        DS_KEY_MAJOR=key_major, TMA=_use_tma(dc, ds, k), num_warps=dc.num_warps, num_stages=dc.num_stages)
+        num_warps=dc.num_warps, num_stages=dc.num_stages)
     return dq, dk, dv
 
 

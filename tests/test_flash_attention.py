@@ -218,6 +218,18 @@ def test_gpu_tile_tables_respect_the_kernels_shape_rules():
     assert fa._reg_cap(fa.TileConfig(64, 64, 4, 3)) == {}
 
 
+def test_ds_path_gets_square_dkdv_tiles_wherever_the_table_sends_it(monkeypatch):
+    """launch_backward_via_ds indexes its dS buffer in the dK/dV kernel's tiles, which it requires square: the GPU
+    table's dK/dV tiles must be so at every head_dim and length _VIA_DS_UP_TO_SEQ lists."""
+    monkeypatch.setattr(fa, "INTERPRET", False)  # the GPU tables
+    assert fa._VIA_DS_UP_TO_SEQ
+    for head_dim, up_to in fa._VIA_DS_UP_TO_SEQ.items():
+        for n in (1, 64, up_to // 2, up_to):
+            for dtype in (torch.bfloat16, torch.float16):
+                c = fa.tile_config("dkdv", head_dim, True, dtype, n)
+                assert c.block_m == c.block_n, (head_dim, n, c)
+
+
 def test_long_causal_launches_take_the_warp_specialized_kernels_only_where_they_fit(monkeypatch):
     """The GPU table sends causal fp16/bf16 launches to the warp-specialized Gluon kernels where they were measured
     faster: the forward (flash_forward_pingpong.py) at head_dim 64/128 from 1K tokens (persistent below 128K tokens

@@ -216,7 +216,7 @@ def test_long_causal_backward_runs_the_specialized_kernels(head_dim, seq, monkey
     five-matmul backward (a spy counts its launches and the persistent kernel's; dK, dV equal a forced launch's
     bitwise, dQ up to its summation order), unless deterministic
     algorithms are asked for, which give the seven-matmul backward's gradients bitwise without launching it; below
-    that, the seven-matmul backward."""
+    that, the seven-matmul backward (at head_dim 128 up to 1K, its dK/dV kernel with dQ from the stored dS)."""
     fused = fa.launch_backward_fused
     calls = []
     monkeypatch.setattr(fa, "launch_backward_fused", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
@@ -254,7 +254,55 @@ def test_long_causal_backward_runs_the_specialized_kernels(head_dim, seq, monkey
         cfg = fa.tile_config("dq", head_dim, True, torch.bfloat16, seq, specialized=True)
         forced_dq = fa.launch_backward_dq(do, qd, kd, vd, lse, delta, True, head_dim ** -0.5, cfg, o=od)
         forced_dk, forced_dv = fa.launch_backward_dkdv(do, qd, kd, vd, lse, delta, True, head_dim ** -0.5)
-        assert torch.equal(dq, forced_dq) and torch.equal(dk, forced_dk) and torch.equal(dv, forced_dv)
+        assert torch.equal(dk, forced_dk) and torch.equal(dv, forced_dv)
+        if fa.via_ds_chosen(qd, True):  # dQ from the stored dS (test_short_head_dim_128_backward_keeps_ds_in_memory)
+            assert (dq.float() - forced_dq.float()).abs().max().item() <= 1e-2 * forced_dq.float().abs().max().item()
+        else:
+            assert torch.equal(dq, forced_dq)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("seq,batch,heads", [(1, 2, 3), (65, 2, 3), (777, 2, 3), (1024, 3, 2)])
+def test_short_head_dim_128_backward_keeps_ds_in_memory(seq, batch, heads, dtype, monkeypatch):
+    """At head_dim 128 up to 1K tokens flash_attention's backward keeps dS in memory (launch_backward_via_ds; a spy
+    counts it), in deterministic mode too: gradients against float64 on the model's qkv-split strides, dK and dV
+    bitwise those of the seven-matmul kernels, dQ within rounding of theirs. Past VIA_DS_MAX_BYTES the seven-matmul
+    backward runs instead, and gives its own gradients bitwise."""
+    via_ds = fa.launch_backward_via_ds
+    calls = []
+    monkeypatch.setattr(fa, "launch_backward_via_ds", lambda *a, **kw: calls.append(1) or via_ds(*a, **kw))
+    g = torch.Generator(device="cuda").manual_seed(seq + 128)
+    qkv = torch.randn(batch, seq, 3, heads, 128, device="cuda", generator=g).to(dtype).requires_grad_()
+    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
+    o = flash_attention(q, k, v)
+    do = torch.randn(o.shape, device="cuda", generator=g).to(dtype)
+    (grad,) = torch.autograd.grad(o, qkv, do, retain_graph=True)
+    assert len(calls) == 1
+    qkv64 = qkv.detach().double().requires_grad_()
+    ref = reference_attention(*(t.transpose(1, 2) for t in qkv64.unbind(2)), True)
+    (grad_ref,) = torch.autograd.grad(ref, qkv64, do.double())
+    errs = {f"d{n}": rel_err(grad[:, :, i], grad_ref[:, :, i]) for i, n in enumerate("qkv")}
+    assert all(e < TOL[dtype] for e in errs.values()), errs
+
+    qd, kd, vd, od = q.detach(), k.detach(), v.detach(), o.detach()
+    _, lse = fa.launch_forward(qd, kd, vd, True, 128 ** -0.5)
+    delta = torch.empty_like(lse)
+    seven_dq = fa.launch_backward_dq(do, qd, kd, vd, lse, delta, True, 128 ** -0.5, o=od)
+    seven_dk, seven_dv = fa.launch_backward_dkdv(do, qd, kd, vd, lse, delta, True, 128 ** -0.5)
+    dq, dk, dv = (grad[:, :, i].transpose(1, 2) for i in range(3))
+    assert torch.equal(dk, seven_dk) and torch.equal(dv, seven_dv)
+    assert (dq.float() - seven_dq.float()).abs().max().item() <= 1e-2 * seven_dq.float().abs().max().item()
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        (deterministic,) = torch.autograd.grad(o, qkv, do, retain_graph=True)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert len(calls) == 2 and torch.equal(deterministic, grad)
+    monkeypatch.setattr(fa, "VIA_DS_MAX_BYTES", 1)
+    (capped,) = torch.autograd.grad(o, qkv, do)
+    assert len(calls) == 2
+    assert all(torch.equal(capped[:, :, i].transpose(1, 2), s) for i, s in enumerate((seven_dq, seven_dk, seven_dv)))
 
 
 @pytest.mark.parametrize("head_dim", [16, 32, 256])
