@@ -44,6 +44,7 @@ Triton's CPU interpreter).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import math
@@ -95,6 +96,12 @@ def _load_tile(src, row, rows_ok, MASKED: tl.constexpr, TMA: tl.constexpr):
         return tl.load(src, mask=rows_ok[:, None], other=0.0)
     else:
         return tl.load(src)
+
+
+@triton.jit
+def _triangle_tile(i, j):
+    """Where tile (query tile i, key tile j ≤ i) of a causal head lies in its dS buffer: (0,0), (1,0), (1,1), (2,0), …"""
+    return i * (i + 1) // 2 + j
 
 
 @triton.jit
@@ -284,9 +291,8 @@ def _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, ds_head, st
         dsT = dsT.to(q.dtype)
         # dK += dSᵀ Q  (the softmax scale is applied once at the end)
         dk = tl.dot(dsT, q, dk)
-        if STORE_DS:  # tile (query tile i, key tile j ≤ i) is the (i(i+1)/2 + j)-th block, kept [query][key]
-            i, j = start_m // BLOCK_M, start_n // BLOCK_N
-            tile = ds_head + (i * (i + 1) // 2 + j) * (BLOCK_M * BLOCK_N)
+        if STORE_DS:  # dSᵀ is [key][query] here; the buffer keeps each tile [query][key], as dQ = dS K reads it
+            tile = ds_head + _triangle_tile(start_m // BLOCK_M, start_n // BLOCK_N) * (BLOCK_M * BLOCK_N)
             tl.store(tile + offs_m[None, :] * BLOCK_N + tl.arange(0, BLOCK_N)[:, None], dsT)
         q_src = _next_tile(q_src, BLOCK_M, stride_qn, TMA)
         do_src = _next_tile(do_src, BLOCK_M, stride_don, TMA)
@@ -323,7 +329,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS,
     lse_src = _row_source(LSE + bh.to(tl.int64) * stride_lse, N_Q, BLOCK_M, ROW_TMA)
     delta_src = _row_source(DELTA + bh.to(tl.int64) * stride_delta, N_Q, BLOCK_M, ROW_TMA)
     n_tiles = tl.cdiv(N_Q, BLOCK_M)
-    ds_head = DS + bh.to(tl.int64) * (n_tiles * (n_tiles + 1) // 2 * (BLOCK_M * BLOCK_N))
+    ds_head = DS + bh.to(tl.int64) * (_triangle_tile(n_tiles, 0) * (BLOCK_M * BLOCK_N))  # this head's triangle
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -443,8 +449,8 @@ def _bwd_dq_from_ds_kernel(DS, K, DQ, stride_kb, stride_kh, stride_kn, stride_dq
     offs_d = tl.arange(0, HEAD_DIM)
     n_tiles = tl.cdiv(N, BLOCK)
     # this row of tiles, (i, 0) … (i, i), lies contiguous in the head's triangle
-    ds_ptrs = DS + bh.to(tl.int64) * (n_tiles * (n_tiles + 1) // 2 * (BLOCK * BLOCK)) \
-        + (i * (i + 1) // 2) * (BLOCK * BLOCK) + offs_m[:, None] * BLOCK + offs_n[None, :]
+    ds_ptrs = DS + bh.to(tl.int64) * (_triangle_tile(n_tiles, 0) * (BLOCK * BLOCK)) \
+        + _triangle_tile(i, 0) * (BLOCK * BLOCK) + offs_m[:, None] * BLOCK + offs_n[None, :]
     k_ptrs = K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
     dq = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
     for j in range(0, i + 1):
@@ -580,18 +586,19 @@ _SPECIALIZED_FROM_SEQ: dict[tuple[str, int], list[tuple[int, TileConfig]]] = {
 # Causal 2-byte inputs at head_dim 128 up to this many tokens take the backward that keeps dS in memory
 # (launch_backward_via_ds; NOTES.md AB): whole backward ms, H200, bf16, 16K tokens, 16 heads, one process (0ab498f),
 # against the seven-matmul one: 1K 0.574 vs 0.651, 512 0.407 vs 0.484; at 2K the five-matmul kernel stays (0.898 vs
-# 0.944), and at head_dim 64 the seven-matmul one (1K: 0.669 vs 0.719). Its buffer holds B·H·N²/2 elements, so it runs
-# only where that is at most VIA_DS_MAX_BYTES.
+# 0.944), and at head_dim 64 the seven-matmul one (1K: 0.669 vs 0.719). Its buffer holds B·H·T(T+1)/2 tiles of 64 × 64
+# (T = ⌈N/64⌉; ~B·H·N²/2 elements), so it runs only where that is at most VIA_DS_MAX_BYTES; and only on sm_90, where it
+# was measured.
 _VIA_DS_UP_TO_SEQ: dict[int, int] = {128: 1024}
 VIA_DS_MAX_BYTES = 1 << 30
 
 
 def via_ds_chosen(q: Tensor, causal: bool) -> bool:
-    """Whether the table sends this backward to launch_backward_via_ds: a causal 2-byte GPU input of a head_dim and
-    length the table lists, whose dS buffer fits VIA_DS_MAX_BYTES."""
+    """Whether the table sends this backward to launch_backward_via_ds: a causal 2-byte input on an sm_90 GPU, of a
+    head_dim and length the table lists, whose dS buffer fits VIA_DS_MAX_BYTES."""
     B, H, N, D = q.shape
     if INTERPRET or not (causal and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)) \
-            or N > _VIA_DS_UP_TO_SEQ.get(D, 0):
+            or N > _VIA_DS_UP_TO_SEQ.get(D, 0) or _capability(q.device) != (9, 0):
         return False
     tile = tile_config("dkdv", D, True, q.dtype, N).block_m
     return B * H * ds_tile_count(N, tile) * tile * tile * q.element_size() <= VIA_DS_MAX_BYTES
@@ -887,8 +894,9 @@ def launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse:
     """The backward: (dq, dk, dv). Where the table says so (long causal sequences at head_dim 64 or 128 on an
     H100/H200), the five-matmul backward (launch_backward_fused), unless deterministic results are asked for (deterministic=True or
     torch.use_deterministic_algorithms): its dQ is summed in a varying order. Short causal sequences at head_dim 128
-    on a GPU: the backward that keeps dS in memory (launch_backward_via_ds; deterministic). Otherwise the deterministic
-    seven-matmul backward: the dQ kernel, then the dK/dV kernel (the cfgs override their tiles). The dQ kernel also
+    on an H100/H200 (fp16/bf16, up to 1K tokens, its dS buffer at most VIA_DS_MAX_BYTES, no cfg given): the backward
+    that keeps dS in memory (launch_backward_via_ds; deterministic, so also in deterministic mode). Otherwise the
+    deterministic seven-matmul backward: the dQ kernel, then the dK/dV kernel (the cfgs override their tiles). The dQ kernel also
     computes delta = rowsum(dO ∘ O) for its rows (it loads dO anyway) and leaves it for the dK/dV kernel, which
     saves a pass over O and dO: 1–3% of the backward at 1K–4K and at 128K tokens (kernels/NOTES.md, L).
     out=(dq, dk, dv): write the gradients there (q's, k's, v's shapes, contiguous last dimensions) and return them;
@@ -996,17 +1004,33 @@ def launch_backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tenso
                          "runs it")
     c = cfg or tile_config("dkdv", D, causal, q.dtype, N_Q)
     if ds is not None and not (causal and c.block_m == c.block_n and ds.dtype == q.dtype and ds.is_contiguous()
-                               and ds.numel() == B * H * ds_tile_count(N_Q, c.block_m) * c.block_m ** 2):
+                               and ds.numel() == B * H * ds_tile_count(N_Q, c.block_m) * c.block_m ** 2
+                               and ds_tile_count(N_Q, c.block_m) * c.block_m ** 2 < 2**31):  # int32 inside a head
         raise ValueError(f"flash_attention: ds takes causal launches with square tiles, a contiguous {q.dtype} buffer "
-                         f"of B·H·ds_tile_count(N, tile)·tile² elements; got {c} and {ds.numel()} {ds.dtype}")
+                         f"of B·H·ds_tile_count(N, tile)·tile² elements, under 2³¹ per head; got {c} and {ds.numel()} "
+                         f"{ds.dtype}")
     _bwd_dkdv_kernel[(triton.cdiv(N_K, c.block_n), B * H)](
-        q, k, v, do, lse, delta, dk, dv, dk if ds is None else ds, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do),
+        q, k, v, do, lse, delta, dk, dv,
+        dk if ds is None else ds,  # DS: any pointer when nothing is stored
+        *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do),
         *_strides3(dk), *_strides3(dv), stride_lse, stride_delta, H, N_Q, N_K, sm_scale * LOG2E, sm_scale,
         CAUSAL=causal, ACCUMULATE=accumulate, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
         INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v, do), TMA=_use_tma(c, q, do),
         ROW_TMA=_use_tma(c, lse, delta), STORE_DS=ds is not None,
         num_warps=c.num_warps, num_stages=c.num_stages, **_reg_cap(c))
     return dk, dv
+
+
+@contextlib.contextmanager
+def _unfilled():
+    """torch.empty without the NaN fill that deterministic mode (torch.use_deterministic_algorithms) adds, for a buffer
+    the kernels write in full before reading it."""
+    was = torch.utils.deterministic.fill_uninitialized_memory
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = was
 
 
 def ds_tile_count(n: int, tile: int) -> int:
@@ -1021,9 +1045,10 @@ def launch_backward_via_ds(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tenso
     """The causal backward with dS kept in memory: (dq, dk, dv). The delta kernel; the dK/dV kernel, which also
     writes each dS tile (q's dtype, as its own dK matmul rounds it) into a buffer of the lower triangle of tiles;
     then dQ = scale · dS K from that buffer, one matmul per tile where the seven-matmul backward's dQ kernel does
-    three. Five matmuls, no atomics, deterministic, and the same dS values as the dQ kernel would compute.
-    The buffer holds B·H·N²/2 elements (at 1K tokens and head_dim 128, 4× q's size), so the table takes this path
-    only for short sequences (_VIA_DS_UP_TO_SEQ). cfg: the dK/dV kernel's tiles (square); dq_cfg: the dQ kernel's
+    three. Five matmuls, no atomics, deterministic; dK, dV are the dK/dV kernel's own, and dQ came out bitwise the
+    seven-matmul backward's in every shape measured on an H200 (NOTES.md AB; not guaranteed: other tiles, other
+    delta source). The buffer holds B·H·ds_tile_count(N, tile) tiles (~B·H·N²/2 elements; at 1K tokens and head_dim
+    128, 4.25× q's size), so the table takes this path only for short sequences (via_ds_chosen). cfg: the dK/dV kernel's tiles (square); dq_cfg: the dQ kernel's
     warps and stages (its tiles are cfg's)."""
     _check_lengths(q, k, v, True)
     B, H, N, D = q.shape
@@ -1033,7 +1058,8 @@ def launch_backward_via_ds(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tenso
         raise ValueError(f"flash_attention: the dS path takes square tiles, the same for both kernels; got {c}, {dc}")
     dq, dk, dv = _grad_outputs(out, False, ("dq", "dk", "dv"), (q, k, v))
     do, delta = launch_backward_delta(do, o, lse)
-    ds = torch.empty(B * H * ds_tile_count(N, c.block_m) * c.block_m ** 2, dtype=q.dtype, device=q.device)
+    with _unfilled():  # every element is written before it is read: no NaN fill in deterministic mode
+        ds = torch.empty(B * H * ds_tile_count(N, c.block_m) * c.block_m ** 2, dtype=q.dtype, device=q.device)
     launch_backward_dkdv(do, q, k, v, lse, delta, True, sm_scale, c, out=(dk, dv), ds=ds)
     _bwd_dq_from_ds_kernel[(triton.cdiv(N, c.block_m), B * H)](
         ds, k, dq, *_strides3(k), *_strides3(dq), H, N, sm_scale, HEAD_DIM=D, BLOCK=c.block_m,

@@ -151,22 +151,25 @@ def test_dq_kernel_computes_delta_for_the_dkdv_kernel(causal):
     assert torch.equal(delta_in_dq, delta)
 
 
-VIA_DS_CASES = [(1, 16, torch.float32, 16), (17, 32, torch.float32, 16), (64, 64, torch.float32, 32),
-                (77, 32, torch.float32, 16), (130, 16, torch.float32, 32), (50, 64, torch.float16, 16)]
+VIA_DS_CASES = [(1, 16, torch.float32, 16, True), (17, 32, torch.float32, 16, True), (64, 64, torch.float32, 32, True),
+                (77, 32, torch.float32, 16, True), (130, 16, torch.float32, 32, True), (50, 64, torch.float16, 16, True),
+                (36, 16, torch.float32, 16, True), (77, 32, torch.float32, 16, False)]
 
 
-@pytest.mark.parametrize("seq,head_dim,dtype,tile", VIA_DS_CASES,
-                         ids=[f"n{s}-d{d}-{str(t)[6:]}-t{b}" for s, d, t, b in VIA_DS_CASES])
-def test_backward_via_ds_matches_float64_reference(seq, head_dim, dtype, tile):
+@pytest.mark.parametrize("seq,head_dim,dtype,tile,tma", VIA_DS_CASES,
+                         ids=[f"n{s}-d{d}-{str(t)[6:]}-t{b}-{'tma' if m else 'ptr'}" for s, d, t, b, m in VIA_DS_CASES])
+def test_backward_via_ds_matches_float64_reference(seq, head_dim, dtype, tile, tma):
     """The backward that keeps dS in memory (the dK/dV kernel writes the triangle of dS tiles, dQ = dS K reads it):
     gradients right against float64 on the model's strided q/k/v, with ragged last tiles and a single-token
-    sequence; its dK, dV bit for bit those of the plain dK/dV kernel with the same tiles. The buffer starts as NaN
-    (poison_outputs), so a dS tile the dK/dV kernel fails to write, or one dQ reads from the wrong place, shows."""
+    sequence; its dK, dV bit for bit those of the plain dK/dV kernel with the same tiles. N=36 reads LSE and delta
+    through TMA (N a multiple of 4) with a ragged last tile, where rows past the end read LSE = 0; one case loads
+    through pointers. The buffer starts as NaN (poison_outputs), so a dS tile the dK/dV kernel fails to write, or one
+    dQ reads from the wrong place, shows."""
     qkv, q, k, v = split_qkv(2, seq, 3, head_dim, dtype, seed=seq + 7 * head_dim)
     scale = head_dim ** -0.5
     o, lse = fa.launch_forward(q, k, v, True, scale)
     do = torch.randn(o.shape, generator=torch.Generator().manual_seed(seq)).to(dtype)
-    cfg = fa.TileConfig(tile, tile, 4, 1, tma=True)
+    cfg = fa.TileConfig(tile, tile, 4, 1, tma=tma)
     dq, dk, dv = fa.launch_backward_via_ds(do, q, k, v, o, lse, scale, cfg)
     assert dq.stride() == fa._empty_in_layout_of(q).stride()
 
@@ -196,6 +199,22 @@ def test_backward_via_ds_refuses_what_its_buffer_cannot_index():
     with pytest.raises(ValueError, match="ds_tile_count"):
         fa.launch_backward_dkdv(do_c, q, k, v, lse, delta, True, 0.25, fa.TileConfig(16, 16, 4, 1), ds=wrong)
     assert fa.ds_tile_count(40, 16) == 6 and fa.ds_tile_count(1, 64) == 1
+
+
+def test_ds_buffer_skips_the_nan_fill_of_deterministic_mode():
+    """Deterministic mode fills every torch.empty with NaN; the dS buffer, which the kernels write in full, is allocated
+    without that fill (up to 1 GiB of writes saved), and the setting comes back afterwards, also after an error."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with fa._unfilled():
+            assert not torch.utils.deterministic.fill_uninitialized_memory
+        assert torch.utils.deterministic.fill_uninitialized_memory
+        with pytest.raises(RuntimeError), fa._unfilled():
+            raise RuntimeError("inside")
+        assert torch.utils.deterministic.fill_uninitialized_memory
+    finally:
+        torch.use_deterministic_algorithms(was)
 
 
 def test_gpu_tile_tables_respect_the_kernels_shape_rules():

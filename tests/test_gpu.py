@@ -216,7 +216,8 @@ def test_long_causal_backward_runs_the_specialized_kernels(head_dim, seq, monkey
     five-matmul backward (a spy counts its launches and the persistent kernel's; dK, dV equal a forced launch's
     bitwise, dQ up to its summation order), unless deterministic
     algorithms are asked for, which give the seven-matmul backward's gradients bitwise without launching it; below
-    that, the seven-matmul backward (at head_dim 128 up to 1K, its dK/dV kernel with dQ from the stored dS)."""
+    that, the seven-matmul backward, or at head_dim 128 up to 1K the backward that keeps dS in memory (its dK/dV
+    kernel, dQ from the stored dS)."""
     fused = fa.launch_backward_fused
     calls = []
     monkeypatch.setattr(fa, "launch_backward_fused", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
@@ -262,12 +263,13 @@ def test_long_causal_backward_runs_the_specialized_kernels(head_dim, seq, monkey
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("seq,batch,heads", [(1, 2, 3), (65, 2, 3), (777, 2, 3), (1024, 3, 2)])
+@pytest.mark.parametrize("seq,batch,heads", [(1, 2, 3), (65, 2, 3), (777, 2, 3), (1000, 2, 3), (1024, 3, 2)])
 def test_short_head_dim_128_backward_keeps_ds_in_memory(seq, batch, heads, dtype, monkeypatch):
     """At head_dim 128 up to 1K tokens flash_attention's backward keeps dS in memory (launch_backward_via_ds; a spy
-    counts it), in deterministic mode too: gradients against float64 on the model's qkv-split strides, dK and dV
-    bitwise those of the seven-matmul kernels, dQ within rounding of theirs. Past VIA_DS_MAX_BYTES the seven-matmul
-    backward runs instead, and gives its own gradients bitwise."""
+    counts it), in deterministic mode too: gradients against float64 on the model's qkv-split strides (1000: a ragged
+    last tile with LSE and delta read through TMA), dK and dV bitwise those of the seven-matmul kernels, dQ within
+    rounding of theirs. A buffer of exactly VIA_DS_MAX_BYTES still takes the path; one byte less sends the backward to
+    the seven-matmul kernels, which give their own gradients bitwise."""
     via_ds = fa.launch_backward_via_ds
     calls = []
     monkeypatch.setattr(fa, "launch_backward_via_ds", lambda *a, **kw: calls.append(1) or via_ds(*a, **kw))
@@ -299,7 +301,10 @@ def test_short_head_dim_128_backward_keeps_ds_in_memory(seq, batch, heads, dtype
     finally:
         torch.use_deterministic_algorithms(was)
     assert len(calls) == 2 and torch.equal(deterministic, grad)
-    monkeypatch.setattr(fa, "VIA_DS_MAX_BYTES", 1)
+    ds_bytes = batch * heads * fa.ds_tile_count(seq, 64) * 64 * 64 * 2
+    monkeypatch.setattr(fa, "VIA_DS_MAX_BYTES", ds_bytes)
+    assert fa.via_ds_chosen(q, True)
+    monkeypatch.setattr(fa, "VIA_DS_MAX_BYTES", ds_bytes - 1)
     (capped,) = torch.autograd.grad(o, qkv, do)
     assert len(calls) == 2
     assert all(torch.equal(capped[:, :, i].transpose(1, 2), s) for i, s in enumerate((seven_dq, seven_dk, seven_dv)))
@@ -467,8 +472,9 @@ def test_flash_attention_qkv_on_the_five_matmul_backward(B, N, H, D, acc_bytes, 
 
 
 @pytest.mark.parametrize("B,N,H,D", [(2, 4100, 3, 64), (1, 777, 2, 128)])
-def test_flash_attention_qkv_deterministic_writes_the_seven_matmul_gradients_into_dqkv(B, N, H, D):
-    """deterministic=True: the seven-matmul backward writes dq, dk, dv into strided views of dqkv and RoPE's backward
+def test_flash_attention_qkv_deterministic_writes_the_gradients_into_dqkv(B, N, H, D):
+    """deterministic=True: the deterministic backward (seven-matmul; at head_dim 128 up to 1K, the one that keeps dS in
+    memory) writes dq, dk, dv into strided views of dqkv and RoPE's backward
     rotates dq, dk in place; every gradient bitwise that of qkv_rotary + flash_attention(deterministic=True), and
     bitwise the same in a second run."""
     from minigpt.model import Rotary
