@@ -100,7 +100,7 @@ def _load_tile(src, row, rows_ok, MASKED: tl.constexpr, TMA: tl.constexpr):
 
 @triton.jit
 def _triangle_tile(i, j):
-    """Where tile (query tile i, key tile j ≤ i) of a causal head lies in its dS buffer: (0,0), (1,0), (1,1), (2,0), …"""
+    """Where tile (query tile i, key tile j ≤ i) of a causal head lies in its dS buffer: (0,0), (1,0), (1,1), …"""
     return i * (i + 1) // 2 + j
 
 
@@ -585,10 +585,10 @@ _SPECIALIZED_FROM_SEQ: dict[tuple[str, int], list[tuple[int, TileConfig]]] = {
 
 # Causal 2-byte inputs at head_dim 128 up to this many tokens take the backward that keeps dS in memory
 # (launch_backward_via_ds; NOTES.md AB): whole backward ms, H200, bf16, 16K tokens, 16 heads, one process (0ab498f),
-# against the seven-matmul one: 1K 0.574 vs 0.651, 512 0.407 vs 0.484; at 2K the five-matmul kernel stays (0.898 vs
-# 0.944), and at head_dim 64 the seven-matmul one (1K: 0.669 vs 0.719). Its buffer holds B·H·T(T+1)/2 tiles of 64 × 64
-# (T = ⌈N/64⌉; ~B·H·N²/2 elements), so it runs only where that is at most VIA_DS_MAX_BYTES; and only on sm_90, where it
-# was measured.
+# against the seven-matmul one: 1K 0.574 vs 0.651, 512 0.407 vs 0.484; at 2K the five-matmul kernel stays (0.898
+# vs 0.944), and at head_dim 64 the seven-matmul one (1K: 0.669 vs 0.719). Its buffer holds B·H·T(T+1)/2 tiles of
+# 64 × 64 (T = ⌈N/64⌉; ~B·H·N²/2 elements), so it runs only where that is at most VIA_DS_MAX_BYTES; and only on
+# sm_90, where it was measured.
 _VIA_DS_UP_TO_SEQ: dict[int, int] = {128: 1024}
 VIA_DS_MAX_BYTES = 1 << 30
 
@@ -601,7 +601,7 @@ def via_ds_chosen(q: Tensor, causal: bool) -> bool:
             or N > _VIA_DS_UP_TO_SEQ.get(D, 0) or _capability(q.device) != (9, 0):
         return False
     tile = tile_config("dkdv", D, True, q.dtype, N).block_m
-    return B * H * ds_tile_count(N, tile) * tile * tile * q.element_size() <= VIA_DS_MAX_BYTES
+    return B * H * ds_head_elements(N, tile) * q.element_size() <= VIA_DS_MAX_BYTES
 
 
 def _specialized_entry(kernel: str, head_dim: int, seq_len: int) -> TileConfig | None:
@@ -896,9 +896,9 @@ def launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse:
     torch.use_deterministic_algorithms): its dQ is summed in a varying order. Short causal sequences at head_dim 128
     on an H100/H200 (fp16/bf16, up to 1K tokens, its dS buffer at most VIA_DS_MAX_BYTES, no cfg given): the backward
     that keeps dS in memory (launch_backward_via_ds; deterministic, so also in deterministic mode). Otherwise the
-    deterministic seven-matmul backward: the dQ kernel, then the dK/dV kernel (the cfgs override their tiles). The dQ kernel also
-    computes delta = rowsum(dO ∘ O) for its rows (it loads dO anyway) and leaves it for the dK/dV kernel, which
-    saves a pass over O and dO: 1–3% of the backward at 1K–4K and at 128K tokens (kernels/NOTES.md, L).
+    deterministic seven-matmul backward: the dQ kernel, then the dK/dV kernel (the cfgs override their tiles). The
+    dQ kernel also computes delta = rowsum(dO ∘ O) for its rows (it loads dO anyway) and leaves it for the dK/dV
+    kernel, which saves a pass over O and dO: 1–3% of the backward at 1K–4K and at 128K tokens (NOTES.md L).
     out=(dq, dk, dv): write the gradients there (q's, k's, v's shapes, contiguous last dimensions) and return them;
     fp32_dq: where the five-matmul backward runs, return its fp32 dQ accumulator in out's dq's stead (see
     launch_backward_fused)."""
@@ -993,7 +993,7 @@ def launch_backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tenso
     """(dk, dv) of the Nk keys over the Nq queries (Nq == Nk when causal), in the memory layouts of k and v, or
     written into out=(dk, dv) (k's shape, contiguous last dimension); accumulate=True adds them to what out holds
     (fp32): ring attention's travelling dK/dV accumulator. ds (causal, square tiles): a flat buffer of
-    ds_tile_count(N, tile) · tile² elements in q's dtype that receives every dS tile (launch_backward_via_ds)."""
+    B·H·ds_head_elements(N, tile) elements in q's dtype that receives every dS tile (launch_backward_via_ds)."""
     _check_lengths(q, k, v, causal)
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
@@ -1004,10 +1004,10 @@ def launch_backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tenso
                          "runs it")
     c = cfg or tile_config("dkdv", D, causal, q.dtype, N_Q)
     if ds is not None and not (causal and c.block_m == c.block_n and ds.dtype == q.dtype and ds.is_contiguous()
-                               and ds.numel() == B * H * ds_tile_count(N_Q, c.block_m) * c.block_m ** 2
-                               and ds_tile_count(N_Q, c.block_m) * c.block_m ** 2 < 2**31):  # int32 inside a head
+                               and ds.numel() == B * H * ds_head_elements(N_Q, c.block_m)
+                               and ds_head_elements(N_Q, c.block_m) < 2**31):  # offsets inside a head are int32
         raise ValueError(f"flash_attention: ds takes causal launches with square tiles, a contiguous {q.dtype} buffer "
-                         f"of B·H·ds_tile_count(N, tile)·tile² elements, under 2³¹ per head; got {c} and {ds.numel()} "
+                         f"of B·H·ds_head_elements(N, tile) elements, under 2³¹ per head; got {c} and {ds.numel()} "
                          f"{ds.dtype}")
     _bwd_dkdv_kernel[(triton.cdiv(N_K, c.block_n), B * H)](
         q, k, v, do, lse, delta, dk, dv,
@@ -1033,10 +1033,10 @@ def _unfilled():
         torch.utils.deterministic.fill_uninitialized_memory = was
 
 
-def ds_tile_count(n: int, tile: int) -> int:
-    """How many tile × tile dS blocks a causal head of n tokens has on or below its diagonal."""
+def ds_head_elements(n: int, tile: int) -> int:
+    """The dS buffer's elements per causal head of n tokens: its tile × tile blocks on or below the diagonal."""
     t = triton.cdiv(n, tile)
-    return t * (t + 1) // 2
+    return t * (t + 1) // 2 * tile * tile
 
 
 def launch_backward_via_ds(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, sm_scale: float,
@@ -1047,9 +1047,9 @@ def launch_backward_via_ds(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tenso
     then dQ = scale · dS K from that buffer, one matmul per tile where the seven-matmul backward's dQ kernel does
     three. Five matmuls, no atomics, deterministic; dK, dV are the dK/dV kernel's own, and dQ came out bitwise the
     seven-matmul backward's in every shape measured on an H200 (NOTES.md AB; not guaranteed: other tiles, other
-    delta source). The buffer holds B·H·ds_tile_count(N, tile) tiles (~B·H·N²/2 elements; at 1K tokens and head_dim
-    128, 4.25× q's size), so the table takes this path only for short sequences (via_ds_chosen). cfg: the dK/dV kernel's tiles (square); dq_cfg: the dQ kernel's
-    warps and stages (its tiles are cfg's)."""
+    delta source). The buffer holds B·H·ds_head_elements(N, tile) elements (~B·H·N²/2; at 1K tokens and head_dim
+    128, 4.25× q's size), so the table takes this path only for short sequences (via_ds_chosen).
+    cfg: the dK/dV kernel's tiles (square); dq_cfg: the dQ kernel's warps and stages (its tiles are cfg's)."""
     _check_lengths(q, k, v, True)
     B, H, N, D = q.shape
     c = cfg or tile_config("dkdv", D, True, q.dtype, N)
@@ -1059,7 +1059,7 @@ def launch_backward_via_ds(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tenso
     dq, dk, dv = _grad_outputs(out, False, ("dq", "dk", "dv"), (q, k, v))
     do, delta = launch_backward_delta(do, o, lse)
     with _unfilled():  # every element is written before it is read: no NaN fill in deterministic mode
-        ds = torch.empty(B * H * ds_tile_count(N, c.block_m) * c.block_m ** 2, dtype=q.dtype, device=q.device)
+        ds = torch.empty(B * H * ds_head_elements(N, c.block_m), dtype=q.dtype, device=q.device)
     launch_backward_dkdv(do, q, k, v, lse, delta, True, sm_scale, c, out=(dk, dv), ds=ds)
     _bwd_dq_from_ds_kernel[(triton.cdiv(N, c.block_m), B * H)](
         ds, k, dq, *_strides3(k), *_strides3(dq), H, N, sm_scale, HEAD_DIM=D, BLOCK=c.block_m,

@@ -195,10 +195,10 @@ def test_backward_via_ds_refuses_what_its_buffer_cannot_index():
     with pytest.raises(ValueError, match="square tiles"):
         fa.launch_backward_via_ds(do, q, k, v, o, lse, 0.25, fa.TileConfig(16, 16, 4, 1), fa.TileConfig(32, 32, 4, 1))
     do_c, delta = fa.launch_backward_delta(do, o, lse)
-    wrong = torch.empty(1 * 2 * fa.ds_tile_count(40, 16) * 16 * 16 - 1)
-    with pytest.raises(ValueError, match="ds_tile_count"):
+    wrong = torch.empty(1 * 2 * fa.ds_head_elements(40, 16) - 1)
+    with pytest.raises(ValueError, match="ds_head_elements"):
         fa.launch_backward_dkdv(do_c, q, k, v, lse, delta, True, 0.25, fa.TileConfig(16, 16, 4, 1), ds=wrong)
-    assert fa.ds_tile_count(40, 16) == 6 and fa.ds_tile_count(1, 64) == 1
+    assert fa.ds_head_elements(40, 16) == 6 * 16 * 16 and fa.ds_head_elements(1, 64) == 64 * 64
 
 
 def test_ds_buffer_skips_the_nan_fill_of_deterministic_mode():

@@ -301,7 +301,7 @@ def test_short_head_dim_128_backward_keeps_ds_in_memory(seq, batch, heads, dtype
     finally:
         torch.use_deterministic_algorithms(was)
     assert len(calls) == 2 and torch.equal(deterministic, grad)
-    ds_bytes = batch * heads * fa.ds_tile_count(seq, 64) * 64 * 64 * 2
+    ds_bytes = batch * heads * fa.ds_head_elements(seq, 64) * 2
     monkeypatch.setattr(fa, "VIA_DS_MAX_BYTES", ds_bytes)
     assert fa.via_ds_chosen(q, True)
     monkeypatch.setattr(fa, "VIA_DS_MAX_BYTES", ds_bytes - 1)
