@@ -1,0 +1,344 @@
+"""The headline pictures: how far the context goes, and what memory and speed it costs on the way.
+
+    python -m minigpt.figures --out results/figures                     # from the kept results
+    python -m minigpt.figures --data my_sweeps.json --out runs/figures   # any file in the same format
+
+Reads one JSON file (default `results/context/context_scaling_NVIDIA_H200.json`):
+
+    {"gpu": "NVIDIA H200", "gpu_memory_gib": 139.8, "model": "gpt2-small (123.6M)",
+     "groups": [{"name", "commit", "date", "gpus", "searched_to_oom", "command",
+                 "trials": [{"variant", "seq_len", "status": "ok"|"oom"|..., "peak_allocated_gib",
+                             "tokens_per_s", "kind": "measured"|"probe"|"derived"}, ...]}, ...]}
+
+and writes three PNGs and a README.md beside them (what each shows, the commits and dates behind it, and which
+lengths of the grid were never measured):
+
+- longest_context_<gpu>.png: the longest seq_len each variant trained, a horizontal bar per variant on a log
+  axis; bars searched up to an out-of-memory failure, bars that are only a length that ran (no search above it)
+  and bars derived from 1- and 2-layer probes are drawn apart.
+- memory_vs_seq_len_<gpu>.png, tokens_per_s_vs_seq_len_<gpu>.png: peak allocated GiB and tokens/s on a fixed
+  grid of lengths (powers of two from 1K), one colour and one marker per variant, an x at the first grid length
+  that ran out of memory. Lengths off the grid (the bisection's 139,264, say) are not drawn here: they are in
+  the tables.
+
+Probe trials (1- or 2-layer models) are not drawn; the 12-layer figures derived from them are, hollow.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_DATA = Path("results/context/context_scaling_NVIDIA_H200.json")
+GRID_START = 1024
+
+# One colour and one marker per series, never reused (12 of each; 'x' is kept for out of memory).
+COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+          "#bcbd22", "#17becf", "#000000", "#0b5d1e"]
+MARKERS = ["o", "s", "^", "v", "D", "P", "*", "h", "<", ">", "p", "d"]
+OOM_MARKER = "x"
+
+
+@dataclass(frozen=True)
+class Point:
+    """One trial, flattened out of its group."""
+    variant: str
+    gpus: int
+    seq_len: int
+    status: str                      # ok | oom | error | timeout
+    kind: str                        # measured | probe | derived
+    searched: bool                   # the group searched this variant up to a failure
+    peak_gib: float | None
+    tokens_per_s: float | None
+    commit: str
+    date: str
+
+    @property
+    def series(self) -> str:
+        return self.variant if self.gpus == 1 else f"{self.variant}, {self.gpus} GPUs (context {self.gpus})"
+
+
+def load(path: Path) -> tuple[dict, list[Point]]:
+    """The file's metadata and every trial as a Point."""
+    data = json.loads(Path(path).read_text())
+    points = []
+    for g in data["groups"]:
+        for t in g["trials"]:
+            points.append(Point(variant=t["variant"], gpus=int(g.get("gpus", 1)), seq_len=int(t["seq_len"]),
+                                status=t["status"], kind=t.get("kind", "measured"),
+                                searched=bool(g.get("searched_to_oom", False)),
+                                peak_gib=t.get("peak_allocated_gib"), tokens_per_s=t.get("tokens_per_s"),
+                                commit=str(g.get("commit", "?")), date=str(g.get("date", "?"))))
+    return data, points
+
+
+def series_order(points: list[Point]) -> list[str]:
+    """Series in the order they first appear (probes excluded): one GPU before two."""
+    seen: dict[str, tuple[int, int]] = {}
+    for i, p in enumerate(points):
+        if p.kind != "probe" and p.series not in seen:
+            seen[p.series] = (p.gpus, i)
+    return sorted(seen, key=lambda s: seen[s])
+
+
+def styles(series: list[str]) -> dict[str, tuple[str, str]]:
+    """(colour, marker) per series, all distinct."""
+    if len(series) > len(COLORS):
+        raise ValueError(f"{len(series)} series, but only {len(COLORS)} distinct colours and markers are defined")
+    return {s: (COLORS[i], MARKERS[i]) for i, s in enumerate(series)}
+
+
+def is_grid(n: int) -> bool:
+    return n >= GRID_START and n & (n - 1) == 0
+
+
+def first_oom_on_grid(points: list[Point], series: str) -> Point | None:
+    """The shortest grid length that ran out of memory above every grid length that trained."""
+    mine = [p for p in points if p.series == series and p.kind == "measured" and is_grid(p.seq_len)]
+    top_ok = max((p.seq_len for p in mine if p.status == "ok"), default=0)
+    ooms = [p for p in mine if p.status == "oom" and p.seq_len > top_ok]
+    return min(ooms, key=lambda p: p.seq_len, default=None)
+
+
+def grid_gaps(points: list[Point]) -> dict[str, dict]:
+    """Per series: grid lengths measured, the first OOM, and the grid lengths below it never measured."""
+    out = {}
+    for s in series_order(points):
+        mine = [p for p in points if p.series == s and p.kind == "measured"]
+        measured = sorted({p.seq_len for p in mine if is_grid(p.seq_len) and p.status in ("ok", "oom")})
+        trained = [n for n in measured if any(p.seq_len == n and p.status == "ok" for p in mine)]
+        oom = first_oom_on_grid(points, s)
+        derived = [p.seq_len for p in points if p.series == s and p.kind == "derived"]
+        top = oom.seq_len if oom else max(measured + derived + [GRID_START])
+        grid = [n for n in _powers(GRID_START, top)]
+        out[s] = {"measured": measured, "trained": trained, "first_oom": oom.seq_len if oom else None,
+                  "missing": [n for n in grid if n not in measured and n not in derived],
+                  "searched": any(p.searched for p in mine)}
+    return out
+
+
+def _powers(lo: int, hi: int) -> list[int]:
+    out, n = [], lo
+    while n <= hi:
+        out.append(n)
+        n *= 2
+    return out
+
+
+def tokens_label(n: int) -> str:
+    """1024 -> '1K', 139264 -> '136K', 4194304 -> '4M'."""
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):g}M"
+    return f"{n / 1024:g}K" if n >= 1024 else str(n)
+
+
+def _short(v: float) -> str:
+    """Axis numbers: 20000 -> '20K', 1.5 -> '1.5'."""
+    return f"{v / 1000:g}K" if v >= 1000 else f"{v:g}"
+
+
+def _footer(meta: dict, points: list[Point], what: str) -> str:
+    commits = sorted({p.commit for p in points if p.kind != "probe"})
+    dates = sorted({p.date for p in points})
+    span = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+    return (f"{meta.get('gpu', '?')}; {meta.get('model', '')}, batch 1; measured {span} at commits "
+            f"{', '.join(commits)}. {what}\nMade by `python -m minigpt.figures` from "
+            f"{meta.get('_source', 'the data file')}.")
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_longest(meta: dict, points: list[Point]):
+    """Horizontal bars, log axis: the longest trained seq_len per series, measured and derived apart."""
+    plt = _pyplot()
+    from matplotlib.patches import Patch
+    order = series_order(points)
+    style = styles(order)
+    bars = []  # (label, seq_len, colour, how)
+    for s in order:
+        mine = [p for p in points if p.series == s and p.status == "ok"]
+        measured = [p for p in mine if p.kind == "measured"]
+        derived = [p for p in mine if p.kind == "derived"]
+        if measured:
+            best = max(measured, key=lambda p: p.seq_len)
+            how = "searched" if first_oom_any(points, s, best.seq_len) else "ran"
+            bars.append((s, best.seq_len, style[s][0], how))
+        if derived and (not measured or max(p.seq_len for p in derived) > bars[-1][1]):
+            bars.append((f"{s} (derived)", max(p.seq_len for p in derived), style[s][0], "derived"))
+    fig, ax = plt.subplots(figsize=(10, 0.42 * len(bars) + 1.8))
+    look = {"searched": dict(alpha=1.0, hatch=None), "ran": dict(alpha=0.55, hatch=".."),
+            "derived": dict(alpha=0.3, hatch="//")}
+    for i, (label, n, colour, how) in enumerate(bars):
+        ax.barh(i, n, color=colour, edgecolor="black", linewidth=0.6, **look[how])
+        ax.text(n * 1.08, i, tokens_label(n), va="center", fontsize=8)
+    ax.set_yticks(range(len(bars)), [b[0] for b in bars], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log", base=2)
+    ticks = _powers(GRID_START * 4, max(b[1] for b in bars) * 4)[::2]
+    ax.set_xticks(ticks, [tokens_label(n) for n in ticks])
+    ax.set_xlim(ticks[0], ticks[-1])
+    ax.set_xlabel("longest seq_len trained (tokens, one sequence per step)")
+    ax.set_title(f"How far the context goes: gpt2-small on {meta.get('gpu', '?')}")
+    ax.legend(handles=[Patch(facecolor="grey", edgecolor="black", label="measured, searched up to an OOM"),
+                       Patch(facecolor="grey", edgecolor="black", alpha=0.55, hatch="..",
+                             label="measured at this length, not searched above"),
+                       Patch(facecolor="grey", edgecolor="black", alpha=0.3, hatch="//",
+                             label="derived from 1- and 2-layer probes")],
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax.grid(axis="x", alpha=0.3)
+    fig.text(0.01, 0.005, _footer(meta, points, "Bars are the longest length that trained."), fontsize=7,
+             va="bottom")
+    fig.subplots_adjust(left=0.33, right=0.72, bottom=1.1 / (0.42 * len(bars) + 1.8))
+    return fig
+
+
+def first_oom_any(points: list[Point], series: str, above: int) -> bool:
+    """Whether this series has an out-of-memory trial above `above` (on the grid or not)."""
+    return any(p.series == series and p.kind == "measured" and p.status == "oom" and p.seq_len > above
+               for p in points)
+
+
+METRICS = {"memory": ("peak_gib", "peak allocated (GiB)", "Peak GPU memory against seq_len"),
+           "tokens_per_s": ("tokens_per_s", "tokens/s (all GPUs)", "Training throughput against seq_len")}
+
+
+def plot_vs_seq_len(meta: dict, points: list[Point], metric: str):
+    """One line per series over the grid of powers of two; x at the first grid length that ran out of memory."""
+    plt = _pyplot()
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter
+    from matplotlib.transforms import blended_transform_factory
+    attr, ylabel, title = METRICS[metric]
+    order = series_order(points)
+    style = styles(order)
+    fig, ax = plt.subplots(figsize=(11, 6))
+    handles = []
+    at: dict[int, list[str]] = {}  # series whose OOM mark falls at each length
+    for s in order:
+        if (oom := first_oom_on_grid(points, s)) is not None:
+            at.setdefault(oom.seq_len, []).append(s)
+    nudge = {s: k - (len(group) - 1) / 2 for group in at.values() for k, s in enumerate(group)}
+    for i, s in enumerate(order):
+        colour, marker = style[s]
+        size = 11 - 0.5 * i  # coinciding points stay visible: each later marker sits inside the earlier ones
+        ok = sorted((p for p in points if p.series == s and p.status == "ok" and is_grid(p.seq_len)
+                     and p.kind in ("measured", "derived") and getattr(p, attr) is not None),
+                    key=lambda p: p.seq_len)
+        meas = [p for p in ok if p.kind == "measured"]
+        if meas:
+            ax.plot([p.seq_len for p in meas], [getattr(p, attr) for p in meas], color=colour, marker=marker,
+                    linestyle="-", markersize=size, label=s)
+        der = [p for p in ok if p.kind == "derived"]
+        if der:
+            ax.plot([p.seq_len for p in der], [getattr(p, attr) for p in der], color=colour, marker=marker,
+                    markerfacecolor="none", linestyle="none", markersize=9, label=f"{s} (derived)")
+            if meas:  # a dotted bridge from the last measured point to the derived one
+                ax.plot([meas[-1].seq_len, der[0].seq_len], [getattr(meas[-1], attr), getattr(der[0], attr)],
+                        color=colour, linestyle=":", linewidth=1)
+        oom = first_oom_on_grid(points, s)
+        if oom is not None:
+            x = oom.seq_len * 2 ** (0.12 * nudge[s])  # marks at one length sit side by side
+            if metric == "memory" and oom.peak_gib is not None:
+                ax.plot([x], [oom.peak_gib], linestyle="none", marker=OOM_MARKER, color=colour, markersize=10,
+                        markeredgewidth=2)
+            else:  # no throughput for a failed step: the mark sits at the bottom of the axes
+                tr = blended_transform_factory(ax.transData, ax.transAxes)
+                ax.plot([x], [0.03], transform=tr, linestyle="none", marker=OOM_MARKER, color=colour,
+                        markersize=10, markeredgewidth=2, clip_on=False)
+        handles.append(Line2D([], [], color=colour, marker=marker, label=s))
+    if metric == "memory" and meta.get("gpu_memory_gib"):
+        ax.axhline(meta["gpu_memory_gib"], color="grey", linestyle="--", linewidth=1)
+        ax.text(GRID_START, meta["gpu_memory_gib"] * 1.08, f"{meta.get('gpu', 'GPU')}: "
+                f"{meta['gpu_memory_gib']} GiB usable", fontsize=8, color="grey")
+    handles += [Line2D([], [], color="black", marker="o", markerfacecolor="none", linestyle="none",
+                       label="hollow: derived from 1- and 2-layer probes"),
+                Line2D([], [], color="black", marker=OOM_MARKER, linestyle="none", markeredgewidth=2,
+                       label="x: first grid length out of memory" + (" (peak at failure)" if metric == "memory"
+                                                                     else ""))]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ticks = _powers(GRID_START, max(p.seq_len for p in points if p.kind != "probe"))
+    ax.set_xticks(ticks, [tokens_label(n) for n in ticks], fontsize=8)
+    ax.set_xlim(GRID_START / 1.5, ticks[-1] * 1.5)
+    ax.set_xlabel("seq_len (tokens, batch 1; powers of two only)")
+    ax.set_ylabel(ylabel)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _short(v)))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: _short(v) if str(round(v))[0] in "25" else ""))
+    ax.set_title(f"{title}: gpt2-small on {meta.get('gpu', '?')}")
+    ax.grid(alpha=0.3, which="both")
+    fig.text(0.01, 0.005, _footer(meta, points, "Lines join measured grid points; missing points were not run."),
+             fontsize=7, va="bottom")
+    fig.subplots_adjust(left=0.08, right=0.66, bottom=0.16)
+    return fig
+
+
+def gpu_slug(meta: dict) -> str:
+    return str(meta.get("gpu", "GPU")).replace(" ", "_")
+
+
+def write_figures(data_path: Path, out: Path) -> list[Path]:
+    """The three PNGs and README.md in `out`; returns their paths."""
+    meta, points = load(data_path)
+    meta["_source"] = Path(data_path).as_posix()
+    out.mkdir(parents=True, exist_ok=True)
+    plt = _pyplot()
+    slug = gpu_slug(meta)
+    written = []
+    for name, fig in [(f"longest_context_{slug}.png", plot_longest(meta, points)),
+                      (f"memory_vs_seq_len_{slug}.png", plot_vs_seq_len(meta, points, "memory")),
+                      (f"tokens_per_s_vs_seq_len_{slug}.png", plot_vs_seq_len(meta, points, "tokens_per_s"))]:
+        fig.savefig(out / name, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        written.append(out / name)
+    readme = out / "README.md"
+    readme.write_text(sidecar(meta, points, [p.name for p in written]))
+    return written + [readme]
+
+
+def sidecar(meta: dict, points: list[Point], names: list[str]) -> str:
+    """README.md for the figures: provenance and the grid points never measured."""
+    lines = [f"# Figures: {meta.get('model', '')} on {meta.get('gpu', '?')}", "",
+             f"Made by `python -m minigpt.figures --data {meta.get('_source')} --out <this folder>` from the "
+             f"trials in `{meta.get('_source')}`; each group there names its commit, date and command.", ""]
+    lines += [f"- `{n}`" for n in names]
+    lines += ["", "| commit | date | GPUs | what ran |", "|---|---|---|---|"]
+    seen = set()
+    for p in points:
+        key = (p.commit, p.date, p.gpus, p.variant)
+        if key not in seen and p.kind != "probe":
+            seen.add(key)
+            lines.append(f"| {p.commit} | {p.date} | {p.gpus} | {p.variant} ({p.kind}) |")
+    lines += ["", "## Grid points not measured", "",
+              "The memory and tokens/s figures use powers of two from 1K. Per variant, the grid lengths measured, "
+              "the first that ran out of memory, and those below it (or below the longest length run) that were "
+              "never run:", "", "| variant | trained | first OOM | not measured |", "|---|---|---|---|"]
+    for s, g in grid_gaps(points).items():
+        lines.append(f"| {s} | {', '.join(map(tokens_label, g['trained'])) or '–'} | "
+                     f"{tokens_label(g['first_oom']) if g['first_oom'] else '–'} | "
+                     f"{', '.join(map(tokens_label, g['missing'])) or '–'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m minigpt.figures", description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help=f"trials JSON (default: {DEFAULT_DATA})")
+    p.add_argument("--out", type=Path, required=True, help="folder for the PNGs and their README.md")
+    args = p.parse_args(argv)
+    if not args.data.is_file():
+        print(f"--data: no file at {args.data}", file=sys.stderr)
+        return 2
+    for path in write_figures(args.data, args.out):
+        print(path.as_posix())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The headline figures (minigpt/figures.py) on small synthetic data: files written, one colour and one marker per
+variant, an out-of-memory mark where a grid length failed, lengths off the grid left out, derived bars apart."""
+import json
+
+import pytest
+
+matplotlib = pytest.importorskip("matplotlib")
+matplotlib.use("Agg")
+
+from minigpt import figures  # noqa: E402
+
+
+def _trial(variant, n, status="ok", peak=None, tps=None, kind="measured"):
+    return {"variant": variant, "seq_len": n, "status": status, "peak_allocated_gib": peak, "tokens_per_s": tps,
+            "kind": kind}
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    data = {"gpu": "Fake GPU", "gpu_memory_gib": 10.0, "model": "tiny", "groups": [
+        {"name": "a", "commit": "abc1234", "date": "2030-01-01", "gpus": 1, "searched_to_oom": True,
+         "trials": [_trial("naive", 1024, peak=1.0, tps=900), _trial("naive", 2048, peak=4.0, tps=800),
+                    _trial("naive", 3072, peak=9.0, tps=700),            # off the grid: tables only
+                    _trial("naive", 4096, "oom", peak=9.9),
+                    _trial("flash", 1024, peak=0.5, tps=1000), _trial("flash", 4096, peak=2.0, tps=950),
+                    _trial("flash", 8192, "oom", peak=9.8)]},
+        {"name": "b", "commit": "def5678", "date": "2030-01-02", "gpus": 1, "searched_to_oom": False,
+         "trials": [_trial("flash+levers", 8192, peak=1.0, tps=500),
+                    _trial("flash+levers@L1", 65536, peak=3.0, tps=100, kind="probe"),
+                    _trial("flash+levers", 65536, peak=7.0, tps=60, kind="derived")]},
+        {"name": "c", "commit": "0123abc", "date": "2030-01-02", "gpus": 2, "searched_to_oom": False,
+         "trials": [_trial("flash+levers", 16384, peak=1.5, tps=900)]},
+    ]}
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_cli_writes_three_pictures_and_their_readme(data_file, tmp_path):
+    out = tmp_path / "figs"
+    assert figures.main(["--data", str(data_file), "--out", str(out)]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["README.md", "longest_context_Fake_GPU.png", "memory_vs_seq_len_Fake_GPU.png",
+                     "tokens_per_s_vs_seq_len_Fake_GPU.png"]
+    for name in names[1:]:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    readme = (out / "README.md").read_text()
+    assert "abc1234" in readme and "2030-01-01" in readme
+    # naive trained 1K and 2K, ran out at 4K: nothing missing; flash never ran 2K
+    assert "| naive | 1K, 2K | 4K | – |" in readme
+    assert "| flash | 1K, 4K | 8K | 2K |" in readme
+
+
+def test_missing_data_file_exits_2(tmp_path):
+    assert figures.main(["--data", str(tmp_path / "none.json"), "--out", str(tmp_path)]) == 2
+
+
+def test_series_get_distinct_colours_and_markers(data_file):
+    meta, points = figures.load(data_file)
+    order = figures.series_order(points)
+    assert order == ["naive", "flash", "flash+levers", "flash+levers, 2 GPUs (context 2)"]  # probes left out
+    style = figures.styles(order)
+    assert len({c for c, _ in style.values()}) == len(order)
+    assert len({m for _, m in style.values()}) == len(order)
+    assert figures.OOM_MARKER not in {m for _, m in style.values()}
+    assert len(set(figures.COLORS)) == len(figures.COLORS) and len(set(figures.MARKERS)) == len(figures.MARKERS)
+    with pytest.raises(ValueError):
+        figures.styles([f"v{i}" for i in range(len(figures.COLORS) + 1)])
+
+
+@pytest.mark.parametrize("metric", ["memory", "tokens_per_s"])
+def test_line_figure_marks_oom_and_keeps_to_the_grid(data_file, metric):
+    meta, points = figures.load(data_file)
+    fig = figures.plot_vs_seq_len(meta, points, metric)
+    ax = fig.axes[0]
+    lines = [ln for ln in ax.get_lines() if ln.get_linestyle() != "--"]  # not the GPU-memory line
+    ooms = [ln for ln in lines if ln.get_marker() == figures.OOM_MARKER]
+    assert len(ooms) == 2                                 # naive at 4K, flash at 8K
+    assert sorted(ln.get_color() for ln in ooms) == sorted(figures.styles(figures.series_order(points))[s][0]
+                                                           for s in ["naive", "flash"])
+    xs = {x for ln in lines if ln.get_marker() != figures.OOM_MARKER for x in ln.get_xdata()}
+    assert 3072 not in xs and all(figures.is_grid(int(x)) for x in xs)
+    series_lines = [ln for ln in lines if ln.get_linestyle() == "-"]
+    assert len({ln.get_color() for ln in series_lines}) == len(series_lines)
+    assert len({ln.get_marker() for ln in series_lines}) == len(series_lines)
+    # the legend sits right of the data, not on it
+    fig.canvas.draw()
+    legend = ax.get_legend().get_window_extent()
+    assert legend.x0 >= ax.get_window_extent().x1
+    # provenance in the footer
+    footer = " ".join(t.get_text() for t in fig.texts)
+    assert "Fake GPU" in footer and "abc1234" in footer and "2030-01-01" in footer
+
+
+def test_longest_context_bars_mark_derived_apart(data_file):
+    meta, points = figures.load(data_file)
+    fig = figures.plot_longest(meta, points)
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert labels == ["naive", "flash", "flash+levers", "flash+levers (derived)",
+                      "flash+levers, 2 GPUs (context 2)"]
+    bars = ax.patches
+    widths = [b.get_width() for b in bars]
+    assert widths == [3072, 4096, 8192, 65536, 16384]   # the longest that trained, on or off the grid
+    hatches = [b.get_hatch() for b in bars]
+    assert hatches[0] is None and hatches[1] is None    # searched to an OOM
+    assert hatches[3] == "//" and hatches[2] == ".."    # derived, and only run at that length
+    assert len({h for h in hatches}) == 3
