@@ -13,7 +13,7 @@ import torch
 import triton
 
 from attention_reference import reference_attention, rel_err
-from minigpt_kernels import flash_attention
+from minigpt_kernels.flash_attention import flash_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 # Forward/gradient relative error against float64; bf16 keeps 8 mantissa bits, fp16 11.
