@@ -251,7 +251,7 @@ def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
                           cfg: TileConfig | None = None, out: tuple[Tensor, Tensor, Tensor] | None = None,
                           fp32_dq: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """The causal five-matmul backward (kernels/NOTES.md Q): (dq, dk, dv) in the memory layouts of q, k, v. A delta
-    kernel, then the dK/dV/dQ kernel of flash_backward_specialized.py, which adds dQ into a zeroed fp32 accumulator
+    kernel, then the dK/dV/dQ kernel of gluon/backward.py, which adds dQ into a zeroed fp32 accumulator
     (a TMA reduce-add per query tile and block of 128 keys), then one cast into dq. No kernel recomputes QKᵀ and dO·Vᵀ
     for dQ; dQ's summation order follows the programs' timing, so it can differ in the last bits between runs.
     Needs inputs that fit the warp-specialized kernels (specialized_ready); at head_dim 128 the kernel splits dQ's

@@ -259,8 +259,8 @@ def test_ds_path_gets_square_dkdv_tiles_wherever_the_table_sends_it(monkeypatch)
 
 def test_long_causal_launches_take_the_warp_specialized_kernels_only_where_they_fit(monkeypatch):
     """The GPU table sends causal fp16/bf16 launches to the warp-specialized Gluon kernels where they were measured
-    faster: the forward (flash_forward_pingpong.py) at head_dim 64/128 from 1K tokens (persistent below 128K tokens
-    at 64, at every length at 128), the five-matmul dK/dV/dQ kernel (flash_backward_specialized.py) at head_dim 64
+    faster: the forward (gluon/forward.py) at head_dim 64/128 from 1K tokens (persistent below 128K tokens
+    at 64, at every length at 128), the five-matmul dK/dV/dQ kernel (gluon/backward.py) at head_dim 64
     from 4K (persistent below 16K) and at 128 from 2K (persistent below 8K), the dQ kernel at head_dim 128 from 4K (the seven-matmul
     backward's, also in deterministic mode); and only when the inputs fit them. Anything
     else keeps the Triton kernels. Their numbers are checked on the GPU (tests/test_gpu.py); here, the choice and the
@@ -316,7 +316,7 @@ def test_long_causal_launches_take_the_warp_specialized_kernels_only_where_they_
 @pytest.mark.parametrize("bh,n,block_m,programs", [(128, 4096, 192, 132), (48, 8192, 128, 132), (12, 1000, 128, 132),
                                                     (3, 777, 192, 5), (1, 1, 128, 132), (64, 4096, 128, 114)])
 def test_the_persistent_forward_schedule_covers_every_tile_once(bh, n, block_m, programs):
-    """persistent_schedule.schedule with the forward's costs (query_tile_costs) gives every (batch·head, query tile) item to exactly
+    """gluon/schedule.py's schedule with the forward's costs (query_tile_costs) gives every (batch·head, query tile) item to exactly
     one program, and its modelled finish is never later than head after head's (the order a plain grid launches in);
     with a few items per program or more it is within 2% of a perfect balance (head after head: 3-7% over)."""
     pingpong = pytest.importorskip("minigpt_kernels.gluon.forward")

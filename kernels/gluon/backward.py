@@ -273,7 +273,7 @@ def _init_hand_over(ds_ready, ds_free, SPLIT_DQ: gl.constexpr):
 
 
 @gluon.jit
-def _dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
+def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
                    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
                    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
@@ -351,7 +351,7 @@ def _dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
 
 
 # ------------------------------------------------------------------------------------------------
-# _dkdvdq_kernel's consumers at head_dim 128: dQ split between them (FlashAttention-3's split), no dQ warpgroup
+# dkdvdq_kernel's consumers at head_dim 128: dQ split between them (FlashAttention-3's split), no dQ warpgroup
 # ------------------------------------------------------------------------------------------------
 @gluon.jit
 def _dq_split_issue(k0, k1, ds_smem, ds_ready, t, zero_q):
@@ -544,7 +544,7 @@ def _persistent_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.const
 @gluon.jit
 def _persistent_dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
     """_dq_reducer over this program's items. The accumulator is one 2-D array (rows of one head's queries, see
-    _dkdvdq_persistent_kernel), so its descriptor is made once; a key block's last query tile may reach past its
+    dkdvdq_persistent_kernel), so its descriptor is made once; a key block's last query tile may reach past its
     head's N rows into the next head's or batch's first ones, where it adds exact zeros (queries past N have dS = 0; a
     non-finite K would make those rows NaN, as it does its own)."""
     (k_smem, ds_smem, dq_smem, kv_ready, kv_free, ds_ready, ds_free, dq_desc, N, H, acc_rows_b, acc_rows_h,
@@ -624,7 +624,7 @@ def _persistent_dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.const
 
 
 @gluon.jit
-def _dkdvdq_persistent_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
+def dkdvdq_persistent_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
                               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
                               stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
@@ -632,11 +632,11 @@ def _dkdvdq_persistent_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WOR
                               acc_cols_h, qk_scale, sm_scale,
                               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, REDUCER_REGS: gl.constexpr):
-    """_dkdvdq_kernel's work, program p taking items WORK[WORK_START[p] : WORK_START[p+1]] (item = bh · n_kblocks +
+    """dkdvdq_kernel's work, program p taking items WORK[WORK_START[p] : WORK_START[p+1]] (item = bh · n_kblocks +
     key block). DQ_ACC: fp32, one 2-D (acc_rows, acc_cols) array in which head h of batch b adds its query n into row
     b·acc_rows_b + h·acc_rows_h + n at columns h·acc_cols_h ...: (B·H·N, HEAD_DIM) with (H·N, N, 0) for (B, H, N, D)
     memory, (B·N, H·HEAD_DIM) with (N, 0, HEAD_DIM) for (B, N, H, D) rows (the model's layout). At head_dim 128 the
-    consumers compute dQ themselves, as in _dkdvdq_kernel, and K, V have one buffer (REDUCER_REGS unused)."""
+    consumers compute dQ themselves, as in dkdvdq_kernel, and K, V have one buffer (REDUCER_REGS unused)."""
     dtype: gl.constexpr = Q.dtype.element_ty
     SPLIT_DQ: gl.constexpr = HEAD_DIM > 64
     DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_DQ else HEAD_DIM  # columns per dQ reduce-add
@@ -803,7 +803,7 @@ def _dq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: g
 
 
 @gluon.jit
-def _dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ,
+def dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ,
                stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
                stride_ob, stride_oh, stride_on, stride_dqb, stride_dqh, stride_dqn,
@@ -862,7 +862,7 @@ def launch_dkdv_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, str
     with more registers each."""
     B, H, N, D = q.shape
     grid = (-(-N // (CONSUMERS.value * TILE.value)), B * H)
-    _dkdvdq_kernel[grid](q, k, v, do, lse, delta, dk, dv, dq_acc, *strides3(q), *strides3(k), *strides3(v),
+    dkdvdq_kernel[grid](q, k, v, do, lse, delta, dk, dv, dq_acc, *strides3(q), *strides3(k), *strides3(v),
                          *strides3(do), *strides3(dk), *strides3(dv), *strides3(dq_acc), stride_lse, stride_delta,
                          H, N, qk_scale, sm_scale, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
                          CONSUMER_REGS=SPLIT_CONSUMER_REGS if D > 64 else FUSED_CONSUMER_REGS,
@@ -892,7 +892,7 @@ def launch_dkdv_dq_persistent(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
     n_kblocks = -(-N // keys)
     programs = min(programs or sm_count(q.device), B * H * n_kblocks)
     work, work_start = device_schedule(B * H, key_block_costs(N, keys, block_m), programs, q.device)
-    _dkdvdq_persistent_kernel[(programs,)](
+    dkdvdq_persistent_kernel[(programs,)](
         q, k, v, do, lse, delta, dk, dv, dq_acc, work, work_start, *strides3(q), *strides3(k), *strides3(v),
         *strides3(do), *strides3(dk), *strides3(dv), stride_lse, stride_delta, H, N, n_kblocks, *acc_shape,
         *acc_steps, qk_scale, sm_scale, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
@@ -906,7 +906,7 @@ def launch_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
     delta = rowsum(dO ∘ O) into delta's rows (fp32, t + (b·H + h)·stride). block_n: keys per streamed tile."""
     B, H, N, D = q.shape
     grid = (-(-N // (CONSUMERS.value * TILE.value)), B * H)
-    _dq_kernel[grid](q, k, v, do, o, lse, delta, dq, *strides3(q), *strides3(k), *strides3(v), *strides3(do),
+    dq_kernel[grid](q, k, v, do, o, lse, delta, dq, *strides3(q), *strides3(k), *strides3(v), *strides3(do),
                      *strides3(o), *strides3(dq), stride_lse, stride_delta, H, N, qk_scale, sm_scale,
                      HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS[CONSUMERS.value],
                      PRODUCER_REGS=PRODUCER_REGS, num_warps=4)

@@ -200,7 +200,7 @@ def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_
 
 
 @gluon.jit
-def _pingpong_fwd_kernel(Q, K, V, O, LSE,
+def pingpong_fwd_kernel(Q, K, V, O, LSE,
                          stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                          stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
                          H, N, qk_scale,
@@ -261,7 +261,7 @@ def launch_forward_pingpong(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     Triton's scratch allocator for the device-side TMA descriptors."""
     B, H, N, D = q.shape
     grid = (-(-N // (consumers * ROWS_PER_CONSUMER.value)), B * H)
-    _pingpong_fwd_kernel[grid](
+    pingpong_fwd_kernel[grid](
         q, k, v, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), H, N, qk_scale,
         HEAD_DIM=D, NUM_CONSUMERS=consumers, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
@@ -388,7 +388,7 @@ def _persistent_producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.conste
 
 
 @gluon.jit
-def _persistent_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
+def persistent_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
                            stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                            stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
                            H, N, n_qtiles, qk_scale,
@@ -456,7 +456,7 @@ def launch_forward_persistent(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     n_qtiles = -(-N // block_m)
     programs = min(programs or sm_count(q.device), B * H * n_qtiles)
     work, work_start = device_schedule(B * H, query_tile_costs(N, block_m, block_n), programs, q.device)
-    _persistent_fwd_kernel[(programs,)](
+    persistent_fwd_kernel[(programs,)](
         q, k, v, o, lse, work, work_start, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), H, N, n_qtiles,
         qk_scale, HEAD_DIM=D, NUM_CONSUMERS=consumers, BLOCK_N=block_n, STAGES=stages,
