@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from minigpt_kernels.flash_attention import _check_inputs, _traced, launch_backward, launch_forward
+from minigpt_kernels.flash_attention import check_inputs, traced
+from minigpt_kernels.launch import launch_backward, launch_forward
 from minigpt_kernels.rotary import check_layout, qkv_rotary_forward, rotary_fits, rotate_back_into
 
 
@@ -59,7 +60,7 @@ class FlashAttentionQKV(torch.autograd.Function):
 def qkv_attention_fits(qkv: Tensor, cos: Tensor, sin: Tensor) -> bool:
     """Whether flash_attention_qkv takes these inputs: qkv_rotary's GPU layout (cos, sin needing no gradient), and a
     call outside Dynamo (a whole-model trace takes the model's PyTorch RoPE and the flash custom ops instead)."""
-    return not _traced(qkv) and rotary_fits(qkv, cos, sin)
+    return not traced(qkv) and rotary_fits(qkv, cos, sin)
 
 
 def flash_attention_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, deterministic: bool = False) -> Tensor:
@@ -69,7 +70,7 @@ def flash_attention_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, deterministic: bo
     (B, H, N, D) in q's (B, N, H, D) memory order, as flash_attention does for the model's views.
     deterministic: as for flash_attention."""
     check_layout(qkv, cos, sin, "flash_attention_qkv")
-    _check_inputs(*(qkv[:, :, i].transpose(1, 2) for i in range(3)))
+    check_inputs(*(qkv[:, :, i].transpose(1, 2) for i in range(3)))
     N, D = qkv.shape[1], qkv.shape[4]
     cos, sin = cos.reshape(N, D // 2), sin.reshape(N, D // 2)
     return FlashAttentionQKV.apply(qkv, cos, sin, 1.0 / math.sqrt(D), deterministic)

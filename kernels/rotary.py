@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from minigpt_kernels.flash_attention import INTERPRET
+from minigpt_kernels.device import INTERPRET
 
 BLOCK_TOKENS = 32  # tokens per program (each program rotates one head of them)
 

@@ -28,9 +28,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from minigpt_kernels import flash_backward_specialized as bwd
-from minigpt_kernels.flash_attention import _SPECIALIZED_FROM_SEQ
-from minigpt_kernels import flash_forward_pingpong as fwd
+from minigpt_kernels.dispatch import TABLE
+from minigpt_kernels.gluon import backward as bwd
+from minigpt_kernels.gluon import common
+from minigpt_kernels.gluon import forward as fwd
 
 SM90 = GPUTarget("cuda", 90, 32)
 FP32_POINTERS = {"LSE", "DELTA", "DQ_ACC"}
@@ -47,33 +48,32 @@ class Variant:
 
 
 def table_variants() -> list[Variant]:
-    """The variants flash_attention's _SPECIALIZED_FROM_SEQ can pick, read from the table (constexprs as the launchers
-    in flash_forward_pingpong.py and flash_backward_specialized.py derive them from a TileConfig), plus fp16 where
-    the forward has three consumers (the hand-packed P of NOTES.md Z)."""
+    """The Gluon variants dispatch.TABLE can pick, read from the table (constexprs as the launchers in gluon/forward.py
+    and gluon/backward.py derive them from a TileConfig), plus fp16 where the forward has three consumers (the
+    hand-packed P of NOTES.md Z)."""
     out = []
-    for (kind, d), entries in _SPECIALIZED_FROM_SEQ.items():
-        for _, cfg in entries:
-            mode = "persistent" if cfg.persistent else "plain"
-            if kind == "fwd":
-                consumers = cfg.block_m // 64
-                c = dict(HEAD_DIM=d, NUM_CONSUMERS=consumers, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
-                         CONSUMER_REGS=fwd.CONSUMER_REGS[consumers], PRODUCER_REGS=fwd.PRODUCER_REGS)
-                if cfg.persistent:
-                    c["SKIP"] = fwd.consumers_can_stop_early(consumers, cfg.block_n)
-                kernel = fwd._persistent_fwd_kernel if cfg.persistent else fwd._pingpong_fwd_kernel
-                out.append(Variant(f"fwd {mode} D{d} C{consumers}", kernel, c))
-                if consumers == 3:
-                    out.append(Variant(f"fwd {mode} D{d} C{consumers} fp16", kernel, c, "fp16"))
-            elif kind == "dkdvdq":
-                c = dict(HEAD_DIM=d, BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, PRODUCER_REGS=bwd.PRODUCER_REGS,
-                         REDUCER_REGS=bwd.REDUCER_REGS,
-                         CONSUMER_REGS=bwd.SPLIT_CONSUMER_REGS if d > 64 else bwd.FUSED_CONSUMER_REGS)
-                kernel = bwd._dkdvdq_persistent_kernel if cfg.persistent else bwd._dkdvdq_kernel
-                out.append(Variant(f"dkdvdq {mode} D{d} s{cfg.num_stages}", kernel, c))
-            else:  # "dq": the head_dim-128 dQ kernel of the deterministic backward
-                c = dict(HEAD_DIM=d, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, PRODUCER_REGS=bwd.PRODUCER_REGS,
-                         CONSUMER_REGS=fwd.CONSUMER_REGS[bwd.CONSUMERS.value])
-                out.append(Variant(f"dq D{d}", bwd._dq_kernel, c))
+    for kind, d, cfg in ((e.kernel, e.head_dims[0], e.tiles) for e in TABLE if e.tiles.specialized):
+        mode = "persistent" if cfg.persistent else "plain"
+        if kind == "fwd":
+            consumers = cfg.block_m // 64
+            c = dict(HEAD_DIM=d, NUM_CONSUMERS=consumers, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
+                     CONSUMER_REGS=common.CONSUMER_REGS[consumers], PRODUCER_REGS=common.PRODUCER_REGS)
+            if cfg.persistent:
+                c["SKIP"] = fwd.consumers_can_stop_early(consumers, cfg.block_n)
+            kernel = fwd.persistent_fwd_kernel if cfg.persistent else fwd.pingpong_fwd_kernel
+            out.append(Variant(f"fwd {mode} D{d} C{consumers}", kernel, c))
+            if consumers == 3:
+                out.append(Variant(f"fwd {mode} D{d} C{consumers} fp16", kernel, c, "fp16"))
+        elif kind == "dkdvdq":
+            c = dict(HEAD_DIM=d, BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, PRODUCER_REGS=common.PRODUCER_REGS,
+                     REDUCER_REGS=bwd.REDUCER_REGS,
+                     CONSUMER_REGS=bwd.SPLIT_CONSUMER_REGS if d > 64 else bwd.FUSED_CONSUMER_REGS)
+            kernel = bwd.dkdvdq_persistent_kernel if cfg.persistent else bwd.dkdvdq_kernel
+            out.append(Variant(f"dkdvdq {mode} D{d} s{cfg.num_stages}", kernel, c))
+        else:  # "dq": the head_dim-128 dQ kernel of the deterministic backward
+            c = dict(HEAD_DIM=d, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, PRODUCER_REGS=common.PRODUCER_REGS,
+                     CONSUMER_REGS=common.CONSUMER_REGS[bwd.CONSUMERS.value])
+            out.append(Variant(f"dq D{d}", bwd.dq_kernel, c))
     return out
 
 

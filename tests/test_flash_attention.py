@@ -4,6 +4,7 @@ On CPU this runs in Triton's interpreter (fp32 and fp16; its bf16 dot is wrong).
 split like the model's (non-contiguous), outputs are poisoned with NaN before the kernel writes them, and
 sequence lengths are chosen to hit the ragged tail, one tile, several tiles and the causal diagonal.
 """
+import dataclasses
 import importlib
 import math
 
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from attention_reference import reference_attention, rel_err
-from minigpt_kernels import flash_attention
+from minigpt_kernels import dispatch, launch
+from minigpt_kernels.flash_attention import flash_attention
 
 fa = importlib.import_module("minigpt_kernels.flash_attention")  # the module (the package exports the function)
 
@@ -78,9 +80,13 @@ def check_against_reference(qkv, causal, seed):
 @pytest.fixture
 def pointer_loads(monkeypatch):
     """Tiles loaded through pointers instead of TMA descriptors (the path for unaligned inputs and pre-Hopper)."""
-    configs = {name: fa.TileConfig(c.block_m, c.block_n, c.num_warps, c.num_stages, tma=False)
-               for name, c in fa._INTERPRET_CONFIGS.items()}
-    monkeypatch.setattr(fa, "_INTERPRET_CONFIGS", configs)
+    real = launch.plan
+
+    def without_tma(*args, **kwargs):
+        p = real(*args, **kwargs)
+        return dataclasses.replace(p, tiles=dataclasses.replace(p.tiles, tma=False),
+                                   dq_tiles=p.dq_tiles and dataclasses.replace(p.dq_tiles, tma=False))
+    monkeypatch.setattr(launch, "plan", without_tma)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -93,7 +99,7 @@ def test_pointer_load_path(pointer_loads, seq, head_dim, causal):
 @pytest.mark.parametrize("causal", [True, False])
 def test_int64_offset_path(monkeypatch, pointer_loads, causal):
     """The int64 tile-offset variant (used when seq × row stride passes 2³¹) computes the same thing."""
-    monkeypatch.setattr(fa, "_needs_int64", lambda n, *tensors: True)
+    monkeypatch.setattr(launch, "_needs_int64", lambda n, *tensors: True)
     qkv, *_ = split_qkv(1, 77, 2, 32, torch.float32, seed=5)
     check_against_reference(qkv, causal, seed=6)
 
@@ -115,7 +121,7 @@ def test_dkdv_reads_lse_and_delta_rows_through_tma(causal):
 
     lse_p, delta_p = unaligned(lse), unaligned(delta)
     cfg = fa.tile_config("dkdv", 32)
-    assert fa._use_tma(cfg, lse, delta) and not fa._use_tma(cfg, lse_p, delta_p)
+    assert launch._use_tma(cfg, lse, delta) and not launch._use_tma(cfg, lse_p, delta_p)
     via_tma = fa.launch_backward_dkdv(do, q, k, v, lse, delta, causal, scale)
     via_pointers = fa.launch_backward_dkdv(do, q, k, v, lse_p, delta_p, causal, scale)
     assert all(torch.equal(a, b) for a, b in zip(via_tma, via_pointers))
@@ -127,7 +133,9 @@ def test_forward_with_key_tiles_wider_than_query_tiles(monkeypatch, causal, seq)
     """The forward's key tiles may be wider than its query tiles (the GPU's long-sequence tiles are 64×128): a causal
     query tile then starts its masked part at the key tile holding its first row, which can lie before that row.
     16-row query tiles over 32-key tiles put every other query tile there; 40 and 77 leave ragged last tiles."""
-    monkeypatch.setitem(fa._INTERPRET_CONFIGS, "fwd", fa.TileConfig(16, 32, 4, 1, tma=True))
+    real = launch.plan
+    wide = fa.Plan("triton", fa.TileConfig(16, 32, 4, 1, tma=True))
+    monkeypatch.setattr(launch, "plan", lambda kernel, *a, **kw: wide if kernel == "fwd" else real(kernel, *a, **kw))
     qkv, *_ = split_qkv(2, seq, 2, 32, torch.float32, seed=seq)
     check_against_reference(qkv, causal, seed=seq + 1)
 
@@ -171,7 +179,7 @@ def test_backward_via_ds_matches_float64_reference(seq, head_dim, dtype, tile, t
     do = torch.randn(o.shape, generator=torch.Generator().manual_seed(seq)).to(dtype)
     cfg = fa.TileConfig(tile, tile, 4, 1, tma=tma)
     dq, dk, dv = fa.launch_backward_via_ds(do, q, k, v, o, lse, scale, cfg)
-    assert dq.stride() == fa._empty_in_layout_of(q).stride()
+    assert dq.stride() == launch.empty_in_layout_of(q).stride()
 
     qkv64 = qkv.detach().double().requires_grad_()
     ref = reference_attention(*(t.transpose(1, 2) for t in qkv64.unbind(2)), True, scale)
@@ -207,10 +215,10 @@ def test_ds_buffer_skips_the_nan_fill_of_deterministic_mode():
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        with fa._unfilled():
+        with launch._unfilled():
             assert not torch.utils.deterministic.fill_uninitialized_memory
         assert torch.utils.deterministic.fill_uninitialized_memory
-        with pytest.raises(RuntimeError), fa._unfilled():
+        with pytest.raises(RuntimeError), launch._unfilled():
             raise RuntimeError("inside")
         assert torch.utils.deterministic.fill_uninitialized_memory
     finally:
@@ -222,27 +230,27 @@ def test_gpu_tile_tables_respect_the_kernels_shape_rules():
     the dQ query tile is a whole number of key tiles and the dK/dV key tile a whole number of query tiles (the causal
     diagonal is walked tile by tile), the forward's tiles are powers of two (either may be the larger), and a
     register cap is one ptxas accepts."""
-    tables = [fa._GPU_CONFIGS, fa._GPU_CONFIGS_FULL, fa._GPU_CONFIGS_FP32,
-              {key: c for key, (_, c) in fa._GPU_CONFIGS_UP_TO_SEQ.items()},
-              {key: c for key, (_, c) in fa._GPU_CONFIGS_FROM_SEQ.items()}]
-    for table in tables:
-        for (kernel, head_dim), c in table.items():
+    triton_rows = [e for e in dispatch.TABLE if e.kernel in ("fwd", "dkdv", "dq") and e.when != "interpreter"
+                   and not e.tiles.specialized]
+    for e in triton_rows:
+        for kernel, head_dim, c in ((e.kernel, d, e.tiles) for d in e.head_dims):
             outer, inner = (c.block_n, c.block_m) if kernel == "dkdv" else (c.block_m, c.block_n)
             if kernel == "fwd":
                 outer, inner = max(outer, inner), min(outer, inner)
             assert outer % inner == 0, (kernel, head_dim, c)
             assert c.maxnreg is None or (24 <= c.maxnreg <= 255 and c.maxnreg % 8 == 0), (kernel, head_dim, c)
     # the cap is a GPU compile option: never passed to the CPU interpreter
-    assert fa._reg_cap(fa.TileConfig(64, 64, 4, 3, maxnreg=168)) == ({} if fa.INTERPRET else {"maxnreg": 168})
-    assert fa._reg_cap(fa.TileConfig(64, 64, 4, 3)) == {}
+    assert launch._reg_cap(fa.TileConfig(64, 64, 4, 3, maxnreg=168)) == ({} if fa.INTERPRET else {"maxnreg": 168})
+    assert launch._reg_cap(fa.TileConfig(64, 64, 4, 3)) == {}
 
 
 def test_ds_path_gets_square_dkdv_tiles_wherever_the_table_sends_it(monkeypatch):
     """launch_backward_via_ds indexes its dS buffer in the dK/dV kernel's tiles, which it requires square: the GPU
-    table's dK/dV tiles must be so at every head_dim and length _VIA_DS_UP_TO_SEQ lists."""
-    monkeypatch.setattr(fa, "INTERPRET", False)  # the GPU tables
-    assert fa._VIA_DS_UP_TO_SEQ
-    for head_dim, up_to in fa._VIA_DS_UP_TO_SEQ.items():
+    table's dK/dV tiles must be so at every head_dim and length its dS rows list."""
+    monkeypatch.setattr(dispatch, "INTERPRET", False)  # the GPU tables
+    via_ds = {d: e.lengths[1] for e in dispatch.TABLE if e.kernel == "via_ds" for d in e.head_dims}
+    assert via_ds
+    for head_dim, up_to in via_ds.items():
         for n in (1, 64, up_to // 2, up_to):
             for dtype in (torch.bfloat16, torch.float16):
                 c = fa.tile_config("dkdv", head_dim, True, dtype, n)
@@ -251,13 +259,13 @@ def test_ds_path_gets_square_dkdv_tiles_wherever_the_table_sends_it(monkeypatch)
 
 def test_long_causal_launches_take_the_warp_specialized_kernels_only_where_they_fit(monkeypatch):
     """The GPU table sends causal fp16/bf16 launches to the warp-specialized Gluon kernels where they were measured
-    faster: the forward (flash_forward_pingpong.py) at head_dim 64/128 from 1K tokens (persistent below 128K tokens
-    at 64, at every length at 128), the five-matmul dK/dV/dQ kernel (flash_backward_specialized.py) at head_dim 64
+    faster: the forward (gluon/forward.py) at head_dim 64/128 from 1K tokens (persistent below 128K tokens
+    at 64, at every length at 128), the five-matmul dK/dV/dQ kernel (gluon/backward.py) at head_dim 64
     from 4K (persistent below 16K) and at 128 from 2K (persistent below 8K), the dQ kernel at head_dim 128 from 4K (the seven-matmul
     backward's, also in deterministic mode); and only when the inputs fit them. Anything
     else keeps the Triton kernels. Their numbers are checked on the GPU (tests/test_gpu.py); here, the choice and the
     refusals."""
-    monkeypatch.setattr(fa, "INTERPRET", False)  # the GPU tables
+    monkeypatch.setattr(dispatch, "INTERPRET", False)  # the GPU tables
     lengths = (512, 1024, 2048, 4096, 8192, 16384, 1 << 20)
     chosen = {(kernel, d, n): fa.tile_config(kernel, d, True, torch.bfloat16, n, specialized=True).specialized
               for kernel in ("fwd", "dkdv", "dq") for d in (64, 128) for n in lengths}
@@ -292,7 +300,7 @@ def test_long_causal_launches_take_the_warp_specialized_kernels_only_where_they_
     # CPU tensors never fit them, and asking for one there is an error that says why
     _, q, k, v = split_qkv(1, 100, 2, 64, torch.float16, 3)
     assert not fa.specialized_ready(q, k, v, True)
-    assert not fa.specialized_ready(q, k, v, True, module="flash_backward_specialized")
+    assert not fa.specialized_ready(q, k, v, True, also=(q,))
     with pytest.raises(ValueError, match="warp-specialized forward"):
         fa.launch_forward(q, k, v, True, 0.125, fa.TileConfig(192, 128, 4, 3, tma=True, specialized=True))
     o, lse = fa.launch_forward(q, k, v, True, 0.125)
@@ -308,13 +316,13 @@ def test_long_causal_launches_take_the_warp_specialized_kernels_only_where_they_
 @pytest.mark.parametrize("bh,n,block_m,programs", [(128, 4096, 192, 132), (48, 8192, 128, 132), (12, 1000, 128, 132),
                                                     (3, 777, 192, 5), (1, 1, 128, 132), (64, 4096, 128, 114)])
 def test_the_persistent_forward_schedule_covers_every_tile_once(bh, n, block_m, programs):
-    """persistent_schedule.schedule with the forward's costs (query_tile_costs) gives every (batch·head, query tile) item to exactly
+    """gluon/schedule.py's schedule with the forward's costs (query_tile_costs) gives every (batch·head, query tile) item to exactly
     one program, and its modelled finish is never later than head after head's (the order a plain grid launches in);
     with a few items per program or more it is within 2% of a perfect balance (head after head: 3-7% over)."""
-    pingpong = pytest.importorskip("minigpt_kernels.flash_forward_pingpong")
+    pingpong = pytest.importorskip("minigpt_kernels.gluon.forward")
     n_qtiles = -(-n // block_m)
     programs = min(programs, bh * n_qtiles)
-    from minigpt_kernels import persistent_schedule
+    from minigpt_kernels.gluon import schedule as persistent_schedule
     items, starts = persistent_schedule.schedule(bh, pingpong.query_tile_costs(n, block_m, 128), programs)
     assert sorted(items) == list(range(bh * n_qtiles))
     assert len(starts) == programs + 1 and starts[0] == 0 and starts[-1] == len(items)
@@ -332,7 +340,7 @@ def test_only_consumers_that_end_a_key_tile_early_skip_past_their_diagonal():
     """A consumer skips the key tiles past its own rows only where it can end a tile earlier than its query tile:
     3 consumers (192 rows) over 128-key tiles, or 64-key tiles; never 2 consumers (128 rows) over 128-key tiles,
     where the skip would only add code (NOTES.md S)."""
-    pingpong = pytest.importorskip("minigpt_kernels.flash_forward_pingpong")
+    pingpong = pytest.importorskip("minigpt_kernels.gluon.forward")
     assert pingpong.consumers_can_stop_early(3, 128) and pingpong.consumers_can_stop_early(2, 64)
     assert not pingpong.consumers_can_stop_early(2, 128) and not pingpong.consumers_can_stop_early(2, 256)
     for consumers, block_n in ((2, 64), (2, 128), (3, 64), (3, 128), (2, 256)):  # against a direct count
@@ -343,7 +351,7 @@ def test_only_consumers_that_end_a_key_tile_early_skip_past_their_diagonal():
         assert pingpong.consumers_can_stop_early(consumers, block_n) == direct, (consumers, block_n)
 
 
-def test_deterministic_mode_keeps_the_seven_matmul_backward(monkeypatch):
+def test_deterministic_mode_keeps_the_seven_matmul_backward(monkeypatch, request):
     """Where the table picks the five-matmul backward (its dQ sums in a varying order), the backward takes it unless
     deterministic results are asked for: torch.use_deterministic_algorithms(True), or deterministic=True (the flash
     backend's attention.deterministic); then the deterministic kernels run. Here the table's answer is forced, and the
@@ -357,9 +365,13 @@ def test_deterministic_mode_keeps_the_seven_matmul_backward(monkeypatch):
         calls.append(q.shape)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
-    monkeypatch.setattr(fa, "fused_backward_config", lambda *a: fa.TileConfig(64, 128, 4, 3, specialized=True))
-    monkeypatch.setattr(fa, "specialized_ready", lambda *a, **kw: True)  # as if on an H100/H200
-    monkeypatch.setattr(fa, "launch_backward_fused", recorder)
+    # the interpreter's table sends head_dim 64 to the five-matmul kernel, as the GPU's does long sequences
+    fused = dispatch.Entry("dkdvdq", (64,), "interpreter", fa.TileConfig(64, 128, 4, 3, specialized=True), "test")
+    monkeypatch.setattr(dispatch, "TABLE", (fused, *dispatch.TABLE))
+    dispatch._entry.cache_clear()
+    request.addfinalizer(dispatch._entry.cache_clear)
+    monkeypatch.setattr(launch, "specialized_ready", lambda *a, **kw: True)  # as if on an H100/H200
+    monkeypatch.setattr(launch, "launch_backward_fused", recorder)
     assert not fa.launch_backward(do, q, k, v, o, lse, True, 0.125)[0].any() and len(calls) == 1
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     refs = torch.autograd.grad(reference_attention(q64, k64, v64, True), (q64, k64, v64), do.double())
@@ -381,9 +393,9 @@ def test_lse_rows_for_tma_are_padded_only_when_unaligned():
     """The warp-specialized dK/dV/dQ kernel reads LSE/delta rows with 1-D TMA, whose base must be 16-byte aligned: rows
     of N % 4 != 0 floats are copied into padded rows (same values), aligned ones are used as they are."""
     aligned = torch.randn(2, 3, 8)
-    assert fa._rows_for_tma(aligned, 8)[0] is aligned
+    assert launch._rows_for_tma(aligned, 8)[0] is aligned
     ragged = torch.randn(2, 3, 7)
-    rows, stride = fa._rows_for_tma(ragged, 7)
+    rows, stride = launch._rows_for_tma(ragged, 7)
     assert stride == 8 and rows.stride(1) == 8 and torch.equal(rows[:, :, :7], ragged)
 
 
@@ -393,8 +405,8 @@ def test_unaligned_inputs_fall_back_to_pointer_loads():
     wide = torch.randn(1, 45, 3 * 2 * 16 + 1, generator=g)  # qkv rows padded by one float: stride 97 × 4 bytes
     qkv = wide[:, :, :96].unflatten(2, (3, 2, 16))
     q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
-    assert not fa._use_tma(fa.tile_config("fwd", 16), q, k, v)
-    assert fa._use_tma(fa.tile_config("fwd", 16), *split_qkv(1, 45, 2, 16, torch.float32, 0)[1:])  # the default
+    assert not launch._use_tma(fa.tile_config("fwd", 16), q, k, v)
+    assert launch._use_tma(fa.tile_config("fwd", 16), *split_qkv(1, 45, 2, 16, torch.float32, 0)[1:])  # the default
     check_against_reference(qkv.detach().requires_grad_(), True, seed=10)
 
 
@@ -415,9 +427,9 @@ def test_eager_calls_launch_directly_and_torch_compile_traces_the_custom_ops():
     GPU suite runs Inductor) the ops are what gets traced: one graph, the eager outputs and gradients."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     plain = torch.zeros(1)
-    assert not fa._traced(plain)
+    assert not fa.traced(plain)
     with FakeTensorMode() as mode:
-        assert fa._traced(mode.from_tensor(plain))
+        assert fa.traced(mode.from_tensor(plain))
     qkv, q, k, v = split_qkv(1, 37, 2, 16, torch.float32, seed=11)
     do = torch.randn(1, 2, 37, 16, generator=torch.Generator().manual_seed(12))
 

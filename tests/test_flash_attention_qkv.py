@@ -10,7 +10,7 @@ from attention_reference import reference_attention, rel_err, rotate64
 from minigpt.attention import FlashAttention, SdpaAttention
 from minigpt.config import ModelConfig
 from minigpt.model import CausalSelfAttention, Rotary
-from minigpt_kernels import flash_attention
+from minigpt_kernels.flash_attention import flash_attention
 
 fa = importlib.import_module("minigpt_kernels.flash_attention")
 rotary = importlib.import_module("minigpt_kernels.rotary")

@@ -13,7 +13,7 @@ import torch
 import triton
 
 from attention_reference import reference_attention, rel_err
-from minigpt_kernels import flash_attention
+from minigpt_kernels.flash_attention import flash_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 # Forward/gradient relative error against float64; bf16 keeps 8 mantissa bits, fp16 11.
@@ -40,7 +40,10 @@ def test_accuracy_vs_float64(seq, batch, heads, head_dim, dtype, causal):
 
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-fa = importlib.import_module("minigpt_kernels.flash_attention")
+fa = importlib.import_module("minigpt_kernels.flash_attention")  # the face, with the old names re-exported
+launch = importlib.import_module("minigpt_kernels.launch")
+dispatch = importlib.import_module("minigpt_kernels.dispatch")
+device = importlib.import_module("minigpt_kernels.device")
 
 
 @pytest.mark.skipif(not HOPPER, reason="the ping-pong forward is written for sm_90 (wgmma)")
@@ -78,7 +81,7 @@ def test_causal_forward_runs_the_pingpong_kernel(head_dim, seq, persistent, monk
     q, k, v = (torch.randn(1, 2, seq, head_dim, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
     cfg = fa.tile_config("fwd", head_dim, True, torch.bfloat16, seq, specialized=True)
     assert cfg.specialized and cfg.persistent == persistent
-    kernels = fa._gluon_module("flash_forward_pingpong")
+    kernels = launch.gluon_forward
     calls = []
     launcher = kernels.launch_forward_persistent if persistent else kernels.launch_forward_pingpong
     monkeypatch.setattr(kernels, launcher.__name__, lambda *a, **kw: calls.append(1) or launcher(*a, **kw))
@@ -99,8 +102,8 @@ def test_persistent_forward_on_few_programs_matches_the_plain_kernel(head_dim, c
     between heads; consumers that end a key tile early skip past their diagonal where consumers_can_stop_early):
     bitwise the plain ping-pong kernel's output and LSE, on ragged lengths and several heads; 2 stages is the
     tightest ring for a consumer that releases buffers without reading them."""
-    kernels = fa._gluon_module("flash_forward_pingpong")
-    triton.set_allocator(fa._tma_scratch)  # the kernels make their TMA descriptors on the device
+    kernels = launch.gluon_forward
+    triton.set_allocator(device.tma_scratch)  # the kernels make their TMA descriptors on the device
     scale = head_dim ** -0.5 * fa.LOG2E
     for seq, batch, heads, programs in ((777, 2, 3, 3), (2048, 1, 5, 7), (4100, 2, 2, 1)):
         g = torch.Generator(device="cuda").manual_seed(seq + consumers)
@@ -124,7 +127,7 @@ def test_persistent_backward_on_few_programs_matches_the_plain_kernel(head_dim, 
     query tile reaches into the next batch's accumulator rows (adding zeros). dK/dV bitwise the plain kernel's, dQ
     equal to its rounding (another summation order), on ragged lengths, the model's strides; at head_dim 128 with dQ
     split between the consumers and one K/V buffer."""
-    kernels = fa._gluon_module("flash_backward_specialized")
+    kernels = launch.gluon_backward
     plain = fa.TileConfig(64, 128, 4, stages, tma=True, specialized=True)
     for seq, batch, heads in ((777, 2, 3), (2048, 1, 5), (4100, 2, 2)):
         g = torch.Generator(device="cuda").manual_seed(seq + stages)
@@ -202,11 +205,11 @@ def test_fused_backward_runs_head_group_by_head_group(persistent, monkeypatch):
     do = torch.randn(q.shape, device="cuda", generator=g).to(torch.bfloat16)
     o, lse = fa.launch_forward(q, k, v, True, 0.125)
     whole = fa.launch_backward_fused(do, q, k, v, o, lse, 0.125, cfg)
-    monkeypatch.setattr(fa, "FUSED_DQ_ACC_BYTES", 2 * B * N * D * 4)
+    monkeypatch.setattr(launch, "FUSED_DQ_ACC_BYTES", 2 * B * N * D * 4)
     grouped = fa.launch_backward_fused(do, q, k, v, o, lse, 0.125, cfg)
     assert torch.equal(grouped[1], whole[1]) and torch.equal(grouped[2], whole[2])
     assert (grouped[0].float() - whole[0].float()).abs().max().item() < 1e-2 * whole[0].float().abs().max().item()
-    assert grouped[0].stride() == fa._empty_in_layout_of(q).stride()  # (B, N, H, D) rows, as q
+    assert grouped[0].stride() == launch.empty_in_layout_of(q).stride()  # (B, N, H, D) rows, as q
 
 
 @pytest.mark.skipif(not HOPPER, reason="the warp-specialized backward is written for sm_90 (wgmma)")
@@ -220,8 +223,8 @@ def test_long_causal_backward_runs_the_specialized_kernels(head_dim, seq, monkey
     kernel, dQ from the stored dS)."""
     fused = fa.launch_backward_fused
     calls = []
-    monkeypatch.setattr(fa, "launch_backward_fused", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
-    kernels = fa._gluon_module("flash_backward_specialized")
+    monkeypatch.setattr(launch, "launch_backward_fused", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
+    kernels = launch.gluon_backward
     persistent = kernels.launch_dkdv_dq_persistent
     persistent_calls = []
     monkeypatch.setattr(kernels, "launch_dkdv_dq_persistent",
@@ -235,7 +238,7 @@ def test_long_causal_backward_runs_the_specialized_kernels(head_dim, seq, monkey
     qd, kd, vd, od = q.detach(), k.detach(), v.detach(), o.detach()
     _, lse = fa.launch_forward(qd, kd, vd, True, head_dim ** -0.5)
     delta = torch.empty_like(lse)
-    entry = fa._specialized_entry("dkdvdq", head_dim, seq)
+    entry = fa.fused_backward_config(head_dim, True, torch.bfloat16, seq, True)
     if entry:  # the five-matmul backward (at head_dim 128 with dQ split between the consumers), persistent below 16K/8K
         assert len(calls) == 1 and len(persistent_calls) == entry.persistent
         forced = fused(do, qd, kd, vd, od, lse, head_dim ** -0.5)
@@ -272,7 +275,7 @@ def test_short_head_dim_128_backward_keeps_ds_in_memory(seq, batch, heads, dtype
     the seven-matmul kernels, which give their own gradients bitwise."""
     via_ds = fa.launch_backward_via_ds
     calls = []
-    monkeypatch.setattr(fa, "launch_backward_via_ds", lambda *a, **kw: calls.append(1) or via_ds(*a, **kw))
+    monkeypatch.setattr(launch, "launch_backward_via_ds", lambda *a, **kw: calls.append(1) or via_ds(*a, **kw))
     g = torch.Generator(device="cuda").manual_seed(seq + 128)
     qkv = torch.randn(batch, seq, 3, heads, 128, device="cuda", generator=g).to(dtype).requires_grad_()
     q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
@@ -302,9 +305,9 @@ def test_short_head_dim_128_backward_keeps_ds_in_memory(seq, batch, heads, dtype
         torch.use_deterministic_algorithms(was)
     assert len(calls) == 2 and torch.equal(deterministic, grad)
     ds_bytes = batch * heads * fa.ds_head_elements(seq, 64) * 2
-    monkeypatch.setattr(fa, "VIA_DS_MAX_BYTES", ds_bytes)
+    monkeypatch.setattr(dispatch, "VIA_DS_MAX_BYTES", ds_bytes)
     assert fa.via_ds_chosen(q, True)
-    monkeypatch.setattr(fa, "VIA_DS_MAX_BYTES", ds_bytes - 1)
+    monkeypatch.setattr(dispatch, "VIA_DS_MAX_BYTES", ds_bytes - 1)
     (capped,) = torch.autograd.grad(o, qkv, do)
     assert len(calls) == 2
     assert all(torch.equal(capped[:, :, i].transpose(1, 2), s) for i, s in enumerate((seven_dq, seven_dk, seven_dv)))
@@ -448,7 +451,7 @@ def test_flash_attention_qkv_on_the_five_matmul_backward(B, N, H, D, acc_bytes, 
     from minigpt_kernels.flash_attention_qkv import flash_attention_qkv
     from minigpt_kernels.rotary import qkv_rotary
 
-    monkeypatch.setattr(fa, "FUSED_DQ_ACC_BYTES", acc_bytes)
+    monkeypatch.setattr(launch, "FUSED_DQ_ACC_BYTES", acc_bytes)
     g = torch.Generator(device="cuda").manual_seed(N + D)
     qkv = torch.randn(B, N, 3, H, D, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
     cos, sin = Rotary(D).cuda()(N, torch.arange(N, device="cuda") + 100)

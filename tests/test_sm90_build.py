@@ -36,7 +36,7 @@ def test_every_table_variant_builds_for_sm90(reports, name):
 
 @pytest.mark.parametrize("name", ["fwd persistent D64 C3", "fwd plain D64 C3", "fwd persistent D64 C3 fp16"])
 def test_three_consumer_forward_packs_p_without_prmt(reports, name):
-    """At three consumers P is rounded into packed registers by hand (flash_forward_pingpong._p_operand): with the
+    """At three consumers P is rounded into packed registers by hand (gluon/forward.py, _p_operand): with the
     compiler's own conversion ptxas swaps the halves of each register back before the P·V wgmma, 32 PRMT per key
     tile (kernels/NOTES.md Z; 128–192 in the kernel under triton 3.6 and 3.9). If this fails after a triton upgrade,
     compare the loops with `python -m minigpt_kernels.sm90_build --only fwd` before measuring on a GPU."""

@@ -1,7 +1,7 @@
 """The causal FlashAttention forward on Hopper with FlashAttention-3's structure, in Gluon (Triton's explicit-layout
 dialect): warp-specialized, with consumer warpgroups taking turns at the tensor cores ("ping-pong").
 
-    o = softmax(scale · q kᵀ + causal mask) v,   lse = log2 Σ_j 2^(s_j)      (the same outputs as flash_attention.py)
+    o = softmax(scale · q kᵀ + causal mask) v,   lse = log2 Σ_j 2^(s_j)      (the same outputs as triton_kernels.py)
 
 Why a second forward: on long sequences the Triton forward runs three independent 64-row programs per SM, each
 waiting on its own matmuls. Here one program owns 64·NUM_CONSUMERS query rows and splits its warps by role
@@ -17,7 +17,7 @@ waiting on its own matmuls. Here one program owns 64·NUM_CONSUMERS query rows a
 The register file is split by role (setmaxnreg): 24 registers per producer thread, the rest to the consumers, whose
 64×BLOCK_N scores and 64×HEAD_DIM accumulator live in registers. Measured in kernels/NOTES.md (O): 12% faster than
 the Triton forward at 128K tokens (head_dim 64), slower below 8K tokens (each program pays its set-up for one query
-tile of little work); flash_attention.py runs it at head_dim 64 from 128K tokens.
+tile of little work); dispatch.py's table says where each variant runs.
 
 The persistent variant (`launch_forward_persistent`, NOTES.md S) runs one program per SM over a list of such tiles
 made on the host, so the set-up and pipeline fill of one tile overlap the last key tiles of the one before: the
@@ -25,7 +25,7 @@ producer loads the next tile's Q and first K/V while the consumers finish. Short
 work each, gain most (4K tokens: 8% faster than the Triton forward at head_dim 64, 27% at 128).
 
 Scope: causal, fp16/bf16, head_dim 64 or 128, one length for queries and keys, TMA-aligned inputs, contiguous LSE,
-sm_90 (wgmma). flash_attention.py picks them by sequence length and falls back to its own forward otherwise.
+sm_90 (wgmma). dispatch.py picks them by sequence length; launch.py falls back to the Triton forward otherwise.
 """
 from __future__ import annotations
 
@@ -35,35 +35,12 @@ from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
-from minigpt_kernels.persistent_schedule import device_schedule, sm_count
-
-# The TMA copy of a tile into shared memory: async_copy_global_to_shared in triton 3.6 (what the GPU machines run),
-# async_load in later releases, where the old name is kept only to raise.
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+from minigpt_kernels.gluon.common import CONSUMER_REGS, PRODUCER_REGS, head_rows, mma_layout, tma_load
+from minigpt_kernels.gluon.schedule import device_schedule, sm_count
 
 ROWS_PER_CONSUMER = gl.constexpr(64)  # query rows per consumer warpgroup: the M of one wgmma
-PRODUCER_REGS = 24  # registers per producer thread; the consumers take what is left (setmaxnreg)
-CONSUMER_REGS = {2: 232, 3: 160}  # per consumer thread: 2 warpgroups of 232 + the producer's, or 3 of 160
-
-
-@gluon.constexpr_function
-def _mma_layout(cols, num_warps):
-    """The wgmma accumulator layout of a 64-row tile, with the widest instruction N (≤ 256) that divides cols."""
-    n = 256
-    while n > cols or cols % n:
-        n -= 8
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
-
-
-@gluon.jit
-def _head_rows(X, b, h, stride_b, stride_h, stride_n, N, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-               layout: gl.constexpr):
-    """One (batch, head)'s N rows of X (HEAD_DIM wide) as a TMA descriptor of ROWS-row tiles; rows past N read as 0.
-    Shared by the Gluon kernels (the backward's in flash_backward_specialized.py too)."""
-    return tma.make_tensor_descriptor(X + b * stride_b + h * stride_h, shape=[N, HEAD_DIM], strides=[stride_n, 1],
-                                      block_shape=[ROWS, HEAD_DIM], layout=layout)
 
 
 @gluon.jit
@@ -172,8 +149,8 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
     `shared`: what every consumer gets alike (buffers, barriers, output pointers, the tile's position)."""
     (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn,
      O, LSE, b, h, bh, stride_ob, stride_oh, stride_on, N, start_m, num_tiles, qk_scale) = shared
-    s_layout: gl.constexpr = _mma_layout(BLOCK_N, 4)
-    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)
+    s_layout: gl.constexpr = mma_layout(BLOCK_N, 4)
+    o_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P from registers
     PACK_P: gl.constexpr = NUM_CONSUMERS == 3  # see _p_operand
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -211,19 +188,19 @@ def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_
     kv_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
     for c in gl.static_range(NUM_CONSUMERS):
         mbarrier.expect(q_ready.index(c), q_bytes)
-        _tma_load(q_desc, [start_m + c * ROWS_PER_CONSUMER, 0], q_ready.index(c), q_smem.index(c))
+        tma_load(q_desc, [start_m + c * ROWS_PER_CONSUMER, 0], q_ready.index(c), q_smem.index(c))
     for j in range(num_tiles):
         stage = j % STAGES
         # round r = j // STAGES of this buffer waits for round r − 1's release; a fresh barrier passes parity 1
         mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(stage), kv_bytes)
-        _tma_load(k_desc, [j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+        tma_load(k_desc, [j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
         mbarrier.expect(v_ready.index(stage), kv_bytes)
-        _tma_load(v_desc, [j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+        tma_load(v_desc, [j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
 
 
 @gluon.jit
-def _pingpong_fwd_kernel(Q, K, V, O, LSE,
+def pingpong_fwd_kernel(Q, K, V, O, LSE,
                          stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                          stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
                          H, N, qk_scale,
@@ -238,9 +215,9 @@ def _pingpong_fwd_kernel(Q, K, V, O, LSE,
     h = (bh % H).to(gl.int64)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS_PER_CONSUMER, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    q_desc = _head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, ROWS_PER_CONSUMER, HEAD_DIM, q_layout)
-    k_desc = _head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, BLOCK_N, HEAD_DIM, kv_layout)
-    v_desc = _head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, BLOCK_N, HEAD_DIM, kv_layout)
+    q_desc = head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, ROWS_PER_CONSUMER, HEAD_DIM, q_layout)
+    k_desc = head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, BLOCK_N, HEAD_DIM, kv_layout)
+    v_desc = head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, BLOCK_N, HEAD_DIM, kv_layout)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, ROWS_PER_CONSUMER, HEAD_DIM], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
@@ -280,11 +257,11 @@ def _pingpong_fwd_kernel(Q, K, V, O, LSE,
 def launch_forward_pingpong(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float, consumers: int,
                             block_n: int, stages: int) -> None:
     """Write causal attention of q, k, v (B, H, N, D) into o (q's shape) and lse ((B, H, N) fp32, contiguous, base 2).
-    qk_scale = softmax scale · log2(e). The caller checks the scope (flash_attention.specialized_ready) and has set
+    qk_scale = softmax scale · log2(e). The caller checks the scope (launch.specialized_ready) and has set
     Triton's scratch allocator for the device-side TMA descriptors."""
     B, H, N, D = q.shape
     grid = (-(-N // (consumers * ROWS_PER_CONSUMER.value)), B * H)
-    _pingpong_fwd_kernel[grid](
+    pingpong_fwd_kernel[grid](
         q, k, v, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), H, N, qk_scale,
         HEAD_DIM=D, NUM_CONSUMERS=consumers, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
@@ -320,8 +297,8 @@ def _persistent_consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, 
     (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
      O, LSE, H, stride_ob, stride_oh, stride_on, N, qk_scale, WORK, first, count, n_qtiles) = shared
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * ROWS_PER_CONSUMER
-    s_layout: gl.constexpr = _mma_layout(BLOCK_N, 4)
-    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)
+    s_layout: gl.constexpr = mma_layout(BLOCK_N, 4)
+    o_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     PACK_P: gl.constexpr = NUM_CONSUMERS == 3  # see _p_operand
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -392,26 +369,26 @@ def _persistent_producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.conste
             for t in range(gl.maximum(kv - STAGES, 0), kv):
                 mbarrier.wait(k_ready.index(t % STAGES), (t // STAGES) & 1)
                 mbarrier.wait(v_ready.index(t % STAGES), (t // STAGES) & 1)
-        q_desc = _head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, ROWS_PER_CONSUMER, HEAD_DIM, q_layout)
-        k_desc = _head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, BLOCK_N, HEAD_DIM, kv_layout)
-        v_desc = _head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, BLOCK_N, HEAD_DIM, kv_layout)
+        q_desc = head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, ROWS_PER_CONSUMER, HEAD_DIM, q_layout)
+        k_desc = head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, BLOCK_N, HEAD_DIM, kv_layout)
+        v_desc = head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, BLOCK_N, HEAD_DIM, kv_layout)
         for c in gl.static_range(NUM_CONSUMERS):
             mbarrier.wait(q_empty.index(c), (i & 1) ^ 1)  # a fresh barrier passes parity 1
             mbarrier.expect(q_ready.index(c), q_bytes)
-            _tma_load(q_desc, [start_m + c * ROWS_PER_CONSUMER, 0], q_ready.index(c), q_smem.index(c))
+            tma_load(q_desc, [start_m + c * ROWS_PER_CONSUMER, 0], q_ready.index(c), q_smem.index(c))
         for j in range(num_tiles):
             t = kv + j
             stage = t % STAGES
             mbarrier.wait(kv_empty.index(stage), ((t // STAGES) & 1) ^ 1)
             mbarrier.expect(k_ready.index(stage), kv_bytes)
-            _tma_load(k_desc, [j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+            tma_load(k_desc, [j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
             mbarrier.expect(v_ready.index(stage), kv_bytes)
-            _tma_load(v_desc, [j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+            tma_load(v_desc, [j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
         kv += num_tiles
 
 
 @gluon.jit
-def _persistent_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
+def persistent_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
                            stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                            stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
                            H, N, n_qtiles, qk_scale,
@@ -470,7 +447,7 @@ def query_tile_costs(n: int, block_m: int, block_n: int) -> tuple[float, ...]:
 
 def launch_forward_persistent(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float,
                               consumers: int, block_n: int, stages: int, programs: int | None = None) -> None:
-    """launch_forward_pingpong's contract, on one program per SM (or `programs`) walking persistent_schedule's
+    """launch_forward_pingpong's contract, on one program per SM (or `programs`) walking schedule.py's
     work list (an item costing its key tiles, query_tile_costs)."""
     if stages < 2:  # a consumer past its diagonal releases a ring buffer the others finished two tiles before
         raise ValueError(f"the persistent forward needs at least 2 stages, got {stages}")
@@ -479,7 +456,7 @@ def launch_forward_persistent(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     n_qtiles = -(-N // block_m)
     programs = min(programs or sm_count(q.device), B * H * n_qtiles)
     work, work_start = device_schedule(B * H, query_tile_costs(N, block_m, block_n), programs, q.device)
-    _persistent_fwd_kernel[(programs,)](
+    persistent_fwd_kernel[(programs,)](
         q, k, v, o, lse, work, work_start, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), H, N, n_qtiles,
         qk_scale, HEAD_DIM=D, NUM_CONSUMERS=consumers, BLOCK_N=block_n, STAGES=stages,

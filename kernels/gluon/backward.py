@@ -1,11 +1,11 @@
 """The causal FlashAttention backward on Hopper, warp-specialized, in Gluon (Triton's explicit-layout dialect), for
-the sizes where it is faster than the Triton kernels of flash_attention.py (kernels/NOTES.md P, Q):
+the sizes where it is faster than the Triton kernels of triton_kernels.py (kernels/NOTES.md P, Q):
 
     P = exp2(Q Kᵀ · scale·log2e − LSE),  dP = dO Vᵀ,  dS = P ∘ (dP − delta),  delta = rowsum(dO ∘ O)
-    dV = Pᵀ dO,  dK = scale · dSᵀ Q,  dQ = scale · dS K                       (the same outputs as flash_attention.py)
+    dV = Pᵀ dO,  dK = scale · dSᵀ Q,  dQ = scale · dS K                       (the same outputs as triton_kernels.py)
 
 Two kernels, each splitting its warps by role (`gl.warp_specialize`) like the ping-pong forward
-(flash_forward_pingpong.py):
+(forward.py):
 
 - **dK/dV/dQ** (head_dim 64): the five-matmul backward. One producer warp loads the program's 128 keys (K, V) once,
   then streams the query tiles Q_t, dO_t and their LSE/delta rows through a ring of STAGES shared-memory buffers with
@@ -16,7 +16,7 @@ Two kernels, each splitting its warps by role (`gl.warp_specialize`) like the pi
   TMA reduce-add; the caller zeroes the accumulator and casts it to dq. So no kernel recomputes QKᵀ and dO·Vᵀ for dQ,
   at the price of an fp32 accumulator and a dQ whose summation order varies from run to run (not deterministic).
   Its persistent variant (NOTES.md T; below 16K tokens) runs one program per SM over a host-made list of key blocks
-  (persistent_schedule), with K and V double-buffered so that a block's loads overlap the last one's tail.
+  (schedule.py), with K and V double-buffered so that a block's loads overlap the last one's tail.
 - **dK/dV/dQ at head_dim 128** (NOTES.md V, W): there dK and dV take 128 registers per consumer, and a dQ warpgroup
   does not fit beside them. So, as in FlashAttention-3, each consumer computes half of dQ's columns itself from both
   consumers' dS (dS_t K[:, its half]) and reduce-adds them. It does so one tile behind: step t computes Sᵀ_t, dPᵀ_t,
@@ -34,7 +34,7 @@ file is split by role (setmaxnreg).
 
 Scope: causal, fp16/bf16, head_dim 64 or 128 (dK/dV/dQ; the dQ kernel at 128), one length for queries and keys, TMA-aligned inputs,
 sm_90; the dK/dV/dQ kernel reads LSE and delta rows through TMA, so their starts must be 16-byte aligned.
-flash_attention.py picks these kernels where its table says so and falls back to its Triton kernels otherwise.
+dispatch.py's table picks these kernels; launch.py falls back to the Triton kernels otherwise.
 """
 from __future__ import annotations
 
@@ -48,9 +48,9 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from minigpt_kernels.flash_attention import _strides3
-from minigpt_kernels.flash_forward_pingpong import CONSUMER_REGS, PRODUCER_REGS, _head_rows, _mma_layout, _tma_load
-from minigpt_kernels.persistent_schedule import device_schedule, sm_count
+from minigpt_kernels.device import strides3
+from minigpt_kernels.gluon.common import CONSUMER_REGS, PRODUCER_REGS, head_rows, mma_layout, tma_load
+from minigpt_kernels.gluon.schedule import device_schedule, sm_count
 
 TILE = gl.constexpr(64)  # keys (dK/dV) or query rows (dQ) per consumer warpgroup: the M of one wgmma
 CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program (the warp_specialize lists below name two)
@@ -195,8 +195,8 @@ def _dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty, ds_smem, ds_ready, ds_free,
      DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
      N, start_n, num_tiles, qk_scale, sm_scale) = shared
-    s_layout: gl.constexpr = _mma_layout(BLOCK_M, 4)   # Sᵀ, dPᵀ: 64 keys × BLOCK_M queries
-    d_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)  # dK, dV: 64 keys × HEAD_DIM
+    s_layout: gl.constexpr = mma_layout(BLOCK_M, 4)   # Sᵀ, dPᵀ: 64 keys × BLOCK_M queries
+    d_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)  # dK, dV: 64 keys × HEAD_DIM
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)  # Pᵀ, dSᵀ in registers
     # query tiles (counted from the program's first key) that reach below this consumer's last key get the mask
     MASKED_TILES: gl.constexpr = (TILE * (ME + 1) + BLOCK_M - 1) // BLOCK_M
@@ -226,7 +226,7 @@ def _dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
     read transposed from shared memory), staged in fp32 shared memory and added into the accumulator's rows by a TMA
     reduce-add, which runs while the next tile's matmul does."""
     (k_smem, ds_smem, dq_smem, kv_ready, ds_ready, ds_free, dq_desc, start_n, num_tiles, sm_scale) = dqs
-    dq_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)  # dQ_t: BLOCK_M (= 64) queries × HEAD_DIM
+    dq_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)  # dQ_t: BLOCK_M (= 64) queries × HEAD_DIM
     zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
     for c in gl.static_range(CONSUMERS):
         mbarrier.wait(kv_ready.index(c), 0)
@@ -248,8 +248,8 @@ def _dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGE
     tile_bytes: gl.constexpr = 2 * BLOCK_M * HEAD_DIM * dtype.primitive_bitwidth // 8 + 2 * BLOCK_M * 4
     for c in gl.static_range(CONSUMERS):
         mbarrier.expect(kv_ready.index(c), kv_bytes)
-        _tma_load(k_desc, [start_n + c * TILE, 0], kv_ready.index(c), k_smem.index(c))
-        _tma_load(v_desc, [start_n + c * TILE, 0], kv_ready.index(c), v_smem.index(c))
+        tma_load(k_desc, [start_n + c * TILE, 0], kv_ready.index(c), k_smem.index(c))
+        tma_load(v_desc, [start_n + c * TILE, 0], kv_ready.index(c), v_smem.index(c))
     for t in range(num_tiles):
         stage = t % STAGES
         row = start_n + t * BLOCK_M
@@ -257,10 +257,10 @@ def _dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGE
         mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)
         bar = ready.index(stage)
         mbarrier.expect(bar, tile_bytes)
-        _tma_load(q_desc, [row, 0], bar, q_smem.index(stage))
-        _tma_load(do_desc, [row, 0], bar, do_smem.index(stage))
-        _tma_load(lse_desc, [row], bar, lse_smem.index(stage))
-        _tma_load(delta_desc, [row], bar, delta_smem.index(stage))
+        tma_load(q_desc, [row, 0], bar, q_smem.index(stage))
+        tma_load(do_desc, [row, 0], bar, do_smem.index(stage))
+        tma_load(lse_desc, [row], bar, lse_smem.index(stage))
+        tma_load(delta_desc, [row], bar, delta_smem.index(stage))
 
 
 @gluon.jit
@@ -273,7 +273,7 @@ def _init_hand_over(ds_ready, ds_free, SPLIT_DQ: gl.constexpr):
 
 
 @gluon.jit
-def _dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
+def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
                    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
                    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
@@ -297,10 +297,10 @@ def _dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, BLOCK_M], dtype)
     acc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
     row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    k_desc = _head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, TILE, HEAD_DIM, kv_layout)
-    v_desc = _head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, TILE, HEAD_DIM, kv_layout)
-    q_desc = _head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, BLOCK_M, HEAD_DIM, qd_layout)
-    do_desc = _head_rows(DO, b, h, stride_dob, stride_doh, stride_don, N, BLOCK_M, HEAD_DIM, qd_layout)
+    k_desc = head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, TILE, HEAD_DIM, kv_layout)
+    v_desc = head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, TILE, HEAD_DIM, kv_layout)
+    q_desc = head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, BLOCK_M, HEAD_DIM, qd_layout)
+    do_desc = head_rows(DO, b, h, stride_dob, stride_doh, stride_don, N, BLOCK_M, HEAD_DIM, qd_layout)
     dq_desc = tma.make_tensor_descriptor(DQ_ACC + b * stride_accb + h * stride_acch, shape=[N, HEAD_DIM],
                                          strides=[stride_accn, 1], block_shape=[BLOCK_M, DQ_COLS], layout=acc_layout)
     lse_desc = tma.make_tensor_descriptor(LSE + bh.to(gl.int64) * stride_lse, shape=[N], strides=[1],
@@ -351,7 +351,7 @@ def _dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
 
 
 # ------------------------------------------------------------------------------------------------
-# _dkdvdq_kernel's consumers at head_dim 128: dQ split between them (FlashAttention-3's split), no dQ warpgroup
+# dkdvdq_kernel's consumers at head_dim 128: dQ split between them (FlashAttention-3's split), no dQ warpgroup
 # ------------------------------------------------------------------------------------------------
 @gluon.jit
 def _dq_split_issue(k0, k1, ds_smem, ds_ready, t, zero_q):
@@ -421,9 +421,9 @@ def _dkdv_dq_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.constexp
      N, start_n, num_tiles, qk_scale, sm_scale) = shared
     dq_smem, dq_desc = dqs[2], dqs[6]
     HALF: gl.constexpr = HEAD_DIM // 2
-    s_layout: gl.constexpr = _mma_layout(BLOCK_M, 4)   # Sᵀ, dPᵀ: 64 keys × BLOCK_M queries
-    d_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)  # dK, dV: 64 keys × HEAD_DIM
-    q_layout: gl.constexpr = _mma_layout(HALF, 4)      # dQ's columns: BLOCK_M queries × HEAD_DIM/2
+    s_layout: gl.constexpr = mma_layout(BLOCK_M, 4)   # Sᵀ, dPᵀ: 64 keys × BLOCK_M queries
+    d_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)  # dK, dV: 64 keys × HEAD_DIM
+    q_layout: gl.constexpr = mma_layout(HALF, 4)      # dQ's columns: BLOCK_M queries × HEAD_DIM/2
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)  # Pᵀ, dSᵀ in registers
     key0 = start_n + ME * TILE
     keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
@@ -466,8 +466,8 @@ def _persistent_dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, 
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty, ds_smem, ds_ready,
      ds_free, DK, DV, H, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
      N, qk_scale, sm_scale, WORK, first, count, n_kblocks) = shared
-    s_layout: gl.constexpr = _mma_layout(BLOCK_M, 4)
-    d_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)
+    s_layout: gl.constexpr = mma_layout(BLOCK_M, 4)
+    d_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
     MASKED_TILES: gl.constexpr = (TILE * (ME + 1) + BLOCK_M - 1) // BLOCK_M
     zero_s = gl.zeros([TILE, BLOCK_M], gl.float32, layout=s_layout)
@@ -509,9 +509,9 @@ def _persistent_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.const
      N, qk_scale, sm_scale, WORK, first, count, n_kblocks) = shared
     dq_smem, dq_desc, acc_rows_b, acc_rows_h, acc_cols_h = dqs[2], dqs[7], dqs[10], dqs[11], dqs[12]
     HALF: gl.constexpr = HEAD_DIM // 2
-    s_layout: gl.constexpr = _mma_layout(BLOCK_M, 4)
-    d_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)
-    q_layout: gl.constexpr = _mma_layout(HALF, 4)
+    s_layout: gl.constexpr = mma_layout(BLOCK_M, 4)
+    d_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)
+    q_layout: gl.constexpr = mma_layout(HALF, 4)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
     zero_s = gl.zeros([TILE, BLOCK_M], gl.float32, layout=s_layout)
     zero_q = gl.zeros([BLOCK_M, HALF], gl.float32, layout=q_layout)
@@ -544,12 +544,12 @@ def _persistent_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.const
 @gluon.jit
 def _persistent_dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
     """_dq_reducer over this program's items. The accumulator is one 2-D array (rows of one head's queries, see
-    _dkdvdq_persistent_kernel), so its descriptor is made once; a key block's last query tile may reach past its
+    dkdvdq_persistent_kernel), so its descriptor is made once; a key block's last query tile may reach past its
     head's N rows into the next head's or batch's first ones, where it adds exact zeros (queries past N have dS = 0; a
     non-finite K would make those rows NaN, as it does its own)."""
     (k_smem, ds_smem, dq_smem, kv_ready, kv_free, ds_ready, ds_free, dq_desc, N, H, acc_rows_b, acc_rows_h,
      acc_cols_h, sm_scale, WORK, first, count, n_kblocks) = dqs
-    dq_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)
+    dq_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)
     zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
     g = 0
     for i in range(count):
@@ -593,10 +593,10 @@ def _persistent_dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.const
                 mbarrier.wait(kv_ready.index(((i - 1) % KV_BUFS) * CONSUMERS + c), ((i - 1) // KV_BUFS) & 1)
             for t in range(gl.maximum(g - STAGES, 0), g):
                 mbarrier.wait(ready.index(t % STAGES), (t // STAGES) & 1)
-        k_desc = _head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, TILE, HEAD_DIM, kv_layout)
-        v_desc = _head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, TILE, HEAD_DIM, kv_layout)
-        q_desc = _head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, BLOCK_M, HEAD_DIM, qd_layout)
-        do_desc = _head_rows(DO, b, h, stride_dob, stride_doh, stride_don, N, BLOCK_M, HEAD_DIM, qd_layout)
+        k_desc = head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, TILE, HEAD_DIM, kv_layout)
+        v_desc = head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, TILE, HEAD_DIM, kv_layout)
+        q_desc = head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, BLOCK_M, HEAD_DIM, qd_layout)
+        do_desc = head_rows(DO, b, h, stride_dob, stride_doh, stride_don, N, BLOCK_M, HEAD_DIM, qd_layout)
         lse_desc = tma.make_tensor_descriptor(LSE + bh.to(gl.int64) * stride_lse, shape=[N], strides=[1],
                                               block_shape=[BLOCK_M], layout=row_layout)
         delta_desc = tma.make_tensor_descriptor(DELTA + bh.to(gl.int64) * stride_delta, shape=[N], strides=[1],
@@ -605,9 +605,9 @@ def _persistent_dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.const
         mbarrier.wait(kv_free.index(buf), ((i // KV_BUFS) & 1) ^ 1)  # item i − KV_BUFS's users are done with it
         for c in gl.static_range(CONSUMERS):
             mbarrier.expect(kv_ready.index(buf * CONSUMERS + c), kv_bytes)
-            _tma_load(k_desc, [start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
+            tma_load(k_desc, [start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
                       k_smem.index(buf * CONSUMERS + c))
-            _tma_load(v_desc, [start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
+            tma_load(v_desc, [start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
                       v_smem.index(buf * CONSUMERS + c))
         for t in range(num_tiles):
             gt = g + t
@@ -616,15 +616,15 @@ def _persistent_dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.const
             mbarrier.wait(empty.index(stage), ((gt // STAGES) & 1) ^ 1)
             bar = ready.index(stage)
             mbarrier.expect(bar, tile_bytes)
-            _tma_load(q_desc, [row, 0], bar, q_smem.index(stage))
-            _tma_load(do_desc, [row, 0], bar, do_smem.index(stage))
-            _tma_load(lse_desc, [row], bar, lse_smem.index(stage))
-            _tma_load(delta_desc, [row], bar, delta_smem.index(stage))
+            tma_load(q_desc, [row, 0], bar, q_smem.index(stage))
+            tma_load(do_desc, [row, 0], bar, do_smem.index(stage))
+            tma_load(lse_desc, [row], bar, lse_smem.index(stage))
+            tma_load(delta_desc, [row], bar, delta_smem.index(stage))
         g += num_tiles
 
 
 @gluon.jit
-def _dkdvdq_persistent_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
+def dkdvdq_persistent_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
                               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
                               stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
@@ -632,11 +632,11 @@ def _dkdvdq_persistent_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WOR
                               acc_cols_h, qk_scale, sm_scale,
                               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, REDUCER_REGS: gl.constexpr):
-    """_dkdvdq_kernel's work, program p taking items WORK[WORK_START[p] : WORK_START[p+1]] (item = bh · n_kblocks +
+    """dkdvdq_kernel's work, program p taking items WORK[WORK_START[p] : WORK_START[p+1]] (item = bh · n_kblocks +
     key block). DQ_ACC: fp32, one 2-D (acc_rows, acc_cols) array in which head h of batch b adds its query n into row
     b·acc_rows_b + h·acc_rows_h + n at columns h·acc_cols_h ...: (B·H·N, HEAD_DIM) with (H·N, N, 0) for (B, H, N, D)
     memory, (B·N, H·HEAD_DIM) with (N, 0, HEAD_DIM) for (B, N, H, D) rows (the model's layout). At head_dim 128 the
-    consumers compute dQ themselves, as in _dkdvdq_kernel, and K, V have one buffer (REDUCER_REGS unused)."""
+    consumers compute dQ themselves, as in dkdvdq_kernel, and K, V have one buffer (REDUCER_REGS unused)."""
     dtype: gl.constexpr = Q.dtype.element_ty
     SPLIT_DQ: gl.constexpr = HEAD_DIM > 64
     DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_DQ else HEAD_DIM  # columns per dQ reduce-add
@@ -721,8 +721,8 @@ def _dq_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.c
      O, DO, LSE, DELTA, DQ, b, h, bh, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
      stride_dqb, stride_dqh, stride_dqn, stride_lse, stride_delta, N, start_m, num_tiles, qk_scale, sm_scale) = shared
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = _mma_layout(BLOCK_N, 4)   # S, dP: 64 rows × BLOCK_N keys
-    d_layout: gl.constexpr = _mma_layout(HEAD_DIM, 4)  # dQ: 64 rows × HEAD_DIM
+    s_layout: gl.constexpr = mma_layout(BLOCK_N, 4)   # S, dP: 64 rows × BLOCK_N keys
+    d_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)  # dQ: 64 rows × HEAD_DIM
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)  # dS in registers
     io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # O and dO rows, for delta
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -792,18 +792,18 @@ def _dq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: g
     kv_bytes: gl.constexpr = 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
     for c in gl.static_range(CONSUMERS):
         mbarrier.expect(qdo_ready.index(c), qdo_bytes)
-        _tma_load(q_desc, [start_m + c * TILE, 0], qdo_ready.index(c), q_smem.index(c))
-        _tma_load(do_desc, [start_m + c * TILE, 0], qdo_ready.index(c), do_smem.index(c))
+        tma_load(q_desc, [start_m + c * TILE, 0], qdo_ready.index(c), q_smem.index(c))
+        tma_load(do_desc, [start_m + c * TILE, 0], qdo_ready.index(c), do_smem.index(c))
     for j in range(num_tiles):
         stage = j % STAGES
         mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)
         mbarrier.expect(kv_ready.index(stage), kv_bytes)
-        _tma_load(k_desc, [j * BLOCK_N, 0], kv_ready.index(stage), k_smem.index(stage))
-        _tma_load(v_desc, [j * BLOCK_N, 0], kv_ready.index(stage), v_smem.index(stage))
+        tma_load(k_desc, [j * BLOCK_N, 0], kv_ready.index(stage), k_smem.index(stage))
+        tma_load(v_desc, [j * BLOCK_N, 0], kv_ready.index(stage), v_smem.index(stage))
 
 
 @gluon.jit
-def _dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ,
+def dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ,
                stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
                stride_ob, stride_oh, stride_on, stride_dqb, stride_dqh, stride_dqn,
@@ -819,10 +819,10 @@ def _dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ,
     h = (bh % H).to(gl.int64)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    q_desc = _head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, TILE, HEAD_DIM, q_layout)
-    do_desc = _head_rows(DO, b, h, stride_dob, stride_doh, stride_don, N, TILE, HEAD_DIM, q_layout)
-    k_desc = _head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, BLOCK_N, HEAD_DIM, kv_layout)
-    v_desc = _head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, BLOCK_N, HEAD_DIM, kv_layout)
+    q_desc = head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, TILE, HEAD_DIM, q_layout)
+    do_desc = head_rows(DO, b, h, stride_dob, stride_doh, stride_don, N, TILE, HEAD_DIM, q_layout)
+    k_desc = head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, BLOCK_N, HEAD_DIM, kv_layout)
+    v_desc = head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, BLOCK_N, HEAD_DIM, kv_layout)
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, TILE, HEAD_DIM], q_layout)
     do_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, TILE, HEAD_DIM], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
@@ -862,8 +862,8 @@ def launch_dkdv_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, str
     with more registers each."""
     B, H, N, D = q.shape
     grid = (-(-N // (CONSUMERS.value * TILE.value)), B * H)
-    _dkdvdq_kernel[grid](q, k, v, do, lse, delta, dk, dv, dq_acc, *_strides3(q), *_strides3(k), *_strides3(v),
-                         *_strides3(do), *_strides3(dk), *_strides3(dv), *_strides3(dq_acc), stride_lse, stride_delta,
+    dkdvdq_kernel[grid](q, k, v, do, lse, delta, dk, dv, dq_acc, *strides3(q), *strides3(k), *strides3(v),
+                         *strides3(do), *strides3(dk), *strides3(dv), *strides3(dq_acc), stride_lse, stride_delta,
                          H, N, qk_scale, sm_scale, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
                          CONSUMER_REGS=SPLIT_CONSUMER_REGS if D > 64 else FUSED_CONSUMER_REGS,
                          PRODUCER_REGS=PRODUCER_REGS, REDUCER_REGS=REDUCER_REGS, num_warps=4)
@@ -879,7 +879,7 @@ def launch_dkdv_dq_persistent(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
                               delta: Tensor, stride_delta: int, dk: Tensor, dv: Tensor, dq_acc: Tensor, sm_scale: float,
                               qk_scale: float, block_m: int, stages: int, programs: int | None = None) -> None:
     """launch_dkdv_dq's contract with dq_acc dense in (B, H, N, D) or (B, N, H, D) memory, on one program per SM (or
-    `programs`) walking a schedule of (batch·head, 128-key block) items (persistent_schedule), an item costing its
+    `programs`) walking a schedule of (batch·head, 128-key block) items (schedule.py), an item costing its
     query tiles."""
     B, H, N, D = q.shape
     if dq_acc.is_contiguous():  # (B·H·N, D) rows
@@ -892,9 +892,9 @@ def launch_dkdv_dq_persistent(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
     n_kblocks = -(-N // keys)
     programs = min(programs or sm_count(q.device), B * H * n_kblocks)
     work, work_start = device_schedule(B * H, key_block_costs(N, keys, block_m), programs, q.device)
-    _dkdvdq_persistent_kernel[(programs,)](
-        q, k, v, do, lse, delta, dk, dv, dq_acc, work, work_start, *_strides3(q), *_strides3(k), *_strides3(v),
-        *_strides3(do), *_strides3(dk), *_strides3(dv), stride_lse, stride_delta, H, N, n_kblocks, *acc_shape,
+    dkdvdq_persistent_kernel[(programs,)](
+        q, k, v, do, lse, delta, dk, dv, dq_acc, work, work_start, *strides3(q), *strides3(k), *strides3(v),
+        *strides3(do), *strides3(dk), *strides3(dv), stride_lse, stride_delta, H, N, n_kblocks, *acc_shape,
         *acc_steps, qk_scale, sm_scale, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
         CONSUMER_REGS=SPLIT_CONSUMER_REGS if D > 64 else FUSED_CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, REDUCER_REGS=REDUCER_REGS, num_warps=4)
@@ -906,7 +906,7 @@ def launch_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
     delta = rowsum(dO ∘ O) into delta's rows (fp32, t + (b·H + h)·stride). block_n: keys per streamed tile."""
     B, H, N, D = q.shape
     grid = (-(-N // (CONSUMERS.value * TILE.value)), B * H)
-    _dq_kernel[grid](q, k, v, do, o, lse, delta, dq, *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do),
-                     *_strides3(o), *_strides3(dq), stride_lse, stride_delta, H, N, qk_scale, sm_scale,
+    dq_kernel[grid](q, k, v, do, o, lse, delta, dq, *strides3(q), *strides3(k), *strides3(v), *strides3(do),
+                     *strides3(o), *strides3(dq), stride_lse, stride_delta, H, N, qk_scale, sm_scale,
                      HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS[CONSUMERS.value],
                      PRODUCER_REGS=PRODUCER_REGS, num_warps=4)

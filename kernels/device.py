@@ -1,0 +1,39 @@
+"""Where the kernels run and what they ask of tensors: Triton's CPU interpreter or a GPU (its compute capability),
+16-byte alignment for TMA, the strides the launchers pass. A leaf without triton, so dispatch.py, launch.py,
+rotary.py and the Gluon launchers share one answer."""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch import Tensor
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (the tests off the GPU)
+
+
+@functools.lru_cache(maxsize=16)
+def capability(device: torch.device) -> tuple[int, int]:
+    """The GPU's compute capability, asked once per device (torch's query costs a few µs per launch)."""
+    return torch.cuda.get_device_capability(device)
+
+
+def strides3(t: Tensor) -> tuple[int, int, int]:
+    """A (B, H, N, D) tensor's batch, head and row strides (its last dimension is contiguous)."""
+    return t.stride()[:3]
+
+
+def tma_ready(*tensors: Tensor) -> bool:
+    """TMA needs 16-byte aligned bases and strides (but the last, contiguous dimension's): (B, H, N, D) tiles whose
+    head bases and rows are aligned, (B, H, N) LSE/delta whose head rows are. Views that break this take the pointer
+    path."""
+    for t in tensors:
+        size = t.element_size()
+        if t.data_ptr() % 16 or any(stride * size % 16 for stride in t.stride()[:-1]):
+            return False
+    return True
+
+
+def tma_scratch(size: int, alignment: int, stream: int | None) -> Tensor:
+    """Triton's scratch allocator for TMA descriptors made on the device (triton.set_allocator)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")

@@ -1,0 +1,433 @@
+"""The launchers: run the kernels of triton_kernels.py and gluon/ on tensors, with the plan dispatch.py gives (or the
+tiles a caller forces), and check what they are given. Public for ring attention (minigpt/ring_attention.py), which
+launches the forward and the backward's kernels one by one, into its own fp32 accumulators.
+
+    launch_forward                    (o, lse), fresh or continued over more keys (accumulate)
+    launch_backward                   (dq, dk, dv): the path the plan names
+      launch_backward_fused             the five-matmul backward (Gluon, sm_90)
+      launch_backward_via_ds            dS kept in memory, dQ = dS K from it
+      launch_backward_dq / _dkdv        the seven-matmul backward's two kernels (ring attention: one at a time)
+      launch_backward_delta             delta = rowsum(dO ∘ O), for launches one by one
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+from torch import Tensor
+
+from minigpt_kernels.device import INTERPRET, capability, strides3, tma_ready, tma_scratch
+from minigpt_kernels.dispatch import TileConfig, ds_head_elements, plan
+from minigpt_kernels.triton_kernels import (
+    LOG2E, bwd_delta_kernel, bwd_dkdv_kernel, bwd_dq_from_ds_kernel, bwd_dq_kernel, fwd_kernel)
+
+try:  # the warp-specialized kernels need triton's Gluon API for Hopper (3.6's or later); without it, Triton's alone
+    from minigpt_kernels.gluon import backward as gluon_backward
+    from minigpt_kernels.gluon import forward as gluon_forward
+except (ImportError, AttributeError):  # another triton's Gluon
+    gluon_backward = gluon_forward = None
+
+
+def _hopper_or_newer(t: Tensor) -> bool:
+    return INTERPRET or (t.is_cuda and capability(t.device)[0] >= 9)
+
+
+def _use_tma(cfg: TileConfig, *tensors: Tensor) -> bool:
+    """Whether this launch streams these tensors through TMA. Device-side descriptors need Triton's scratch
+    allocator; it is per thread (a ContextVar) and autograd runs the backward on its own thread, so it is set on
+    every launch."""
+    if not (cfg.tma and _hopper_or_newer(tensors[0]) and tma_ready(*tensors)):
+        return False
+    if not INTERPRET:
+        triton.set_allocator(tma_scratch)
+    return True
+
+
+def specialized_ready(q: Tensor, k: Tensor, v: Tensor, causal: bool, accumulate: bool = False,
+                      out: tuple[Tensor, Tensor] | None = None, also: tuple[Tensor, ...] = ()) -> bool:
+    """Whether the warp-specialized Gluon kernels can take these inputs: an sm_90 GPU (wgmma) with their Gluon API,
+    causal, fp16/bf16, head_dim 64 or 128, as many queries as keys, TMA-aligned q/k/v (and `also`, e.g. do), a fresh
+    result (no `accumulate`) and, for the forward's out=(o, lse), o in q's dtype and contiguous LSE rows."""
+    return (not INTERPRET and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in (64, 128)
+            and causal and not accumulate and q.shape == k.shape == v.shape
+            and (out is None or (out[0].dtype == q.dtype and out[1].is_contiguous()))
+            and capability(q.device) == (9, 0) and tma_ready(q, k, v, *also)
+            and all(t.stride(-1) == 1 for t in (q, k, v, *also))
+            and gluon_forward is not None)
+
+
+def _capability(t: Tensor) -> tuple[int, int] | None:
+    """The compute capability of t's GPU, None off the GPU: what plan asks of the device."""
+    return capability(t.device) if t.is_cuda else None
+
+
+_NOT_SPECIALIZED = ("flash_attention: the warp-specialized {} takes causal fp16/bf16 inputs with head_dim 64 or 128, "
+                    "TMA-aligned, on an sm_90 GPU, without accumulate (see specialized_ready)")
+
+
+def _reg_cap(cfg: TileConfig) -> dict[str, int]:
+    return {} if cfg.maxnreg is None or INTERPRET else {"maxnreg": cfg.maxnreg}
+
+
+def _needs_int64(n: int, *tensors: Tensor) -> bool:
+    """Whether a row offset (seq position × row stride) can pass 2³¹: then the kernels use int64 tile offsets.
+
+    Only then: int64 offsets cost 10-15% on an H200 at benchmark sizes (they hide alignment from the compiler).
+    """
+    return any(n * t.stride(2) >= 2**31 for t in tensors)
+
+
+def _in_layout_of(t: Tensor, flat: Tensor, heads: int) -> Tensor:
+    """flat (B·heads·N·D elements) viewed as (B, heads, N, D) in t's memory order (see empty_in_layout_of), so that
+    copying it into a head slice of a tensor laid out like t walks both in the same order."""
+    B, _, N, D = t.shape
+    if t.stride(1) < t.stride(2):
+        return flat.view(B, N, heads, D).transpose(1, 2)
+    return flat.view(B, heads, N, D)
+
+
+def empty_in_layout_of(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """An uninitialized (B, H, N, D) tensor (of t's dtype unless given) laid out in memory like t: as (B, N, H, D)
+    rows when t is a head-transposed view of a (B, N, ...) buffer (the model's q/k/v), so that the model's
+    transpose + reshape back to (B, N, H·D) is a free view; plain (B, H, N, D) otherwise."""
+    B, H, N, D = t.shape
+    dtype = t.dtype if dtype is None else dtype
+    if t.stride(1) < t.stride(2):  # heads vary faster than positions: rows of (H, D)
+        return torch.empty((B, N, H, D), dtype=dtype, device=t.device).transpose(1, 2)
+    return torch.empty((B, H, N, D), dtype=dtype, device=t.device)
+
+
+def _check_lengths(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
+    """The launchers take Nq query rows against Nk key rows; a causal mask is the diagonal of a square, so causal
+    launches need Nq == Nk. (flash_attention's own check, _check_inputs, keeps one shape for q, k, v.)"""
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3] or k.shape[2] < 1:
+        raise ValueError(f"flash_attention: q (B, H, Nq, D) and k, v (B, H, Nk, D) with Nk >= 1 expected, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError(f"flash_attention: causal attention needs as many queries as keys, got Nq={q.shape[2]}, "
+                         f"Nk={k.shape[2]} (different lengths only without the causal mask)")
+
+
+def _row_stride(t: Tensor) -> int | None:
+    """The distance between the (batch, head) rows of a (B, H, N) tensor that the kernels address as
+    t + (b·H + h)·stride + n (LSE, delta): a contiguous tensor or a slice of one along N. None if t is not such."""
+    B, H, N = t.shape
+    stride = t.stride(1) if H > 1 else t.stride(0)
+    if (N > 1 and t.stride(2) != 1) or (B > 1 and H > 1 and t.stride(0) != H * stride):
+        return None
+    return stride
+
+
+def _rows_in(t: Tensor) -> tuple[Tensor, int]:
+    """A (B, H, N) kernel input and its row stride; copied to contiguous memory only if its rows do not fit."""
+    stride = _row_stride(t)
+    if stride is None:
+        t = t.contiguous()
+        stride = _row_stride(t)
+    return t, stride
+
+
+def _rows_for_tma(t: Tensor, stride: int) -> tuple[Tensor, int]:
+    """(rows, stride) of a (B, H, N) fp32 input whose (b, h) rows must each start 16-byte aligned (a 1-D TMA
+    descriptor's base): t itself when they do, else a copy into rows padded to a multiple of 4 (B·H·N·4 bytes)."""
+    if tma_ready(t) and (stride * t.element_size()) % 16 == 0:
+        return t, stride
+    B, H, N = t.shape
+    padded = torch.empty((B, H, (N + 3) // 4 * 4), dtype=torch.float32, device=t.device)
+    padded[:, :, :N].copy_(t)
+    return padded, padded.stride(1)
+
+
+def _check_out(name: str, t: Tensor, shape: torch.Size | tuple[int, ...], accumulate: bool) -> None:
+    """An output buffer given by the caller: its shape, a contiguous last dimension, fp32 when accumulated into."""
+    if t.shape != shape or t.stride(-1) != 1 or (accumulate and t.dtype != torch.float32):
+        raise ValueError(f"flash_attention: out {name} must be {tuple(shape)}{', fp32,' if accumulate else ''} with a "
+                         f"contiguous last dimension, got {tuple(t.shape)} {t.dtype} with strides {t.stride()}")
+
+
+def _grad_outputs(out: tuple[Tensor, ...] | None, accumulate: bool, names: tuple[str, ...],
+                  likes: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """The backward launchers' output buffers: new ones laid out like their inputs, or the caller's `out`, checked
+    (accumulating needs one to add into)."""
+    if out is None:
+        if accumulate:
+            raise ValueError("flash_attention: accumulate=True adds into `out`; none given")
+        return tuple(empty_in_layout_of(t) for t in likes)
+    for name, t, like in zip(names, out, likes):
+        _check_out(name, t, like.shape, accumulate)
+    return tuple(out)
+
+
+def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float, cfg: TileConfig | None = None,
+                   out: tuple[Tensor, Tensor] | None = None, accumulate: bool = False) -> tuple[Tensor, Tensor]:
+    """Run the forward kernel: (o, lse) of the Nq rows of q against the Nk keys of k, v (Nq == Nk when causal).
+    `cfg` overrides the tile table (the benchmark's tile exploration).
+
+    out=(o, lse): write the result there instead of into new tensors: o (B, H, Nq, D), any dtype, any strides with
+    a contiguous last dimension; lse (B, H, Nq) fp32, a contiguous tensor or a slice of one along Nq.
+    accumulate=True: out holds, in fp32, the attention of these rows over other keys (o normalized, lse base 2; a
+    row with lse = -inf holds nothing yet, whatever its o) and is overwritten with the attention over both key
+    sets. Ring attention folds each arriving block into its running output this way, without a merge pass."""
+    _check_lengths(q, k, v, causal)
+    B, H, N_Q, D = q.shape
+    N_K = k.shape[2]
+    ready = specialized_ready(q, k, v, causal, accumulate, out)
+    if cfg is not None and cfg.specialized and not ready:
+        raise ValueError(_NOT_SPECIALIZED.format("forward"))
+    cfg = cfg or plan("fwd", D, N_Q, q.dtype, causal, capability=_capability(q), gluon_inputs=ready).tiles
+    if out is None:
+        if accumulate:
+            raise ValueError("flash_attention: accumulate=True continues the state in `out`; none given")
+        o, lse = empty_in_layout_of(q), torch.empty((B, H, N_Q), dtype=torch.float32, device=q.device)
+    else:
+        o, lse = out
+        _check_out("o", o, q.shape, accumulate)
+        if lse.shape != (B, H, N_Q) or lse.dtype != torch.float32 or _row_stride(lse) is None:
+            raise ValueError(f"flash_attention: out lse must be ({B}, {H}, {N_Q}) fp32 with contiguous rows, got "
+                             f"{tuple(lse.shape)} {lse.dtype} with strides {lse.stride()}")
+    if cfg.specialized:
+        triton.set_allocator(tma_scratch)  # its TMA descriptors are made on the device, like _use_tma's
+        launch = gluon_forward.launch_forward_persistent if cfg.persistent else gluon_forward.launch_forward_pingpong
+        launch(q, k, v, o, lse, sm_scale * LOG2E, cfg.block_m // 64, cfg.block_n, cfg.num_stages)
+        return o, lse
+    grid = (triton.cdiv(N_Q, cfg.block_m), B * H)
+    fwd_kernel[grid](q, k, v, o, lse, *strides3(q), *strides3(k), *strides3(v), *strides3(o), _row_stride(lse),
+                      H, N_Q, N_K, sm_scale * LOG2E, CAUSAL=causal, CONTINUE=accumulate, HEAD_DIM=D,
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v),
+                      TMA=_use_tma(cfg, k, v), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                      **_reg_cap(cfg))
+    return o, lse
+
+
+def launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, sm_scale: float,
+                    dkdv_cfg: TileConfig | None = None, dq_cfg: TileConfig | None = None,
+                    deterministic: bool = False, out: tuple[Tensor, Tensor, Tensor] | None = None,
+                    fp32_dq: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward: (dq, dk, dv). Where the table says so (long causal sequences at head_dim 64 or 128 on an
+    H100/H200), the five-matmul backward (launch_backward_fused), unless deterministic results are asked for (deterministic=True or
+    torch.use_deterministic_algorithms): its dQ is summed in a varying order. Short causal sequences at head_dim 128
+    on an H100/H200 (fp16/bf16, up to 1K tokens, its dS buffer at most VIA_DS_MAX_BYTES, no cfg given): the backward
+    that keeps dS in memory (launch_backward_via_ds; deterministic, so also in deterministic mode). Otherwise the
+    deterministic seven-matmul backward: the dQ kernel, then the dK/dV kernel (the cfgs override their tiles). The
+    dQ kernel also computes delta = rowsum(dO ∘ O) for its rows (it loads dO anyway) and leaves it for the dK/dV
+    kernel, which saves a pass over O and dO: 1–3% of the backward at 1K–4K and at 128K tokens (NOTES.md L).
+    out=(dq, dk, dv): write the gradients there (q's, k's, v's shapes, contiguous last dimensions) and return them;
+    fp32_dq: where the five-matmul backward runs, return its fp32 dQ accumulator in out's dq's stead (see
+    launch_backward_fused)."""
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    B, H, N = lse.shape
+    if out is not None:
+        _grad_outputs(out, False, ("dq", "dk", "dv"), (q, k, v))  # checked here, before either path runs
+    if dkdv_cfg is None and dq_cfg is None:  # the plan's path; else the seven-matmul backward with the tiles given
+        args = (q.shape[-1], N, q.dtype, causal)
+        options = dict(deterministic=deterministic or torch.are_deterministic_algorithms_enabled(),
+                       capability=_capability(q), batch_heads=B * H)
+        p = plan("bwd", *args, gluon_inputs=True, **options)  # the inputs are checked only where a Gluon kernel runs
+        if (p.path == "gluon" or p.dq_tiles.specialized) and not specialized_ready(q, k, v, causal, also=(do,)):
+            p = plan("bwd", *args, gluon_inputs=False, **options)
+        if p.path == "gluon":
+            return launch_backward_fused(do, q, k, v, o, lse, sm_scale, p.tiles, out=out, fp32_dq=fp32_dq)
+        if p.path == "via_ds":
+            return launch_backward_via_ds(do, q, k, v, o, lse, sm_scale, p.tiles, p.dq_tiles, out=out)
+        dkdv_cfg, dq_cfg = p.tiles, p.dq_tiles
+    # rows start 16-byte aligned whatever N, as TMA reads them
+    delta = torch.empty((B, H, (N + 3) // 4 * 4), dtype=torch.float32, device=lse.device)[:, :, :N]
+    dq = launch_backward_dq(do, q, k, v, lse, delta, causal, sm_scale, dq_cfg, o=o,
+                            out=None if out is None else out[0])
+    dk, dv = launch_backward_dkdv(do, q, k, v, lse, delta, causal, sm_scale, dkdv_cfg,
+                                  out=None if out is None else out[1:])
+    return dq, dk, dv
+
+
+# The five-matmul backward's fp32 dQ accumulator takes at most this many bytes, or one head's (B·N·D·4) where that is
+# more: inputs with more heads · tokens run it head group by head group (from 128K tokens one head alone fills an
+# H200), so its memory stays bounded by the larger of the two.
+FUSED_DQ_ACC_BYTES = 256 << 20
+
+
+def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, sm_scale: float,
+                          cfg: TileConfig | None = None, out: tuple[Tensor, Tensor, Tensor] | None = None,
+                          fp32_dq: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """The causal five-matmul backward (kernels/NOTES.md Q): (dq, dk, dv) in the memory layouts of q, k, v. A delta
+    kernel, then the dK/dV/dQ kernel of gluon/backward.py, which adds dQ into a zeroed fp32 accumulator
+    (a TMA reduce-add per query tile and block of 128 keys), then one cast into dq. No kernel recomputes QKᵀ and dO·Vᵀ
+    for dQ; dQ's summation order follows the programs' timing, so it can differ in the last bits between runs.
+    Needs inputs that fit the warp-specialized kernels (specialized_ready); at head_dim 128 the kernel splits dQ's
+    columns between its consumers. out=(dq, dk, dv): write the gradients there.
+    fp32_dq: return the fp32 accumulator (q's shape and memory order) as dq, without the cast, when it holds
+    every head at once (a caller that transforms dQ anyway, e.g. rotates it back, then rounds it only once);
+    otherwise dq as usual."""
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    B, H, N, D = q.shape
+    if not specialized_ready(q, k, v, True, also=(do,)):
+        raise ValueError("flash_attention: the warp-specialized dK/dV/dQ kernel takes causal fp16/bf16 inputs with "
+                         "head_dim 64 or 128, TMA-aligned, on an sm_90 GPU (see specialized_ready)")
+    if cfg is not None and not (cfg.specialized and cfg.block_m == 64 and cfg.block_n == 128 and cfg.num_stages >= 2):
+        raise ValueError(f"flash_attention: the dK/dV/dQ kernel runs 128 keys per program over 64-query tiles with at "
+                         f"least 2 stages (TileConfig(64, 128, 4, stages, specialized=True)), got {cfg}")
+    # the table's tiles for this length, or its first Gluon row's below the table's lengths
+    c = cfg or plan("bwd", D, N, q.dtype, True, capability=_capability(q), gluon_inputs=True, path="gluon").tiles
+    dq, dk, dv = _grad_outputs(out, False, ("dq", "dk", "dv"), (q, k, v))
+    group = max(1, min(H, FUSED_DQ_ACC_BYTES // (B * N * D * 4)))  # heads per launch
+    keep_acc = fp32_dq and group == H
+    acc = torch.empty(B * group * N * D, dtype=torch.float32, device=q.device)
+    triton.set_allocator(tma_scratch)
+    launch = gluon_backward.launch_dkdv_dq_persistent if c.persistent else gluon_backward.launch_dkdv_dq
+    for h0 in range(0, H, group):
+        hs = slice(h0, min(H, h0 + group))
+        dq_acc = _in_layout_of(q, acc[:B * (hs.stop - h0) * N * D], hs.stop - h0).zero_()
+        do_h, delta = launch_backward_delta(do[:, hs], o[:, hs], lse[:, hs])
+        (lse_h, stride_lse), (delta, stride_delta) = _rows_in(lse[:, hs]), _rows_in(delta)
+        (lse_h, stride_lse), (delta, stride_delta) = _rows_for_tma(lse_h, stride_lse), _rows_for_tma(delta, stride_delta)
+        launch(do_h, q[:, hs], k[:, hs], v[:, hs], lse_h, stride_lse, delta, stride_delta, dk[:, hs], dv[:, hs], dq_acc,
+               sm_scale, sm_scale * LOG2E, c.block_m, c.num_stages)
+        if keep_acc:
+            return dq_acc, dk, dv
+        dq[:, hs].copy_(dq_acc)
+    return dq, dk, dv
+
+
+# The backward's kernels are also launched one by one, with delta from a kernel of its own: ring attention runs a
+# block's dQ and dK/dV kernels at different times, to overlap different transfers, and has them add into its fp32
+# accumulators (`accumulate`).
+# lse and delta are those of the whole softmax row (the final o, lse), whatever part of its keys a launch sees.
+def launch_backward_delta(do: Tensor, o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """(do with a contiguous last dimension, delta = rowsum(dO ∘ O) as (B, H, N) fp32)."""
+    B, H, N, D = o.shape
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    delta = torch.empty_like(lse, memory_format=torch.contiguous_format)
+    bwd_delta_kernel[(triton.cdiv(N, 128), B * H)](o, do, delta, *strides3(o), *strides3(do), H, N,
+                                                    HEAD_DIM=D, BLOCK_M=128, num_warps=4)
+    return do, delta
+
+
+def launch_backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, causal: bool,
+                         sm_scale: float, cfg: TileConfig | None = None, out: tuple[Tensor, Tensor] | None = None,
+                         accumulate: bool = False, ds: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(dk, dv) of the Nk keys over the Nq queries (Nq == Nk when causal), in the memory layouts of k and v, or
+    written into out=(dk, dv) (k's shape, contiguous last dimension); accumulate=True adds them to what out holds
+    (fp32): ring attention's travelling dK/dV accumulator. ds (causal, square tiles): a flat buffer of
+    B·H·ds_head_elements(N, tile) elements in q's dtype that receives every dS tile (launch_backward_via_ds)."""
+    _check_lengths(q, k, v, causal)
+    B, H, N_Q, D = q.shape
+    N_K = k.shape[2]
+    dk, dv = _grad_outputs(out, accumulate, ("dk", "dv"), (k, v))
+    (lse, stride_lse), (delta, stride_delta) = _rows_in(lse), _rows_in(delta)
+    if cfg is not None and cfg.specialized:
+        raise ValueError("flash_attention: the warp-specialized dK/dV kernel computes dQ too: launch_backward_fused "
+                         "runs it")
+    c = cfg or plan("dkdv", D, N_Q, q.dtype, causal).tiles
+    if ds is not None and not (causal and c.block_m == c.block_n and ds.dtype == q.dtype and ds.is_contiguous()
+                               and ds.numel() == B * H * ds_head_elements(N_Q, c.block_m)
+                               and ds_head_elements(N_Q, c.block_m) < 2**31):  # offsets inside a head are int32
+        raise ValueError(f"flash_attention: ds takes causal launches with square tiles, a contiguous {q.dtype} buffer "
+                         f"of B·H·ds_head_elements(N, tile) elements, under 2³¹ per head; got {c} and {ds.numel()} "
+                         f"{ds.dtype}")
+    bwd_dkdv_kernel[(triton.cdiv(N_K, c.block_n), B * H)](
+        q, k, v, do, lse, delta, dk, dv,
+        dk if ds is None else ds,  # DS: any pointer when nothing is stored
+        *strides3(q), *strides3(k), *strides3(v), *strides3(do),
+        *strides3(dk), *strides3(dv), stride_lse, stride_delta, H, N_Q, N_K, sm_scale * LOG2E, sm_scale,
+        CAUSAL=causal, ACCUMULATE=accumulate, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+        INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v, do), TMA=_use_tma(c, q, do),
+        ROW_TMA=_use_tma(c, lse, delta), STORE_DS=ds is not None,
+        num_warps=c.num_warps, num_stages=c.num_stages, **_reg_cap(c))
+    return dk, dv
+
+
+@contextlib.contextmanager
+def _unfilled():
+    """torch.empty without the NaN fill that deterministic mode (torch.use_deterministic_algorithms) adds, for a buffer
+    the kernels write in full before reading it."""
+    was = torch.utils.deterministic.fill_uninitialized_memory
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = was
+
+
+def launch_backward_via_ds(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, sm_scale: float,
+                           cfg: TileConfig | None = None, dq_cfg: TileConfig | None = None,
+                           out: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The causal backward with dS kept in memory: (dq, dk, dv). The delta kernel; the dK/dV kernel, which also
+    writes each dS tile (q's dtype, as its own dK matmul rounds it) into a buffer of the lower triangle of tiles;
+    then dQ = scale · dS K from that buffer, one matmul per tile where the seven-matmul backward's dQ kernel does
+    three. Five matmuls, no atomics, deterministic; dK, dV are the dK/dV kernel's own, and dQ came out bitwise the
+    seven-matmul backward's in every shape measured on an H200 (NOTES.md AB; not guaranteed: other tiles, other
+    delta source). The buffer holds B·H·ds_head_elements(N, tile) elements (~B·H·N²/2; at 1K tokens and head_dim
+    128, 4.25× q's size), so the table takes this path only for short sequences (dispatch.plan).
+    cfg: the dK/dV kernel's tiles (square); dq_cfg: the dQ kernel's warps and stages (its tiles are cfg's)."""
+    _check_lengths(q, k, v, True)
+    B, H, N, D = q.shape
+    c = cfg or plan("dkdv", D, N, q.dtype, True).tiles
+    dc = dq_cfg or TileConfig(c.block_m, c.block_n, 4, 3)  # 4 warps, 3 stages: best of 2–4 stages, 4 or 8 warps
+    if c.block_m != c.block_n or (dc.block_m, dc.block_n) != (c.block_m, c.block_n):
+        raise ValueError(f"flash_attention: the dS path takes square tiles, the same for both kernels; got {c}, {dc}")
+    dq, dk, dv = _grad_outputs(out, False, ("dq", "dk", "dv"), (q, k, v))
+    do, delta = launch_backward_delta(do, o, lse)
+    with _unfilled():  # every element is written before it is read: no NaN fill in deterministic mode
+        ds = torch.empty(B * H * ds_head_elements(N, c.block_m), dtype=q.dtype, device=q.device)
+    launch_backward_dkdv(do, q, k, v, lse, delta, True, sm_scale, c, out=(dk, dv), ds=ds)
+    bwd_dq_from_ds_kernel[(triton.cdiv(N, c.block_m), B * H)](
+        ds, k, dq, *strides3(k), *strides3(dq), H, N, sm_scale, HEAD_DIM=D, BLOCK=c.block_m,
+        num_warps=dc.num_warps, num_stages=dc.num_stages)
+    return dq, dk, dv
+
+
+def launch_backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, causal: bool,
+                       sm_scale: float, cfg: TileConfig | None = None, out: Tensor | None = None,
+                       accumulate: bool = False, o: Tensor | None = None) -> Tensor:
+    """dq of the Nq queries over the Nk keys (Nq == Nk when causal), in the memory layout of q, or written into
+    `out` (q's shape, contiguous last dimension); accumulate=True adds it to what out holds (fp32).
+    o given (the forward's output): delta is computed here from o and do and written into `delta` (then an output,
+    (B, H, Nq) fp32) instead of read from it."""
+    _check_lengths(q, k, v, causal)
+    B, H, N_Q, D = q.shape
+    N_K = k.shape[2]
+    (dq,) = _grad_outputs(None if out is None else (out,), accumulate, ("dq",), (q,))
+    if o is not None and (o.shape != q.shape or o.stride(-1) != 1):
+        raise ValueError(f"flash_attention: o must have q's shape {tuple(q.shape)} and a contiguous last dimension, "
+                         f"got {tuple(o.shape)} with strides {o.stride()}")
+    if o is not None and (delta.shape != (B, H, N_Q) or delta.dtype != torch.float32 or _row_stride(delta) is None):
+        # written here: it must not be a copy made for reading
+        raise ValueError(f"flash_attention: delta to compute must be ({B}, {H}, {N_Q}) fp32 with contiguous rows, got "
+                         f"{tuple(delta.shape)} {delta.dtype} with strides {delta.stride()}")
+    (lse, stride_lse), (delta, stride_delta) = _rows_in(lse), _rows_in(delta)
+    # the warp-specialized dQ kernel computes delta from o (it has no path that reads it); the inputs are checked only
+    # where the table (or cfg) wants it
+    if cfg is not None and cfg.specialized and not (o is not None and cfg.block_m == 128
+                                                    and specialized_ready(q, k, v, causal, accumulate, also=(do,))):
+        raise ValueError(_NOT_SPECIALIZED.format("dQ kernel") + ", with o given; its block_m is 128")
+    c = cfg
+    if c is None:
+        c = plan("dq", D, N_Q, q.dtype, causal, capability=_capability(q), gluon_inputs=True).tiles
+        if c.specialized and not (o is not None and specialized_ready(q, k, v, causal, accumulate, also=(do,))):
+            c = plan("dq", D, N_Q, q.dtype, causal, capability=_capability(q), gluon_inputs=False).tiles
+    if c.specialized:
+        triton.set_allocator(tma_scratch)
+        gluon_backward.launch_dq(
+            do, q, k, v, o, lse, stride_lse, delta, stride_delta, dq, sm_scale, sm_scale * LOG2E, c.block_n,
+            c.num_stages)
+        return dq
+    bwd_dq_kernel[(triton.cdiv(N_Q, c.block_m), B * H)](
+        q, k, v, do, lse, delta, dq, o, *strides3(q), *strides3(k), *strides3(v), *strides3(do),
+        *strides3(dq), *(strides3(o) if o is not None else (0, 0, 0)), stride_lse, stride_delta,
+        H, N_Q, N_K, sm_scale * LOG2E, sm_scale,
+        CAUSAL=causal, ACCUMULATE=accumulate, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+        INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v, do), TMA=_use_tma(c, k, v), DELTA_FROM_O=o is not None,
+        num_warps=c.num_warps, num_stages=c.num_stages, **_reg_cap(c))
+    return dq
+
+
+
+
+def via_ds_chosen(q: Tensor, causal: bool) -> bool:
+    """Whether the table sends the backward of these inputs to launch_backward_via_ds (in deterministic mode too)."""
+    B, H, N, D = q.shape
+    return plan("bwd", D, N, q.dtype, causal, deterministic=True, capability=_capability(q), batch_heads=B * H,
+                path="auto").path == "via_ds"
