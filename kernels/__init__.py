@@ -12,11 +12,13 @@
     sm90_build.py          the Gluon kernels compiled for sm_90 without a GPU: do they build, how many instructions
     NOTES.md               what was measured, and why the table says what it says
 
-`import minigpt_kernels` does not import triton: flash_attention and flash_attention_with_lse load on first use, so
-the minigpt package imports where triton does not (macOS, Windows)."""
+`import minigpt_kernels` needs triton only where triton is installed: there the two public functions are bound at
+import (so `from minigpt_kernels import flash_attention` is the function whatever was imported first); without triton
+(macOS, Windows) the package still imports and the functions fail on first use with triton's ImportError."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 __all__ = ["flash_attention", "flash_attention_with_lse"]
 
@@ -29,3 +31,7 @@ def __getattr__(name: str):
         globals().update(flash_attention=face.flash_attention, flash_attention_with_lse=face.flash_attention_with_lse)
         return globals()[name]
     raise AttributeError(f"module 'minigpt_kernels' has no attribute {name!r}")
+
+
+if importlib.util.find_spec("triton") is not None:  # bind the functions now, before any import of the module by name
+    __getattr__("flash_attention")
