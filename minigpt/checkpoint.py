@@ -170,10 +170,10 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model: torch.nn.Module, opt
     """
     remove_stale_temps(ckpt_dir)
     path = _write(Path(ckpt_dir) / f"ckpt_{step:08d}.pt", _state(step, model, optimizer, config))
-    for old in list_checkpoints(ckpt_dir)[:-keep]:
-        if old.is_file():  # a directory with a checkpoint's name is not ours to delete
-            old.unlink(missing_ok=True)
-            _manifest(old).unlink(missing_ok=True)
+    saved = [p for p in list_checkpoints(ckpt_dir) if p.is_file()]  # a directory with such a name is not ours
+    for old in saved[:-keep]:
+        old.unlink(missing_ok=True)
+        _manifest(old).unlink(missing_ok=True)
     return path
 
 
