@@ -42,11 +42,11 @@ import torch
 
 from minigpt.config import ConfigError
 from minigpt.files import WriteError, atomic_write, atomic_write_text, remove_stale_temps
+from minigpt.summary import SUMMARY_FILE
 
 FORMAT = 2  # 1 (no "format" key): minigpt up to e668b53, RNG states pickled as numpy/Python objects
 _NAME = re.compile(r"^ckpt_(\d+)\.pt$")
 ARCHITECTURE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "rope_base")
-SUMMARY_FILE = "summary.json"  # minigpt/summary.py's; read here (JSON only) for the run's recorded checkpoint
 UPGRADE = "python -m minigpt.checkpoint upgrade {path} --trust"
 
 
@@ -291,13 +291,14 @@ def recorded_checkpoint(run_dir: str | Path | None) -> Path | None:
 
 
 def resume_candidates(ckpt_dir: str | Path, run_dir: str | Path | None) -> list[Path]:
-    """What resume=auto chooses from, oldest first: the checkpoints in ckpt_dir and the one the run recorded last
-    (which is elsewhere when an earlier attempt wrote to another ckpt_dir, e.g. before its disk filled up)."""
+    """What resume=auto chooses from, oldest first: the checkpoints in ckpt_dir, and the one the run recorded last
+    if it is newer than those (it is elsewhere when an earlier attempt wrote to another ckpt_dir, e.g. after its
+    disk filled up; a copied run directory's summary names the original's files, which are then not newer)."""
     found = list_checkpoints(ckpt_dir)
     recorded = recorded_checkpoint(run_dir)
-    if recorded is not None and all(recorded.resolve() != p.resolve() for p in found):
+    if recorded is not None and (not found or step_of(recorded) > step_of(found[-1])):
         found.append(recorded)
-    return sorted(found, key=step_of)  # stable: at equal steps, ckpt_dir's comes first, the recorded one last
+    return found
 
 
 def newest_intact(candidates: list[Path], warn: Callable[[str], None] | None = None) -> tuple[Path, CheckpointState]:
@@ -396,9 +397,8 @@ def upgrade(path: Path, say: Callable[[str], None] = print) -> bool:
         load_checkpoint(path)
         say(f"{path}: already in format {FORMAT} (loads with weights_only=True); nothing changed")
         return False
-    except UnsafeCheckpointError:
+    except UnsafeCheckpointError:  # verified against its manifest, and needs the unpickler that runs code
         pass
-    _verify(path)
     backup = path.with_name(path.name + ".bak")
     if backup.exists():
         raise CheckpointError(f"{backup} exists (an earlier upgrade's?); move it aside, then run the upgrade again")
@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("path", type=Path, help="a ckpt_*.pt, or a directory: each ckpt_*.pt in it")
     up.add_argument("--trust", action="store_true", help="I trust these files: load them with weights_only=False")
     args = p.parse_args(argv)
-    paths = list_checkpoints(args.path) if args.path.is_dir() else [args.path]
+    paths = [p for p in list_checkpoints(args.path) if p.is_file()] if args.path.is_dir() else [args.path]
     if not args.path.exists() or not paths:
         print(f"error: {args.path}: no checkpoint there (give a ckpt_*.pt or a directory of them)", file=sys.stderr)
         return 2
