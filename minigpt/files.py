@@ -1,15 +1,21 @@
 """Writing files so that a crash, a signal or a full disk never leaves half a file where a reader looks.
 
-`atomic_write` writes into a hidden temp file beside the target, flushes it to disk and renames it over the
-target in one step; on any failure the temp file is removed and the old target is left as it was. OS errors
-become a `WriteError` whose message says which file and why in words (disk full, permission denied).
+`atomic_write` writes into a hidden temp file beside the target (`.<name>.tmp-<host>-<pid>`), flushes it to
+disk and renames it over the target in one step; on any failure (an exception, a signal's KeyboardInterrupt) the
+temp file is removed and the old target is left as it was. OS errors become a `WriteError` whose message says
+which file and why in words (disk full, permission denied). Only SIGKILL or a power cut can leave a temp file
+behind; `remove_stale_temps` clears those of dead processes of this host when the next run starts or saves.
 """
 from __future__ import annotations
 
 import errno
 import os
+import re
+import socket
 from pathlib import Path
 from typing import BinaryIO, Callable
+
+_TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?:(?P<host>.+)-)?(?P<pid>\d+)$")  # host absent: written by an older minigpt
 
 
 class WriteError(RuntimeError):
@@ -30,7 +36,7 @@ def os_error_reason(e: OSError) -> str:
 def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> Path:
     """Call write(f) on a temp file beside `path`, fsync it, and rename it to `path`; all or nothing."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
@@ -44,6 +50,38 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> Path:
             raise WriteError(f"cannot write {path}: {os_error_reason(e)}") from e
         raise
     return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temps(directory: str | Path, say: Callable[[str], None] = print) -> list[Path]:
+    """Remove the temp files of atomic writes in `directory` whose writer is gone (a process of this host that no
+    longer runs, or this process, which is not writing while it calls this); says one line per file removed.
+
+    Temp files of other hosts (a shared file system) are left alone: their process cannot be checked from here.
+    """
+    directory, host, removed = Path(directory), socket.gethostname(), []
+    if not directory.is_dir():
+        return removed
+    for p in directory.iterdir():
+        m = _TEMP.match(p.name)
+        if not m or not p.is_file() or (m["host"] is not None and m["host"] != host):
+            continue
+        pid = int(m["pid"])
+        if pid != os.getpid() and _alive(pid):
+            continue
+        p.unlink(missing_ok=True)
+        removed.append(p)
+        say(f"removed {p}: the temporary file of a write of {m['name']} that never finished (process {pid} is gone)")
+    return removed
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:

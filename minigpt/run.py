@@ -25,10 +25,11 @@ from typing import Any
 
 import torch
 
-from minigpt.checkpoint import CheckpointError, list_checkpoints, step_of
+from minigpt.checkpoint import (CheckpointError, UnsafeCheckpointError, list_checkpoints, newest_intact,
+                                resume_candidates, step_of)
 from minigpt.config import ConfigError, TrainConfig
 from minigpt.data import DataError
-from minigpt.files import WriteError
+from minigpt.files import WriteError, remove_stale_temps
 from minigpt.loggers import Logger, MetricsHistory, NullLogger, build_logger
 from minigpt.metrics import git_commit, peak_memory_gib, versions
 from minigpt.parallel import AgreedStop, Parallel, TorchrunProcess
@@ -97,11 +98,21 @@ def claim_run_dir(cfg: TrainConfig) -> str | None:
             raise ConfigError(f"hydra.run.dir={cfg.run_dir}: holds another run's {SUMMARY_FILE}; choose a new "
                               f"hydra.run.dir, or continue that run with resume=auto")
         return None
-    newest = step_of(ckpts[-1]) if cfg.resume == "auto" and ckpts else None
-    if newest is not None and newest >= cfg.max_steps:
-        return (f"the run in {cfg.run_dir} already finished: its newest checkpoint is at step {newest} and "
-                f"max_steps={cfg.max_steps}; nothing changed (raise max_steps to train further)")
-    if cfg.resume == "auto" and not ckpts and summary_path.exists():
+    if cfg.resume != "auto":
+        return None
+    candidates = resume_candidates(cfg.ckpt_dir, run_dir)
+    done = [p for p in candidates if step_of(p) >= cfg.max_steps]
+    if done:  # finished only if one of these loads (not a damaged file or a directory with such a name)
+        try:
+            newest = step_of(newest_intact(done)[0])
+        except UnsafeCheckpointError:  # a ConfigError: refused with one line, exit code 2
+            raise
+        except CheckpointError:
+            newest = None  # build() falls back to an older one, with the warning
+        if newest is not None:
+            return (f"the run in {cfg.run_dir} already finished: its newest checkpoint is at step {newest} and "
+                    f"max_steps={cfg.max_steps}; nothing changed (raise max_steps to train further)")
+    if not candidates and summary_path.exists():
         try:
             earlier = RunSummary.read(summary_path)
         except ValueError:
@@ -189,6 +200,8 @@ def _run(cfg: TrainConfig, logger: Logger | None, config_dict: dict[str, Any] | 
 
     if parallel.is_main:
         keep_earlier_summary(Path(cfg.run_dir))
+        for directory in (cfg.run_dir, cfg.ckpt_dir):  # temp files of a killed run's writes
+            remove_stale_temps(directory)
     summary = new_summary(cfg)
     summary.world_size, summary.context_parallel = parallel.world, parallel.cp
     summary_path = summary.write(cfg.run_dir) if parallel.is_main else Path(cfg.run_dir) / SUMMARY_FILE

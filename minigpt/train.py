@@ -99,13 +99,15 @@ def build(cfg: TrainConfig, config_dict: dict[str, Any], summary: RunSummary, pa
 
     optimizer = make_optimizer(model, cfg, device)
     start = 0
-    found = find_and_load(cfg.resume, cfg.ckpt_dir)
+    found = find_and_load(cfg.resume, cfg.ckpt_dir, run_dir=cfg.run_dir)
     if found is not None:
         path, state = found
         start = restore(state, path, model, optimizer, config_dict.get("model", {}))
         summary.resumed_from = summary.checkpoint = str(path)
         summary.steps = start
-        print(f"resumed from {path} at step {start}")
+        elsewhere = cfg.resume == "auto" and Path(path).parent.resolve() != Path(cfg.ckpt_dir).resolve()
+        print(f"resumed from {path} at step {start}" + (f" (the run's last checkpoint, recorded in its summary; new "
+                                                         f"checkpoints go to ckpt_dir={cfg.ckpt_dir})" if elsewhere else ""))
     elif cfg.resume == "auto":
         print(f"resume=auto: no checkpoint in {cfg.ckpt_dir}, starting fresh")
     parallel.agree(start, "resume: the step of the checkpoint found")
@@ -149,13 +151,25 @@ def evaluate(t: Training) -> dict[str, float]:
     return out
 
 
+def check_finite(t: Training, step: int, summary: RunSummary) -> None:
+    """TrainingError if a parameter or optimizer state turned non-finite (a checkpoint of it could not be resumed
+    from). Every rank checks (their states are equal), so under torchrun all stop together."""
+    tensors = [p for p in t.model.parameters()] + [v for s in t.optimizer.state.values() for v in s.values()
+                                                   if torch.is_tensor(v) and v.is_floating_point()]
+    if tensors and not torch.stack([torch.isfinite(x).all() for x in tensors]).all().item():
+        kept = f"the last good checkpoint {summary.checkpoint} is kept" if summary.checkpoint else "no checkpoint was written"
+        raise TrainingError(f"non-finite parameters after step {step}: not saved, {kept}; try a lower lr or "
+                            f"dtype=float32")
+
+
 def save(t: Training, step: int, summary: RunSummary) -> Path:
     """A checkpoint at `step`; a failed write says what happened and that the previous one is intact."""
     try:
         path = save_checkpoint(t.cfg.ckpt_dir, step, t.model, t.optimizer, t.config_dict)
     except WriteError as e:
         kept = f"the previous checkpoint {summary.checkpoint} is intact" if summary.checkpoint else "no checkpoint was kept"
-        raise CheckpointError(f"{e}; {kept}; free space or set ckpt_dir=<elsewhere>, then resume=auto") from e
+        raise CheckpointError(f"{e}; {kept}; free space, or set ckpt_dir=<elsewhere>; then continue with resume=auto "
+                              f"hydra.run.dir={t.cfg.run_dir}") from e
     summary.checkpoint = str(path)
     return path
 
@@ -232,9 +246,10 @@ def train_loop(t: Training, logger: Logger, summary: RunSummary, stop_requested:
                 tqdm.write(f"step {done}: " + ", ".join(f"{k.split('/')[1]} {v:.4f}" for k, v in evals.items()), file=sys.stdout)
             logger.log(metrics, step=done)
             stopping = stop_requested()
-            if cfg.save_checkpoints and ((cfg.ckpt_every and done % cfg.ckpt_every == 0) or last or stopping) \
-                    and t.parallel.is_main:  # the full state is on every rank; rank 0 writes it
-                save(t, done, summary)
+            if cfg.save_checkpoints and ((cfg.ckpt_every and done % cfg.ckpt_every == 0) or last or stopping):
+                check_finite(t, done, summary)  # never a checkpoint that cannot be resumed from
+                if t.parallel.is_main:  # the full state is on every rank; rank 0 writes it
+                    save(t, done, summary)
             if stopping:
                 return
     finally:

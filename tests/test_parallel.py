@@ -18,6 +18,7 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import RecordingLogger
+from minigpt.checkpoint import load_checkpoint
 from minigpt.config import ConfigError, compose
 from minigpt.ring_attention import (RingFlashAttention, padded_len, ring_attention, zigzag_positions, zigzag_shard,
                                     zigzag_unshard)
@@ -89,7 +90,7 @@ def train_single(tmp: Path, *overrides: str) -> dict:
 
 def final_weights(tmp: Path) -> dict:
     newest = sorted((tmp / "run" / "checkpoints").glob("ckpt_*.pt"))[-1]
-    return torch.load(newest, weights_only=False)["model"]
+    return load_checkpoint(newest)["model"]
 
 
 def assert_same_weights(a: Path, b: Path) -> None:
