@@ -1,6 +1,6 @@
 """Benchmark attention kernels on the GPU: ours (flash) vs SDPA's backends (FA2, cuDNN, efficient) and naive.
 
-The same as `minigpt-bench` (logic in minigpt/experiments/bench.py). Examples:
+The same as `minigpt-bench` (logic in minigpt/benchmarks/bench.py). Examples:
     python scripts/bench_attention.py                       # full table -> results/attention_<GPU>.{json,md}
     python scripts/bench_attention.py --explore             # also time candidate tile configs of our kernels
     python scripts/bench_attention.py --explore-only --full --dtype float16 --shortlist   # re-check tiles elsewhere

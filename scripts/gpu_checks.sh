@@ -23,7 +23,7 @@ for step in "$@"; do
       minigpt-train $L seq_len=${LONG_SEQ:-1048576} max_steps=2 eval_batches=0 logger=none \
         save_checkpoints=false hydra.run.dir=runs/gpu_long_${LONG_SEQ:-1048576} > "$OUT/long.log" 2>&1; echo "long exit $?"
       grep -A14 "At the step" "$OUT/memory_1m/memory_profile.md"
-      python3 -m minigpt.experiments.training_table runs/gpu_long_* | tee "$OUT/long.md" ;;
+      python3 -m minigpt.benchmarks.training_table runs/gpu_long_* | tee "$OUT/long.md" ;;
     frontier) # the one-GPU frontier: 1- and 2-layer probes at 4M tokens, the 12-layer model derived (~14 min)
       minigpt-sweep --variants flash+levers+offload+keepattn --no-search --probe-seq-lens 4194304 --steps 1 \
         --trial-time-limit 1200 --out "${FRONTIER_OUT:-runs/probe4m}" > "$OUT/frontier.log" 2>&1; tail -4 "$OUT/frontier.log" ;;
@@ -38,7 +38,7 @@ for step in "$@"; do
         torchrun --standalone --nproc_per_node=$n -m minigpt $L parallel.context=$n seq_len=$len max_steps=2 eval_batches=0 \
           logger=none save_checkpoints=false hydra.run.dir=$dir > "$OUT/scale_n${n}_$len.log" 2>&1; echo "scale $n GPUs $len exit $?"
       done
-      python3 -m minigpt.experiments.training_table runs/gpu_scale_* | tee "$OUT/scaling.md" ;;
+      python3 -m minigpt.benchmarks.training_table runs/gpu_scale_* | tee "$OUT/scaling.md" ;;
     ring)    # ring attention against the single-GPU kernel, NGPU GPUs (set NCCL_NVLS_ENABLE=0 etc., ../shared/GPU.md)
       torchrun --standalone --nproc_per_node=${NGPU:-4} scripts/bench_ring.py --out "$OUT" > "$OUT/ring.log" 2>&1
       tail -10 "$OUT/ring.log" ;;
@@ -55,7 +55,7 @@ for step in "$@"; do
         minigpt-train attention=$1 seq_len=$2 batch_size=$3 compile=$4 max_steps=$5 eval_every=$5 logger=none \
           hydra.run.dir=$dir > "$OUT/train_$1_$2_c$4.log" 2>&1; echo "train $1 $2 compile=$4 exit $?"
       done
-      python3 -m minigpt.experiments.training_table runs/gpu_* | tee "$OUT/training.md"
+      python3 -m minigpt.benchmarks.training_table runs/gpu_* | tee "$OUT/training.md"
       tar czf "$OUT/train_runs.tgz" runs/gpu_*/summary.json runs/gpu_*/.hydra 2>/dev/null ;;
   esac
 done

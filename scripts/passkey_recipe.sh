@@ -23,7 +23,7 @@ for stage in "512 512 128 1500" "2k 2048 32 2500" "8k 8192 16 4000" "32k 32768 4
   prev=$dir
 done
 rc=0  # the curve and the grids all run; the script's code says whether one failed
-python3 -m minigpt.experiments.curves $(for s in $STAGES; do echo "$RUNS/$s"; done) --out "$RESULTS/passkey_curve" \
+python3 -m minigpt.sweep.curves $(for s in $STAGES; do echo "$RUNS/$s"; done) --out "$RESULTS/passkey_curve" \
   --metrics eval/passkey_acc eval/passkey_grid_acc eval/val_loss --title "small-6l passkey recipe (attention=flash)" || rc=1
 if [[ " $STAGES " == *" 8k "* ]]; then
   minigpt-eval-passkey --checkpoint "$RUNS/8k" --lengths 2048 4096 8192 16384 32768 --out "$RESULTS/grid_8k" --wandb || rc=1

@@ -17,7 +17,7 @@ except ImportError:
 @pytest.fixture
 def tiny_config(tmp_path):
     """A validated TrainConfig for a tiny CPU run writing into tmp_path."""
-    from minigpt.config import compose
+    from minigpt.compose import compose
 
     def make(*overrides: str):
         cfg = compose(["model=tiny", "seq_len=128", "batch_size=4", "max_steps=4", "eval_every=0", "eval_batches=1",

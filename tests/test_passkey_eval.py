@@ -16,8 +16,8 @@ from torch import nn
 from minigpt.attention import get_attention
 from minigpt.config import ModelConfig
 from minigpt.data import DataError, PasskeyData
-from minigpt.experiments.passkey_eval import FILES, accuracy_matrix, grid_table, main, write_outputs
-from minigpt.retrieval import cell_prompts, greedy_decode, passkey_grid
+from minigpt.eval.passkey_eval import FILES, accuracy_matrix, grid_table, main, write_outputs
+from minigpt.eval.retrieval import cell_prompts, greedy_decode, passkey_grid
 from minigpt.model import GPT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -157,7 +157,7 @@ def test_outputs_exist_and_say_what_was_measured(tmp_path):
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A 2-step tiny run (seq_len 128) and its checkpoint."""
-    from minigpt.config import compose
+    from minigpt.compose import compose
     from minigpt.run import run
 
     tmp = tmp_path_factory.mktemp("tiny")

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from minigpt.attention import BACKENDS, FlashAttention
-from minigpt.experiments.report import combine
-from minigpt.experiments.runner import SubprocessRunner, TrialStore
-from minigpt.experiments.search import LEVERS, Trial, best, derive_from_probes, search_max_seq_len, variant_overrides
-from minigpt.experiments.sweep import SweepConfig, build_parser, main, run_sweep, sweep_config
+from minigpt.sweep.report import combine
+from minigpt.sweep.runner import SubprocessRunner, TrialStore
+from minigpt.sweep.search import LEVERS, Trial, best, derive_from_probes, search_max_seq_len, variant_overrides
+from minigpt.sweep.sweep import SweepConfig, build_parser, main, run_sweep, sweep_config
 from minigpt.summary import RunSummary
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -320,7 +320,7 @@ def test_trial_command_under_torchrun(tmp_path):
 
 
 def test_a_torchrun_trial_takes_the_failed_worker_exit_code():
-    from minigpt.experiments.runner import worker_exit_code
+    from minigpt.sweep.runner import worker_exit_code
 
     report = ("Failures:\n[1]:\n  rank      : 0 (local_rank: 0)\n  exitcode  : -15 (pid: 7)\n"
               "Root Cause (first observed failure):\n[0]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : 3 (pid: 8)\n")
@@ -403,7 +403,7 @@ def test_cpu_only_supplies_defaults_for_what_is_not_given():
 
 
 def sweep_cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "minigpt.experiments.sweep", *args], cwd=cwd, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "minigpt.sweep.sweep", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=300)
 
 

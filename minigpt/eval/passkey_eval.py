@@ -3,7 +3,7 @@
     minigpt-eval-passkey --checkpoint outputs/<run>                    # its newest intact checkpoint
     minigpt-eval-passkey --checkpoint run/checkpoints/ckpt_00003000.pt --lengths 2048 4096 8192 16384 --wandb
 
-(or `python scripts/eval_passkey.py ...`). The grid itself (key placement, greedy decoding, exact match) is minigpt/retrieval.py; this module scores a
+(or `python scripts/eval_passkey.py ...`). The grid itself (key placement, greedy decoding, exact match) is minigpt/eval/retrieval.py; this module scores a
 checkpoint with it and writes the table, the heatmap and the W&B run.
 
 Outputs (--out, default `passkey/` beside the checkpoint's run): passkey_grid.json, passkey_grid.md,
@@ -28,7 +28,7 @@ from minigpt.checkpoint import CheckpointError, find_and_load, list_checkpoints
 from minigpt.config import AttentionConfig, ConfigError, ModelConfig
 from minigpt.data import DataError, PasskeyData
 from minigpt.files import WriteError, atomic_write_text, markdown_table
-from minigpt.retrieval import DEFAULT_DEPTHS, DEFAULT_KEYS_PER_CELL, passkey_grid
+from minigpt.eval.retrieval import DEFAULT_DEPTHS, DEFAULT_KEYS_PER_CELL, passkey_grid
 
 FILES = ("passkey_grid.json", "passkey_grid.md", "passkey_heatmap.png")
 

@@ -7,7 +7,7 @@
     minigpt-sweep --variants flash+levers --nproc 2 --context 2    # each trial under torchrun, sequence split over 2
     minigpt-sweep --combine results/sweeps/* --out results --name context_scaling_H200
 
-(or `python scripts/context_sweep.py ...`, `python -m minigpt.experiments.sweep ...`, from any directory.)
+(or `python scripts/context_sweep.py ...`, `python -m minigpt.sweep.sweep ...`, from any directory.)
 Variants are <backend>[+lever...] (`--help` lists both; levers=bf16ckpt+losschunk+mlpchunk, keepattn only
 with a backend that returns its log-sum-exp). Each trial is the trainer in a fresh process; its files are in
 --out/trials/<variant>-n<seq_len>/ (summary.json, trainer.log). An error trial (a bad setting, a crash) is
@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Callable
 
 from minigpt.attention import attention_names
-from minigpt.experiments.report import (by_variant, combine, derive_all, log_summary_to_wandb, only_errors, plot,
+from minigpt.sweep.report import (by_variant, combine, derive_all, log_summary_to_wandb, only_errors, plot,
                                         write_reports)
-from minigpt.experiments.runner import TRIALS_FILE, SubprocessRunner, TrialStore
-from minigpt.experiments.search import (LEVERS, Trial, TrialRunner, best, is_probe, probe_variant, search_max_seq_len,
+from minigpt.sweep.runner import TRIALS_FILE, SubprocessRunner, TrialStore
+from minigpt.sweep.search import (LEVERS, Trial, TrialRunner, best, is_probe, probe_variant, search_max_seq_len,
                                         variant_overrides)
 from minigpt.files import WriteError
 

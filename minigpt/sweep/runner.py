@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from minigpt.experiments.search import Trial, variant_overrides
+from minigpt.sweep.search import Trial, variant_overrides
 from minigpt.summary import SUMMARY_FILE, ExitCode, RunSummary
 
 TRAINER = (sys.executable, "-m", "minigpt")
