@@ -164,5 +164,13 @@ def bench_main(argv: list[str] | None = None) -> int:
     return main(argv)
 
 
+def bench_ring_main(argv: list[str] | None = None) -> int:
+    """`torchrun ... minigpt-bench-ring ...`: ring attention against our single-GPU kernel
+    (minigpt/benchmarks/ring_bench.py)."""
+    from minigpt.benchmarks.ring_bench import main
+
+    return main(argv)
+
+
 if __name__ == "__main__":
     sys.exit(train_main())

@@ -7,7 +7,7 @@ Results: passkey_grid.{json,md} and passkey_heatmap.png in --out (default: passk
 """
 import sys
 
-from minigpt.eval.passkey_eval import main
+from minigpt.cli import eval_passkey_main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(eval_passkey_main())

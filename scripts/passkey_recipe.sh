@@ -3,9 +3,10 @@
 # length, each resuming the previous stage's checkpoint on one cosine schedule; then the depth x length grid of
 # the 8K and the 32K checkpoints, and the training curve. A stage that finished is skipped, an interrupted one
 # continues (resume=auto), so the script can be run again after a stop.
-#   bash scripts/passkey_recipe.sh            # RUNS=runs/passkey RESULTS=results/passkey STAGES="512 2k 8k 32k"
+#   bash scripts/passkey_recipe.sh            # RUNS=runs/passkey RESULTS=runs/passkey/results STAGES="512 2k 8k 32k"
+#   RESULTS=results/passkey bash scripts/passkey_recipe.sh      # the same, publishing the curve and grids
 set -uo pipefail
-RUNS=${RUNS:-runs/passkey}; RESULTS=${RESULTS:-results/passkey}; STAGES=${STAGES:-"512 2k 8k 32k"}
+RUNS=${RUNS:-runs/passkey}; RESULTS=${RESULTS:-$RUNS/results}; STAGES=${STAGES:-"512 2k 8k 32k"}
 mkdir -p "$RUNS" "$RESULTS"
 A="+recipe=passkey"   # configs/recipe/passkey.yaml: small-6l, attention=flash, lr and schedule, passkey grid
 prev=""

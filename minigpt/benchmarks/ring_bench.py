@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=2048, help="heads = hidden / head_dim")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--out", type=Path, default=Path("results"))
+    p.add_argument("--out", type=Path, default=Path("runs/ring_bench"),
+                   help="output directory (default: runs/ring_bench, git-ignored; publish with --out results/...)")
     p.add_argument("--cpu", action="store_true", help="a tiny run on CPU (gloo, Triton's interpreter, fp32)")
     args = p.parse_args(argv)
     if "WORLD_SIZE" not in os.environ:

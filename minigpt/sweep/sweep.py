@@ -5,7 +5,7 @@
     minigpt-sweep --variants flash+levers --no-search --probe-seq-lens 2097152   # 2M derived from 1-/2-layer probes
     minigpt-sweep --cpu                                            # tiny model on CPU (smoke test)
     minigpt-sweep --variants flash+levers --nproc 2 --context 2    # each trial under torchrun, sequence split over 2
-    minigpt-sweep --combine results/sweeps/* --out results --name context_scaling_H200
+    minigpt-sweep --combine runs/sweeps/* --out results --name context_scaling_H200   # publish a combined table
 
 (or `python scripts/context_sweep.py ...`, `python -m minigpt.sweep.sweep ...`, from any directory.)
 Variants are <backend>[+lever...] (`--help` lists both; levers=bf16ckpt+losschunk+mlpchunk, keepattn only
@@ -13,7 +13,8 @@ with a backend that returns its log-sum-exp). Each trial is the trainer in a fre
 --out/trials/<variant>-n<seq_len>/ (summary.json, trainer.log). An error trial (a bad setting, a crash) is
 not a memory limit: it ends that variant's search and is listed under the table.
 
-Results go to --out: trials.jsonl (every trial, appended as it ends) and results.{json,csv,md} and *.png,
+Results go to --out (default runs/sweeps/<date>-<time>, git-ignored; publishing is an explicit --out results/...,
+and every path the sweep records is relative): trials.jsonl (every trial, appended as it ends) and results.{json,csv,md} and *.png,
 built from every trial in trials.jsonl (also of variants run there before). Re-running with the same --out
 resumes: ok and oom trials are reused, a timeout is reused unless --trial-time-limit grew, error trials
 run again.
@@ -212,8 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", nargs="+", type=variant_arg, default=None, metavar="VARIANT",
                    help=f"<backend>[+lever...]; backends: {', '.join(attention_names())}; levers: {', '.join(LEVERS)} "
                         f"(default: each backend eager and +compile; --cpu: naive sdpa)")
-    p.add_argument("--out", type=Path, metavar="DIR", default=Path("results/sweeps") / time.strftime("%Y%m%d-%H%M%S"),
-                   help="sweep directory (default: results/sweeps/<date>-<time>); an existing one resumes")
+    p.add_argument("--out", type=Path, metavar="DIR", default=Path("runs/sweeps") / time.strftime("%Y%m%d-%H%M%S"),
+                   help="sweep directory (default: runs/sweeps/<date>-<time>, git-ignored; publish with --out "
+                        "results/...); an existing one resumes")
     p.add_argument("--start", nargs="*", type=start_arg, default=[], metavar="VARIANT=N",
                    help="start seq_len of a variant")
     p.add_argument("--default-start", metavar="N", type=positive_int,
