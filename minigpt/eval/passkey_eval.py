@@ -296,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     result = passkey_grid(model, lengths, args.depths, args.keys_per_cell, device, dtype, args.seed, args.batch_size,
                           trained, progress=lambda c: print(f"length {c['length']:>8,} depth {c['depth']:.2f}: "
                                                             f"{100 * c['accuracy']:5.1f}%", flush=True))
-    result["run"] = {"checkpoint": os.path.relpath(path),  # relative: results name no machine paths "step": step, "model": model.cfg.name, "attention": attention,
+    # the checkpoint relative to the working directory: results name no machine paths
+    result["run"] = {"checkpoint": os.path.relpath(path), "step": step, "model": model.cfg.name, "attention": attention,
                      "device": device.type, "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
                      "date": dt.datetime.now().isoformat(timespec="seconds")}
     out = args.out or default_out(path)
