@@ -49,8 +49,9 @@ class Mesh:
             raise ConfigError(f"parallel.context={context}: must divide the number of processes ({world})")
         mesh = init_device_mesh(device_type, (world // context, context),
                                 mesh_dim_names=tuple(axis.value for axis in MeshAxis))
-        return cls(world=world, rank=dist.get_rank(), dp=world // context, dp_rank=mesh.get_local_rank(MeshAxis.DP.value),
-                   cp=context, cp_rank=mesh.get_local_rank(MeshAxis.CP.value), cp_group=mesh.get_group(MeshAxis.CP.value))
+        dp, cp = MeshAxis.DP.value, MeshAxis.CP.value
+        return cls(world=world, rank=dist.get_rank(), dp=world // context, dp_rank=mesh.get_local_rank(dp),
+                   cp=context, cp_rank=mesh.get_local_rank(cp), cp_group=mesh.get_group(cp))
 
     @property
     def active(self) -> bool:

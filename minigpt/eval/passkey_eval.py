@@ -3,11 +3,12 @@
     minigpt-eval-passkey --checkpoint outputs/<run>                    # its newest intact checkpoint
     minigpt-eval-passkey --checkpoint run/checkpoints/ckpt_00003000.pt --lengths 2048 4096 8192 16384 --wandb
 
-(or `python scripts/eval_passkey.py ...`). The grid itself (key placement, greedy decoding, exact match) is minigpt/eval/retrieval.py; this module scores a
-checkpoint with it and writes the table, the heatmap and the W&B run.
+(or `python scripts/eval_passkey.py ...`). The grid itself (key placement, greedy decoding, exact match) is
+minigpt/eval/retrieval.py; this module scores a checkpoint with it and writes the table, the heatmap and the W&B run.
 
-Outputs (--out, default `passkey/` beside the checkpoint's run): passkey_grid.json, passkey_grid.md,
-passkey_heatmap.png; with --wandb also a W&B run holding the grid as a Table and the heatmap.
+Outputs (--out, default `passkey/` in the checkpoint's run directory; publishing is an explicit --out results/...):
+passkey_grid.json (the checkpoint's path in it relative), passkey_grid.md, passkey_heatmap.png; with --wandb also a
+W&B run holding the grid as a Table and the heatmap.
 Exit codes: 0 done, 1 a missing or damaged checkpoint (or an unwritable --out), 2 bad arguments.
 """
 from __future__ import annotations
