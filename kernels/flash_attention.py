@@ -23,7 +23,6 @@ from minigpt_kernels.triton_kernels import LOG2E  # noqa: F401 (re-exported)
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_empty_in_layout_of = empty_in_layout_of  # the old name, until minigpt/ring_attention.py imports launch's
 
 
 def check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:

@@ -5,7 +5,8 @@ shape and dtype. The backends compute the same function and differ in memory and
 
 - naive: the textbook softmax(q kᵀ / √d) v, materializing the B·H·N·N scores (memory grows as N²).
 - sdpa:  torch.nn.functional.scaled_dot_product_attention, optionally pinned to one of PyTorch's kernels.
-- flash: minigpt's own Triton FlashAttention (kernels/, installed as `minigpt_kernels`), O(N) memory.
+- flash: minigpt's own Triton FlashAttention (kernels/, installed as `minigpt_kernels`), O(N) memory; needs Triton
+  (Linux), imported at first use, so the package imports and the other backends run without it.
 
 Each backend is one object: its name, its options, `unsupported(device, dtype, head_dim)` (config validation
 calls it, so a run that cannot work is refused before it starts) and, where it has them, a forward that also
@@ -153,8 +154,13 @@ class FlashAttention(AttentionBackend):
         return flash_attention(q, k, v, causal=causal, deterministic=self.deterministic)
 
     def unsupported(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-        from minigpt_kernels.flash_attention import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
-
+        try:
+            from minigpt_kernels.flash_attention import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+        except ImportError as e:
+            if (e.name or "").partition(".")[0] != "triton":
+                raise  # a broken install of our own, not a missing Triton
+            return ("needs Triton, which is not installed (Linux: pip install triton); without it use attention=sdpa "
+                    "or naive")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             return ("needs a CUDA GPU (a Triton kernel); on CPU use attention=sdpa or naive "
                     "(or set TRITON_INTERPRET=1 to run the kernel in Triton's slow interpreter)")

@@ -19,8 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-from minigpt.config import CONFIG_NAME, CPU_DEFAULTS, ConfigError, compose, config_dir, register_schema, to_train_config
-from minigpt.parallel import TorchrunProcess, env_rank
+from minigpt.compose import CONFIG_NAME, compose, config_dir, register_schema, to_train_config
+from minigpt.config import CPU_DEFAULTS, ConfigError
+from minigpt.distributed.process import TorchrunProcess, env_rank
 from minigpt.summary import ExitCode
 
 HYDRA_KEYS = ("hydra.", "+hydra.", "++hydra.")
@@ -136,29 +137,37 @@ def _train_main(argv: list[str] | None) -> int:
 
 
 def sweep_main(argv: list[str] | None = None) -> int:
-    """`minigpt-sweep ...`: the context-length sweep (minigpt/experiments/sweep.py)."""
-    from minigpt.experiments.sweep import main
+    """`minigpt-sweep ...`: the context-length sweep (minigpt/sweep/sweep.py)."""
+    from minigpt.sweep.sweep import main
 
     return main(argv)
 
 
 def eval_passkey_main(argv: list[str] | None = None) -> int:
-    """`minigpt-eval-passkey ...`: passkey accuracy by context length and key depth (minigpt/experiments/passkey_eval.py)."""
-    from minigpt.experiments.passkey_eval import main
+    """`minigpt-eval-passkey ...`: passkey accuracy by context length and key depth (minigpt/eval/passkey_eval.py)."""
+    from minigpt.eval.passkey_eval import main
 
     return main(argv)
 
 
 def memory_main(argv: list[str] | None = None) -> int:
-    """`minigpt-memory ...`: where a training step's GPU memory goes (minigpt/experiments/memory_profile.py)."""
-    from minigpt.experiments.memory_profile import main
+    """`minigpt-memory ...`: where a training step's GPU memory goes (minigpt/benchmarks/memory_profile.py)."""
+    from minigpt.benchmarks.memory_profile import main
 
     return main(argv)
 
 
 def bench_main(argv: list[str] | None = None) -> int:
-    """`minigpt-bench ...`: the attention benchmark (minigpt/experiments/bench.py)."""
-    from minigpt.experiments.bench import main
+    """`minigpt-bench ...`: the attention benchmark (minigpt/benchmarks/bench.py)."""
+    from minigpt.benchmarks.bench import main
+
+    return main(argv)
+
+
+def bench_ring_main(argv: list[str] | None = None) -> int:
+    """`torchrun ... minigpt-bench-ring ...`: ring attention against our single-GPU kernel
+    (minigpt/benchmarks/ring_bench.py)."""
+    from minigpt.benchmarks.ring_bench import main
 
     return main(argv)
 

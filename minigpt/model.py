@@ -7,7 +7,9 @@ the loss) live in minigpt/levers.py; here they are three calls, each a no-op whe
 """
 from __future__ import annotations
 
+import functools
 import math
+from types import ModuleType
 
 import torch
 import torch.nn as nn
@@ -17,7 +19,6 @@ from torch import Tensor
 from minigpt.attention import AttentionBackend, AttentionFn
 from minigpt.config import ModelConfig
 from minigpt.levers import BlockRecompute, chunked, chunked_sum
-from minigpt_kernels.rotary import qkv_rotary, rotary_fits
 
 
 class Rotary(nn.Module):
@@ -45,6 +46,17 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat(((x1 * cos - x2 * sin).to(x.dtype), (x1 * sin + x2 * cos).to(x.dtype)), dim=-1)
+
+
+@functools.cache
+def fused_rotary() -> ModuleType | None:
+    """kernels/rotary.py (qkv split + RoPE in one Triton pass), imported at the first GPU forward; None without
+    Triton, and the model keeps its PyTorch code."""
+    try:
+        from minigpt_kernels import rotary
+    except ImportError:
+        return None
+    return rotary
 
 
 class CausalSelfAttention(nn.Module):
@@ -84,8 +96,9 @@ class CausalSelfAttention(nn.Module):
         and layer). RoPE is applied in this layout so the caller's transposes are free strided views.
         On a GPU, eager runs do the split and RoPE in one Triton pass each way (kernels/rotary.py: a dozen
         elementwise passes fewer); compiled regions keep the PyTorch code, which Inductor fuses itself."""
-        if rotary_fits(qkv, cos, sin) and not torch.compiler.is_compiling():
-            return qkv_rotary(qkv, cos, sin)
+        fused = fused_rotary() if qkv.is_cuda and not torch.compiler.is_compiling() else None
+        if fused is not None and fused.rotary_fits(qkv, cos, sin):
+            return fused.qkv_rotary(qkv, cos, sin)
         q, k = apply_rotary(qkv[:, :, 0], cos, sin), apply_rotary(qkv[:, :, 1], cos, sin)
         return q, k, qkv[:, :, 2].contiguous()
 

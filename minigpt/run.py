@@ -32,7 +32,9 @@ from minigpt.data import DataError
 from minigpt.files import WriteError, remove_stale_temps
 from minigpt.loggers import Logger, MetricsHistory, NullLogger, build_logger
 from minigpt.metrics import git_commit, peak_memory_gib, versions
-from minigpt.parallel import AgreedStop, Parallel, TorchrunProcess
+from minigpt.distributed.mesh import Mesh
+from minigpt.distributed.process import TorchrunProcess
+from minigpt.distributed.reductions import max_int, on_main
 from minigpt.summary import SUMMARY_FILE, ExitCode, RunSummary
 from minigpt.train import TrainingError, build, train_loop
 
@@ -82,6 +84,20 @@ class StopSignals:
         if self.immediate:
             raise Interrupted(signum)
         print(f"\n{name}: finishing this step, then writing a checkpoint and summary.json", file=sys.stderr, flush=True)
+
+
+class AgreedStop:
+    """A stop request that every rank sees at the same step: each call all-reduces the signal numbers (max), so a
+    signal on any rank stops all of them after the same step. `signum` is the agreed signal, once there is one."""
+
+    def __init__(self, mesh: Mesh, signals: StopSignals):
+        self.mesh, self.signals, self.signum = mesh, signals, None
+
+    def __call__(self) -> bool:
+        agreed = max_int(self.mesh, self.signals.signum or 0)
+        if agreed:
+            self.signum = agreed
+        return bool(agreed)
 
 
 def claim_run_dir(cfg: TrainConfig) -> str | None:
@@ -180,42 +196,42 @@ def run(cfg: TrainConfig, logger: Logger | None = None, config_dict: dict[str, A
     rank 0 writes the files and the console lines, the other ranks print only their own errors.
     """
     with TorchrunProcess() as process:
-        parallel = Parallel.setup(cfg.parallel.context, cfg.seq_len, cfg.torch_device().type)
-        code = _run(cfg, logger, config_dict, parallel)
+        mesh = Mesh.setup(cfg.parallel.context, cfg.torch_device().type)
+        code = _run(cfg, logger, config_dict, mesh)
         process.ok = code == ExitCode.OK
         return code
 
 
-def _run(cfg: TrainConfig, logger: Logger | None, config_dict: dict[str, Any] | None, parallel: Parallel) -> int:
+def _run(cfg: TrainConfig, logger: Logger | None, config_dict: dict[str, Any] | None, mesh: Mesh) -> int:
     config_dict = config_dict if config_dict is not None else asdict(cfg)
     try:  # rank 0 looks at the directory and tells the others
-        finished = parallel.on_main(lambda: claim_run_dir(cfg))
+        finished = on_main(mesh, lambda: claim_run_dir(cfg))
     except ConfigError as e:  # nothing of this run exists yet, and the other run's files stay untouched
-        if parallel.is_main:
+        if mesh.is_main:
             print(f"error: {e}", file=sys.stderr)
         return ExitCode.BAD_SETTING
     if finished:
         print(finished)
         return ExitCode.OK
 
-    if parallel.is_main:
+    if mesh.is_main:
         keep_earlier_summary(Path(cfg.run_dir))
         for directory in (cfg.run_dir, cfg.ckpt_dir):  # temp files of a killed run's writes
             remove_stale_temps(directory)
     summary = new_summary(cfg)
-    summary.world_size, summary.context_parallel = parallel.world, parallel.cp
-    summary_path = summary.write(cfg.run_dir) if parallel.is_main else Path(cfg.run_dir) / SUMMARY_FILE
+    summary.world_size, summary.context_parallel = mesh.world, mesh.cp
+    summary_path = summary.write(cfg.run_dir) if mesh.is_main else Path(cfg.run_dir) / SUMMARY_FILE
     t_start = time.perf_counter()
     code, line = ExitCode.OK, ""
     with StopSignals() as stop:
-        stop_requested = AgreedStop(parallel, stop)  # under torchrun: a signal on any rank stops all at one step
+        stop_requested = AgreedStop(mesh, stop)  # under torchrun: a signal on any rank stops all at one step
         try:
-            logger = logger or (NullLogger() if not parallel.is_main else build_logger(
+            logger = logger or (NullLogger() if not mesh.is_main else build_logger(
                 cfg.logger, f"{cfg.attention.name}-{cfg.model.name}-n{cfg.seq_len}", cfg.run_dir, config_dict))
             summary.wandb = logger.location
-            if parallel.is_main:  # the curves also as metrics.jsonl in the run directory
+            if mesh.is_main:  # the curves also as metrics.jsonl in the run directory
                 logger = MetricsHistory(logger, cfg.run_dir)
-            training = build(cfg, config_dict, summary, parallel)
+            training = build(cfg, config_dict, summary, mesh)
             stop.immediate = False  # from here a signal ends the current step
             train_loop(training, logger, summary, stop_requested)
             signum = stop.signum or stop_requested.signum
@@ -232,7 +248,7 @@ def _run(cfg: TrainConfig, logger: Logger | None, config_dict: dict[str, Any] | 
         finally:
             stop.immediate = False
             summary.exit_code, summary.wall_time_s = int(code), time.perf_counter() - t_start
-            if parallel.is_main:
+            if mesh.is_main:
                 summary.write(cfg.run_dir)
             logger = logger or NullLogger()
             logger.log({"status/ok": float(summary.status == "ok"), "status/oom": float(summary.status == "oom")},
@@ -242,9 +258,9 @@ def _run(cfg: TrainConfig, logger: Logger | None, config_dict: dict[str, Any] | 
         (f", W&B {summary.wandb}" if summary.wandb else "")
     if code == ExitCode.OK:
         print(f"done: {summary.steps} steps; {where}")
-    elif not parallel.is_main:  # its own failure (a setting refused on every rank is rank 0's line)
+    elif not mesh.is_main:  # its own failure (a setting refused on every rank is rank 0's line)
         if summary.status != "interrupted" and code != ExitCode.BAD_SETTING:
-            print(f"error: rank {parallel.rank}: {line}", file=sys.stderr)
+            print(f"error: rank {mesh.rank}: {line}", file=sys.stderr)
     else:
         print(f"error: {line} ({where})" if summary.status != "interrupted" else f"{line} ({where})",
               file=sys.stderr)

@@ -22,13 +22,19 @@ from minigpt.attention import get_attention
 from minigpt.checkpoint import CheckpointError, find_and_load, restore, save_checkpoint
 from minigpt.config import ConfigError, TrainConfig
 from minigpt.data import PasskeyData, build_data
+from minigpt.distributed.data_parallel import TrainingForward
+from minigpt.distributed.mesh import Mesh
+from minigpt.distributed.reductions import agree, mean
+from minigpt.distributed.ring_attention import mesh_attention
+from minigpt.distributed.sharding import local_positions, shard_batch
+from minigpt.eval.global_batch import key_hits, mean_loss
+from minigpt.eval.retrieval import passkey_grid
 from minigpt.files import WriteError
 from minigpt.levers import HostMemory
 from minigpt.loggers import Logger
 from minigpt.metrics import device_name, peak_memory_gib, peak_tflops, reset_peak_memory, train_step_flops
 from minigpt.model import GPT
-from minigpt.retrieval import passkey_grid
-from minigpt.parallel import Parallel
+from minigpt.rank_stats import RankStats
 from minigpt.summary import RunSummary
 
 GRID_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)  # key depths of the passkey grid logged at each eval (passkey_grid=k)
@@ -76,13 +82,14 @@ class Training:
     tokens_per_step: int
     flops_per_step: float
     peak_tflops: float | None
-    parallel: Parallel = field(default_factory=Parallel)  # this process's ranks under torchrun (single by default)
+    forward: TrainingForward  # the loss to backpropagate (under torchrun: through DDP)
+    mesh: Mesh = field(default_factory=Mesh)  # this process's ranks under torchrun (single by default)
 
 
-def build(cfg: TrainConfig, config_dict: dict[str, Any], summary: RunSummary, parallel: Parallel | None = None
+def build(cfg: TrainConfig, config_dict: dict[str, Any], summary: RunSummary, mesh: Mesh | None = None
           ) -> Training:
     """Device, data, model, optimizer and the resumed state; records what it made in the summary."""
-    parallel = parallel or Parallel()
+    mesh = mesh or Mesh()
     device, dtype = cfg.torch_device(), cfg.compute_dtype()
     summary.device, summary.dtype = device_name(device), str(dtype).removeprefix("torch.")
     torch.manual_seed(cfg.seed)
@@ -91,7 +98,7 @@ def build(cfg: TrainConfig, config_dict: dict[str, Any], summary: RunSummary, pa
     vocab_size = cfg.model.vocab_size or data.vocab_size
     if data.vocab_size > vocab_size:
         raise ConfigError(f"model.vocab_size={vocab_size}: smaller than the tokenizer's {data.vocab_size}")
-    attention = parallel.attention(get_attention(cfg.attention.name, **cfg.attention.options()))  # ring under CP
+    attention = mesh_attention(mesh, get_attention(cfg.attention.name, **cfg.attention.options()))  # ring under CP
     model = GPT(cfg.model, vocab_size, attention).to(device)
     summary.n_params, summary.vocab_size = model.num_params(), vocab_size
     print(f"model {cfg.model.name}: {summary.n_params / 1e6:.2f}M parameters, attention={cfg.attention.name}, "
@@ -110,40 +117,42 @@ def build(cfg: TrainConfig, config_dict: dict[str, Any], summary: RunSummary, pa
                                                          f"checkpoints go to ckpt_dir={cfg.ckpt_dir})" if elsewhere else ""))
     elif cfg.resume == "auto":
         print(f"resume=auto: no checkpoint in {cfg.ckpt_dir}, starting fresh")
-    parallel.agree(start, "resume: the step of the checkpoint found")
+    agree(mesh, start, "resume: the step of the checkpoint found")
 
-    tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum * parallel.dp  # the global batch, all ranks together
+    tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum * mesh.dp  # the global batch, all ranks together
     flops = train_step_flops(summary.n_params, cfg.model.n_layer, cfg.model.n_head, cfg.model.head_dim,
-                             cfg.batch_size * cfg.grad_accum * parallel.dp, cfg.seq_len)
+                             cfg.batch_size * cfg.grad_accum * mesh.dp, cfg.seq_len)
     summary.compile = cfg.compile_enabled()
     if summary.compile:
         model.compile_regions()
-    parallel.wrap(model, cfg.batch_size * parallel.dp * cfg.seq_len, device)
+    forward = TrainingForward(model, mesh, local_positions(mesh, cfg.seq_len, device),
+                              cfg.batch_size * mesh.dp * cfg.seq_len, device)
     peak = peak_tflops(summary.device)
     return Training(cfg, config_dict, device, dtype, data, model, optimizer,
                     torch.amp.GradScaler(device.type, enabled=dtype == torch.float16), start, tokens, flops,
-                    peak * parallel.world if peak else None, parallel)
+                    peak * mesh.world if peak else None, forward, mesh)
 
 
 @torch.no_grad()
 def evaluate(t: Training) -> dict[str, float]:
     """Mean val loss over cfg.eval_batches fixed batches, and passkey retrieval accuracy if the data has a key."""
-    cfg, model, data, par = t.cfg, t.model, t.data, t.parallel
+    cfg, model, data, mesh = t.cfg, t.model, t.data, t.mesh
+    positions = local_positions(mesh, cfg.seq_len, t.device)
     model.eval()
     losses, hits, total = [], 0, 0
     for i in range(cfg.eval_batches):
-        x, y = (b.to(t.device) for b in par.batch(data, "val", i, cfg.batch_size))  # this rank's part under torchrun
+        x, y = (b.to(t.device) for b in shard_batch(mesh, data, "val", i, cfg.batch_size))  # this rank's part
         with torch.autocast(t.device.type, dtype=t.dtype, enabled=t.dtype != torch.float32):
-            h = model.hidden(x, par.positions(t.device))
-            losses.append(par.mean_loss(model, h, y))
+            h = model.hidden(x, positions)
+            losses.append(mean_loss(mesh, model, h, y))
             if data.answer is not None:  # all key digits must be the argmax predictions
-                batch_hits, batch_total = par.key_hits(model, h, y, data.answer)
+                batch_hits, batch_total = key_hits(mesh, model, h, y, data.answer, positions)
                 hits, total = hits + batch_hits, total + batch_total
     model.train()
     out = {"eval/val_loss": statistics.fmean(losses)}
     if total:
         out["eval/passkey_acc"] = hits / total
-    if cfg.passkey_grid and isinstance(data, PasskeyData) and par.cp == 1:  # the ring needs split sequences
+    if cfg.passkey_grid and isinstance(data, PasskeyData) and mesh.cp == 1:  # the ring needs split sequences
         grid = passkey_grid(model, [cfg.seq_len], GRID_DEPTHS, cfg.passkey_grid, t.device, t.dtype, cfg.seed,
                             cfg.batch_size, trained_length=cfg.seq_len)
         out["eval/passkey_grid_acc"] = grid["mean_accuracy"]
@@ -182,13 +191,13 @@ def train_step(t: Training, step: int) -> float:
     loss_sum = torch.zeros((), device=t.device)
     for micro in range(cfg.grad_accum):
         x, y = (b.to(t.device, non_blocking=True)
-                for b in t.parallel.batch(t.data, "train", step * cfg.grad_accum + micro, cfg.batch_size))
-        with t.parallel.no_sync(last=micro == cfg.grad_accum - 1):  # DDP: gradients all-reduced once per step
+                for b in shard_batch(t.mesh, t.data, "train", step * cfg.grad_accum + micro, cfg.batch_size))
+        with t.forward.no_sync(last=micro == cfg.grad_accum - 1):  # DDP: gradients all-reduced once per step
             with torch.autocast(t.device.type, dtype=t.dtype, enabled=t.dtype != torch.float32):
-                loss = t.parallel.loss(t.model, x, y) / cfg.grad_accum
+                loss = t.forward.loss(x, y) / cfg.grad_accum
             t.scaler.scale(loss).backward()
         loss_sum += loss.detach()
-    loss_value = t.parallel.mean(loss_sum).item()  # under torchrun: the mean over every rank's tokens
+    loss_value = mean(t.mesh, loss_sum).item()  # under torchrun: the mean over every rank's tokens
     if not math.isfinite(loss_value):
         raise TrainingError(f"non-finite loss ({loss_value}) at step {step}: stopped before the update; the last good "
                             f"checkpoint in {cfg.ckpt_dir} is kept; try a lower lr or dtype=float32")
@@ -205,7 +214,7 @@ def train_loop(t: Training, logger: Logger, summary: RunSummary, stop_requested:
     """Steps from t.start_step to max_steps; returns early (after a checkpoint) when a stop is requested."""
     cfg = t.cfg
     times: list[float] = []
-    ranks = t.parallel.rank_stats(t.tokens_per_step)  # under torchrun: every rank's speed and memory
+    ranks = RankStats(t.mesh, t.tokens_per_step)  # under torchrun: every rank's speed and memory
     bar = tqdm(range(t.start_step, cfg.max_steps), initial=t.start_step, total=cfg.max_steps, desc="train",
                dynamic_ncols=True, mininterval=1.0, file=sys.stdout)
     try:
@@ -248,7 +257,7 @@ def train_loop(t: Training, logger: Logger, summary: RunSummary, stop_requested:
             stopping = stop_requested()
             if cfg.save_checkpoints and ((cfg.ckpt_every and done % cfg.ckpt_every == 0) or last or stopping):
                 check_finite(t, done, summary)  # never a checkpoint that cannot be resumed from
-                if t.parallel.is_main:  # the full state is on every rank; rank 0 writes it
+                if t.mesh.is_main:  # the full state is on every rank; rank 0 writes it
                     save(t, done, summary)
             if stopping:
                 return

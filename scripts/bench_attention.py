@@ -1,7 +1,8 @@
 """Benchmark attention kernels on the GPU: ours (flash) vs SDPA's backends (FA2, cuDNN, efficient) and naive.
 
-The same as `minigpt-bench` (logic in minigpt/experiments/bench.py). Examples:
-    python scripts/bench_attention.py                       # full table -> results/attention_<GPU>.{json,md}
+The same as `minigpt-bench` (logic in minigpt/benchmarks/bench.py). Examples:
+    python scripts/bench_attention.py                       # full table -> runs/bench/attention_<GPU>.{json,md}
+    python scripts/bench_attention.py --out results         # the same, published
     python scripts/bench_attention.py --explore             # also time candidate tile configs of our kernels
     python scripts/bench_attention.py --explore-only --full --dtype float16 --shortlist   # re-check tiles elsewhere
     python scripts/bench_attention.py --seq 4096 --head-dim 128 --providers flash sdpa-flash

@@ -1,6 +1,6 @@
 """Find the longest context each attention backend can train at batch 1 (`--help` says how).
 
-The same command as `minigpt-sweep` and `python -m minigpt.experiments.sweep`; it runs from any directory.
+The same command as `minigpt-sweep` and `python -m minigpt.sweep.sweep`; it runs from any directory.
 """
 import sys
 

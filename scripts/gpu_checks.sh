@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (../shared/GPU.md): GPU tests, kernel benchmark, training runs, a 1M-token step.
-#   source scripts/gpu_env.sh; bash scripts/gpu_checks.sh tests|explore|tiles|bench|train|long|memory|frontier|compile|scaling|ring|probe4 ...
-# Logs and results go under $OUT (default ./gpu_out); the last lines printed are a short table.
+# Needs the project installed where this runs (pip install -e . or pip install .: the minigpt-* commands).
+#   bash scripts/gpu_checks.sh tests|explore|tiles|bench|train|long|memory|frontier|compile|scaling|ring|probe4 ...
+# Logs and results go under $OUT (default ./gpu_out, git-ignored), runs under runs/; the last lines printed are a
+# short table. Publishing into results/ is a separate, explicit step.
 set -uo pipefail
+export WANDB_MODE=${WANDB_MODE:-offline} PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 for step in "$@"; do
   case $step in
@@ -15,7 +18,7 @@ for step in "$@"; do
       done ;;
     long)    # one 1M-token training step of gpt2-small with every lever (the README's long-context recipe)
       minigpt-sweep --variants flash+levers+offload+keepattn --default-start 1048576 \
-        --max-seq-len 1048576 --steps 1 --out "${LONG_OUT:-results/sweeps/long}" > "$OUT/long.log" 2>&1
+        --max-seq-len 1048576 --steps 1 --out "${LONG_OUT:-runs/sweeps/long}" > "$OUT/long.log" 2>&1
       tail -6 "$OUT/long.log" ;;
     memory)  # where a 1M step's memory goes (eager profile), then the README's 1M recipe for real (2 steps, compiled)
       L="attention=flash batch_size=1 model.recompute_every=1 model.recompute_dtype=bfloat16 model.loss_chunk=4096 model.mlp_chunk=65536 model.offload=true model.keep_attention=true"
@@ -23,7 +26,7 @@ for step in "$@"; do
       minigpt-train $L seq_len=${LONG_SEQ:-1048576} max_steps=2 eval_batches=0 logger=none \
         save_checkpoints=false hydra.run.dir=runs/gpu_long_${LONG_SEQ:-1048576} > "$OUT/long.log" 2>&1; echo "long exit $?"
       grep -A14 "At the step" "$OUT/memory_1m/memory_profile.md"
-      python3 -m minigpt.experiments.training_table runs/gpu_long_* | tee "$OUT/long.md" ;;
+      python3 -m minigpt.benchmarks.training_table runs/gpu_long_* | tee "$OUT/long.md" ;;
     frontier) # the one-GPU frontier: 1- and 2-layer probes at 4M tokens, the 12-layer model derived (~14 min)
       minigpt-sweep --variants flash+levers+offload+keepattn --no-search --probe-seq-lens 4194304 --steps 1 \
         --trial-time-limit 1200 --out "${FRONTIER_OUT:-runs/probe4m}" > "$OUT/frontier.log" 2>&1; tail -4 "$OUT/frontier.log" ;;
@@ -38,14 +41,14 @@ for step in "$@"; do
         torchrun --standalone --nproc_per_node=$n -m minigpt $L parallel.context=$n seq_len=$len max_steps=2 eval_batches=0 \
           logger=none save_checkpoints=false hydra.run.dir=$dir > "$OUT/scale_n${n}_$len.log" 2>&1; echo "scale $n GPUs $len exit $?"
       done
-      python3 -m minigpt.experiments.training_table runs/gpu_scale_* | tee "$OUT/scaling.md" ;;
+      python3 -m minigpt.benchmarks.training_table runs/gpu_scale_* | tee "$OUT/scaling.md" ;;
     ring)    # ring attention against the single-GPU kernel, NGPU GPUs (set NCCL_NVLS_ENABLE=0 etc., ../shared/GPU.md)
       torchrun --standalone --nproc_per_node=${NGPU:-4} scripts/bench_ring.py --out "$OUT" > "$OUT/ring.log" 2>&1
       tail -10 "$OUT/ring.log" ;;
     probe4)  # 4M tokens over 4 GPUs (context 4) by the probe method: 1- and 2-layer models, 12 layers derived
       minigpt-sweep --variants flash+levers+offload+keepattn --no-search --probe-seq-lens 4194304 --steps 1 \
         --nproc 4 --context 4 --trial-time-limit 1200 --out runs/probe4m_x4 > "$OUT/probe4.log" 2>&1; tail -4 "$OUT/probe4.log" ;;
-    bench)   minigpt-bench --out results 2>&1 | tee "$OUT/bench.log" | tail -16; cp results/attention_* "$OUT/" ;;
+    bench)   minigpt-bench --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -16 ;;
     train)   # flash next to sdpa, eager and compiled, back to back in one job: "attention seq_len batch compile steps"
       SPECS=${TRAIN_SPECS:-"sdpa 8192 4 false 20;flash 8192 4 false 20;sdpa 8192 4 true 20;flash 8192 4 true 20;sdpa 32768 1 false 20;flash 32768 1 false 20;sdpa 32768 1 true 20;flash 32768 1 true 20;sdpa 131072 1 false 8;flash 131072 1 false 8;sdpa 131072 1 true 8;flash 131072 1 true 8"}
       IFS=';' read -ra specs <<< "$SPECS"
@@ -55,7 +58,7 @@ for step in "$@"; do
         minigpt-train attention=$1 seq_len=$2 batch_size=$3 compile=$4 max_steps=$5 eval_every=$5 logger=none \
           hydra.run.dir=$dir > "$OUT/train_$1_$2_c$4.log" 2>&1; echo "train $1 $2 compile=$4 exit $?"
       done
-      python3 -m minigpt.experiments.training_table runs/gpu_* | tee "$OUT/training.md"
+      python3 -m minigpt.benchmarks.training_table runs/gpu_* | tee "$OUT/training.md"
       tar czf "$OUT/train_runs.tgz" runs/gpu_*/summary.json runs/gpu_*/.hydra 2>/dev/null ;;
   esac
 done

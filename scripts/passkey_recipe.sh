@@ -3,9 +3,10 @@
 # length, each resuming the previous stage's checkpoint on one cosine schedule; then the depth x length grid of
 # the 8K and the 32K checkpoints, and the training curve. A stage that finished is skipped, an interrupted one
 # continues (resume=auto), so the script can be run again after a stop.
-#   bash scripts/passkey_recipe.sh            # RUNS=runs/passkey RESULTS=results/passkey STAGES="512 2k 8k 32k"
+#   bash scripts/passkey_recipe.sh            # RUNS=runs/passkey RESULTS=runs/passkey/results STAGES="512 2k 8k 32k"
+#   RESULTS=results/passkey bash scripts/passkey_recipe.sh      # the same, publishing the curve and grids
 set -uo pipefail
-RUNS=${RUNS:-runs/passkey}; RESULTS=${RESULTS:-results/passkey}; STAGES=${STAGES:-"512 2k 8k 32k"}
+RUNS=${RUNS:-runs/passkey}; RESULTS=${RESULTS:-$RUNS/results}; STAGES=${STAGES:-"512 2k 8k 32k"}
 mkdir -p "$RUNS" "$RESULTS"
 A="+recipe=passkey"   # configs/recipe/passkey.yaml: small-6l, attention=flash, lr and schedule, passkey grid
 prev=""
@@ -23,7 +24,7 @@ for stage in "512 512 128 1500" "2k 2048 32 2500" "8k 8192 16 4000" "32k 32768 4
   prev=$dir
 done
 rc=0  # the curve and the grids all run; the script's code says whether one failed
-python3 -m minigpt.experiments.curves $(for s in $STAGES; do echo "$RUNS/$s"; done) --out "$RESULTS/passkey_curve" \
+python3 -m minigpt.sweep.curves $(for s in $STAGES; do echo "$RUNS/$s"; done) --out "$RESULTS/passkey_curve" \
   --metrics eval/passkey_acc eval/passkey_grid_acc eval/val_loss --title "small-6l passkey recipe (attention=flash)" || rc=1
 if [[ " $STAGES " == *" 8k "* ]]; then
   minigpt-eval-passkey --checkpoint "$RUNS/8k" --lengths 2048 4096 8192 16384 32768 --out "$RESULTS/grid_8k" --wandb || rc=1

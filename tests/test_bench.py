@@ -3,7 +3,7 @@ import itertools
 
 import torch
 
-from minigpt.experiments import bench
+from minigpt.benchmarks import bench
 
 
 def test_each_row_keeps_its_fastest_pass(monkeypatch):

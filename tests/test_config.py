@@ -5,7 +5,8 @@ import sys
 import pytest
 
 from conftest import ROOT
-from minigpt.config import ConfigError, compose
+from minigpt.compose import compose
+from minigpt.config import ConfigError
 
 
 def test_defaults_compose_to_gpt2_small_sdpa_passkey():

@@ -3,7 +3,7 @@ import json
 from pathlib import Path
 
 from conftest import RecordingLogger
-from minigpt.experiments.curves import main as curves_main
+from minigpt.sweep.curves import main as curves_main
 from minigpt.loggers import read_history
 from minigpt.run import run
 

@@ -390,7 +390,7 @@ def test_memory_linear_in_seq_at_128k():
 
 def _train_losses(tmp_path, attention, *extra, logger=None):
     from conftest import RecordingLogger
-    from minigpt.config import compose
+    from minigpt.compose import compose
     from minigpt.run import run
 
     cfg = compose([f"attention={attention}", "model=gpt2-small", "seq_len=1024", "batch_size=4", "max_steps=20",

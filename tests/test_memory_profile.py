@@ -1,7 +1,7 @@
 """The memory profile's replay of an allocator trace (CPU: synthetic traces; recording itself needs a GPU)."""
 import pytest
 
-from minigpt.experiments.memory_profile import describe, group_live, replay_peak, report_table
+from minigpt.benchmarks.memory_profile import describe, group_live, replay_peak, report_table
 
 OURS = {"filename": "/x/site-packages/minigpt/levers.py", "line": 118, "name": "backward"}
 MODEL = {"filename": "/x/minigpt/model.py", "line": 40, "name": "apply_rotary"}
@@ -39,7 +39,7 @@ def test_describe_names_our_frame_and_the_torch_op():
 
 
 def test_our_frame_finds_the_innermost_minigpt_caller():
-    from minigpt.experiments.memory_profile import our_frame
+    from minigpt.benchmarks.memory_profile import our_frame
     from minigpt.levers import chunked
 
     seen = []

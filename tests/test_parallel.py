@@ -1,51 +1,29 @@
 """Data and context parallelism on CPU: 2 and 4 processes on gloo, the flash kernel in Triton's interpreter (fp32).
 
-Processes are started the way torchrun starts them (its environment variables, then `run`), with
-torch.multiprocessing.spawn, or through torchrun itself for the command line. Tolerances: the ring's partial
-softmaxes are merged in another order than the single kernel sums them, so fp32 results agree to rounding
-(attention to 1e-5 of a float64 reference; losses after a few AdamW steps to a relative 1e-5).
+Processes are started the way torchrun starts them (its environment variables, then `run`; processes.py), or
+through torchrun itself for the command line. Ring attention on its own: test_ring_attention.py. Tolerance:
+losses after a few AdamW steps agree with one process to a relative 1e-5 (the ring merges partial softmaxes
+in another order than the single kernel sums them).
 """
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from conftest import RecordingLogger
 from minigpt.checkpoint import load_checkpoint
-from minigpt.config import ConfigError, compose
-from minigpt.ring_attention import (RingFlashAttention, padded_len, ring_attention, zigzag_positions, zigzag_shard,
-                                    zigzag_unshard)
+from minigpt.compose import compose
+from minigpt.config import ConfigError
 from minigpt.run import run
 from minigpt.summary import RunSummary
+from processes import launch
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-# ------------------------------------------------------------------------------------------------
-# Starting processes as torchrun does
-# ------------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, world, port, target, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    target(rank, *args)
-
-
-def launch(world: int, target, *args) -> None:
-    """target(rank, *args) in `world` fresh processes with torchrun's environment (a failure in one raises here)."""
-    mp.spawn(_entry, args=(world, _free_port(), target, args), nprocs=world)
 
 
 def tiny(tmp: Path, *overrides: str):
@@ -104,105 +82,7 @@ def assert_same_weights(a: Path, b: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# 1. Ring attention equals attention over the whole sequence
-# ------------------------------------------------------------------------------------------------
-def reference_attention(q, k, v):
-    """Causal softmax(q kᵀ/√d) v in float64, and its base-2 row log-sum-exp."""
-    q, k, v = q.double(), k.double(), v.double()
-    s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-    n = q.shape[2]
-    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    return s.softmax(-1) @ v, torch.logsumexp(s, -1) / torch.log(torch.tensor(2.0, dtype=torch.float64))
-
-
-def _ring_worker(rank, n, out):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    world = dist.get_world_size()
-    torch.manual_seed(0)
-    B, H, D = 1, 2, 16
-    q, k, v, do = (torch.randn(B, n, H, D) for _ in range(4))  # the model's (B, N, H, D) layout
-    shard = [zigzag_shard(t, world, rank, dim=1).requires_grad_() for t in (q, k, v)]
-    o = ring_attention(*(t.transpose(1, 2) for t in shard), group=None)  # (B, H, N_local, D) views, as in the model
-    o.transpose(1, 2).backward(zigzag_shard(do, world, rank, dim=1))
-    # kept attention: forward_with_lse, then the saved forward made differentiable; and every accumulator hop
-    # waited for at once (as for long shards), where above each one overlapped the next block's compute
-    import minigpt.ring_attention as ring_module
-    ring_module.SERIAL_HOP_BYTES = 0
-    kept = [t.detach().clone().requires_grad_() for t in shard]
-    backend = RingFlashAttention(None)
-    o2, lse = backend.forward_with_lse(*(t.transpose(1, 2) for t in kept))
-    backend.attend_saved(*(t.transpose(1, 2) for t in kept), o2, lse).transpose(1, 2).backward(
-        zigzag_shard(do, world, rank, dim=1))
-    gathered = [None] * world
-    dist.all_gather_object(gathered, {"o": o.transpose(1, 2).detach(), "dq": shard[0].grad, "dk": shard[1].grad,
-                                      "dv": shard[2].grad, "lse": lse.transpose(1, 2), "o_kept": o2.transpose(1, 2),
-                                      "dq_kept": kept[0].grad, "dk_kept": kept[1].grad, "dv_kept": kept[2].grad})
-    if rank == 0:
-        torch.save({"q": q, "k": k, "v": v, "do": do, "ranks": gathered}, out)
-    dist.destroy_process_group()
-
-
-@pytest.mark.parametrize("world,n", [(2, 64), (4, 60)])  # 60: not 8 equal chunks, padded at the end to 64
-def test_ring_attention_equals_whole_sequence_attention(world, n, tmp_path):
-    out = tmp_path / "ring.pt"
-    launch(world, _ring_worker, n, str(out))
-    got = torch.load(out, weights_only=False)
-    q, k, v = (got[name].transpose(1, 2).double().requires_grad_() for name in ("q", "k", "v"))
-    o_ref, lse_ref = reference_attention(q, k, v)
-    o_ref.backward(got["do"].transpose(1, 2).double())
-    expected = {"o": o_ref, "dq": q.grad, "dk": k.grad, "dv": v.grad, "lse": lse_ref}
-
-    def full(name):  # every rank's shard put back in sequence order, as (B, H, N, D)
-        return zigzag_unshard([r[name] for r in got["ranks"]], dim=1, n=n).transpose(1, 2).double()
-
-    for name in ("o", "dq", "dk", "dv", "lse"):
-        torch.testing.assert_close(full(name), expected[name], rtol=1e-5, atol=2e-6, msg=name)
-    for name in ("o", "dq", "dk", "dv"):  # kept attention: the same, without rerunning the ring forward
-        torch.testing.assert_close(full(f"{name}_kept"), expected[name], rtol=1e-5, atol=2e-6, msg=name)
-
-
-def test_zigzag_layout():
-    # 2 ranks, 8 tokens: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
-    assert zigzag_positions(8, 2, 0).tolist() == [0, 1, 6, 7] and zigzag_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
-    x = torch.arange(32).view(1, 32)
-    shards = [zigzag_shard(x, 3, r, dim=1, pad=-1) for r in range(3)]  # padded to 36 = 6 chunks of 6
-    assert padded_len(32, 3) == 36 and shards[0][0, -6:].tolist() == [30, 31, -1, -1, -1, -1]
-    assert torch.equal(zigzag_unshard(shards, dim=1, n=32), x)
-    with pytest.raises(ValueError, match="does not split into"):
-        zigzag_positions(30, 4, 0)
-    q = torch.zeros(1, 2, 7, 16)
-    with pytest.raises(ValueError, match="two chunks"):
-        ring_attention(q, q, q, group=None)
-
-
-
-def test_a_recomputed_blocks_k_and_v_travel_the_ring_without_a_copy(tiny_config):
-    """The block recompute makes k and v the halves of one buffer; the ring sends that buffer as it is."""
-    from minigpt.attention import get_attention
-    from minigpt.levers import _BlockPieces
-    from minigpt.model import GPT
-    from minigpt.ring_attention import _stack_kv
-
-    cfg = tiny_config().model
-    model = GPT(cfg, 256, get_attention("sdpa"))
-    x = torch.randn(2, 40, cfg.n_embd).to(torch.bfloat16)
-    cos, sin = model.rotary(40)
-    pieces = _BlockPieces(model.blocks[0], cos, sin, 16, torch.float32, x.device, None)
-    with torch.no_grad():
-        q, k, v = pieces.heads(x)
-        ref = model.blocks[0].attn.heads(model.blocks[0].ln_1(x.float()), cos, sin)
-    for got, want in zip((q, k, v), ref):
-        torch.testing.assert_close(got, want)
-    k, v = k.requires_grad_(), v.requires_grad_()  # as the recompute's backward makes them
-    message = _stack_kv(k.transpose(1, 2), v.transpose(1, 2))
-    assert message.data_ptr() == k.data_ptr() and message[1].data_ptr() == v.data_ptr()
-    separate = _stack_kv(k.detach().clone().transpose(1, 2), v.detach().clone().transpose(1, 2))
-    assert separate.data_ptr() != k.data_ptr() and torch.equal(separate, message)
-
-# ------------------------------------------------------------------------------------------------
-# 2-3. Training under context and data parallelism equals one process
+# 1-2. Training under context and data parallelism equals one process
 # ------------------------------------------------------------------------------------------------
 def test_context_parallel_training_equals_one_process(tmp_path):
     """2 ranks split each 126-token sequence (padded to 128), with recompute + kept attention + chunked MLP and
@@ -264,7 +144,7 @@ def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# 4. The command line under torchrun, and the settings it refuses
+# 3. The command line under torchrun, and the settings it refuses
 # ------------------------------------------------------------------------------------------------
 def torchrun(cwd: Path, nproc: int, *overrides: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "TRITON_INTERPRET": "1", "WANDB_MODE": "disabled"}

@@ -16,8 +16,8 @@ from torch import nn
 from minigpt.attention import get_attention
 from minigpt.config import ModelConfig
 from minigpt.data import DataError, PasskeyData
-from minigpt.experiments.passkey_eval import FILES, accuracy_matrix, grid_table, main, write_outputs
-from minigpt.retrieval import cell_prompts, greedy_decode, passkey_grid
+from minigpt.eval.passkey_eval import FILES, accuracy_matrix, grid_table, main, write_outputs
+from minigpt.eval.retrieval import cell_prompts, greedy_decode, passkey_grid
 from minigpt.model import GPT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -157,7 +157,7 @@ def test_outputs_exist_and_say_what_was_measured(tmp_path):
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A 2-step tiny run (seq_len 128) and its checkpoint."""
-    from minigpt.config import compose
+    from minigpt.compose import compose
     from minigpt.run import run
 
     tmp = tmp_path_factory.mktemp("tiny")
@@ -175,7 +175,7 @@ def test_cli_writes_the_grid_for_a_checkpoint(run_dir, tmp_path, capsys):
     result = json.loads((out / FILES[0]).read_text())
     assert result["trained_length"] == 128 and result["lengths"] == [128, 160] and len(result["cells"]) == 6
     assert result["run"]["attention"] == "sdpa" and result["run"]["step"] == 2
-    assert result["run"]["checkpoint"].endswith("ckpt_00000002.pt")
+    assert result["run"]["checkpoint"].endswith("ckpt_00000002.pt") and not os.path.isabs(result["run"]["checkpoint"])
     assert all(c["keys"] == 2 and len(c["answers"][0]) == DIGITS for c in result["cells"])
     assert "128 (trained)" in (out / FILES[1]).read_text() and (out / FILES[2]).stat().st_size > 10_000
     # defaults: the trained length x 1/4, 1/2, 1, 2 that hold the task, into passkey/ of the run

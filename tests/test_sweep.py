@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from minigpt.attention import BACKENDS, FlashAttention
-from minigpt.experiments.report import combine
-from minigpt.experiments.runner import SubprocessRunner, TrialStore
-from minigpt.experiments.search import LEVERS, Trial, best, derive_from_probes, search_max_seq_len, variant_overrides
-from minigpt.experiments.sweep import SweepConfig, build_parser, main, run_sweep, sweep_config
+from minigpt.sweep.report import combine
+from minigpt.sweep.runner import SubprocessRunner, TrialStore
+from minigpt.sweep.search import LEVERS, Trial, best, derive_from_probes, search_max_seq_len, variant_overrides
+from minigpt.sweep.sweep import SweepConfig, build_parser, main, run_sweep, sweep_config
 from minigpt.summary import RunSummary
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -281,7 +281,7 @@ def stub_runner(tmp_path):
 def test_runner_classifies_the_trainer_outcome(stub_runner, n, status, says):
     t = stub_runner("sdpa", n)
     assert t.status == status and (says is None and t.error is None or says in t.error)
-    assert Path(t.run_dir) == stub_runner.out_dir / "trials" / f"sdpa-n{n}" and Path(t.run_dir).is_absolute()
+    assert t.run_dir == f"trials/sdpa-n{n}"  # relative to the sweep's --out: results name no machine paths
     if n == 128:
         assert (t.peak_allocated_gib, t.tokens_per_s, t.n_layer, t.exit_code) == (1.5, 900.0, 2, 0)
     if n == 256:
@@ -320,7 +320,7 @@ def test_trial_command_under_torchrun(tmp_path):
 
 
 def test_a_torchrun_trial_takes_the_failed_worker_exit_code():
-    from minigpt.experiments.runner import worker_exit_code
+    from minigpt.sweep.runner import worker_exit_code
 
     report = ("Failures:\n[1]:\n  rank      : 0 (local_rank: 0)\n  exitcode  : -15 (pid: 7)\n"
               "Root Cause (first observed failure):\n[0]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : 3 (pid: 8)\n")
@@ -403,7 +403,7 @@ def test_cpu_only_supplies_defaults_for_what_is_not_given():
 
 
 def sweep_cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "minigpt.experiments.sweep", *args], cwd=cwd, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "minigpt.sweep.sweep", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=300)
 
 
@@ -419,6 +419,8 @@ def test_real_cpu_sweep_from_another_directory(tmp_path):
     assert [(t["seq_len"], t["status"]) for t in trials] == [(128, "ok"), (256, "ok")], [t["error"] for t in trials]
     assert all(t["tokens_per_s"] > 0 for t in trials) and not list(out.glob("trials/*/checkpoints"))
     assert p.stdout.strip().splitlines()[-1] == f"results: {md}" and "| sdpa | 256 |" in md.read_text()
+    written = [out / "trials.jsonl", out / "results.json", out / "results.csv", md]
+    assert not [f for f in written if str(tmp_path) in f.read_text()]  # every path the sweep records is relative
 
     bad = ["--cpu", "--variants", "naive", "--set", "model.n_head=5", "--logger", "none", "--out", "rel"]
     p = sweep_cli(*bad, cwd=tmp_path)

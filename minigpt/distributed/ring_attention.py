@@ -1,9 +1,7 @@
 """Ring attention over our Triton FlashAttention kernel: causal attention of a sequence split over K ranks.
 
-Layout (zigzag, for causal load balance): the sequence is cut into 2K chunks of c tokens and rank r holds
-chunks r and 2K-1-r, in that order, so every rank has one early and one late chunk and the same amount of
-causal work. `zigzag_positions` gives a rank's global token positions (RoPE rotates with those), and
-`zigzag_shard` / `zigzag_unshard` move a full sequence to and from that layout.
+Layout (zigzag, sharding.py): the sequence is cut into 2K chunks of c tokens and rank r holds chunks r and
+2K-1-r, in that order, so every rank has one early and one late chunk and the same amount of causal work.
 
 Forward, on rank r with local queries q = [q_a | q_b] (chunks r and 2K-1-r): the key/value blocks travel
 around the ring (rank r sends to r+1 and receives from r-1), so at step s rank r holds the block of rank
@@ -49,48 +47,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from minigpt.attention import FlashAttention
-
-
-# ------------------------------------------------------------------------------------------------
-# Zigzag layout: rank r holds chunks r and 2K-1-r of a sequence cut into 2K chunks
-# ------------------------------------------------------------------------------------------------
-def padded_len(n: int, k: int) -> int:
-    """The shortest length >= n that splits into 2k equal chunks."""
-    return -(-n // (2 * k)) * 2 * k
-
-
-def zigzag_positions(n: int, k: int, rank: int, device: torch.device | str = "cpu") -> Tensor:
-    """Global positions (int64, n/k of them) of rank's tokens: chunks rank and 2k-1-rank of n tokens."""
-    if n % (2 * k):
-        raise ValueError(f"zigzag: sequence length {n} does not split into 2*{k} equal chunks; pad it to "
-                         f"{padded_len(n, k)} (padded_len)")
-    c = n // (2 * k)
-    return torch.cat((torch.arange(rank * c, (rank + 1) * c, device=device),
-                      torch.arange((2 * k - 1 - rank) * c, (2 * k - rank) * c, device=device)))
-
-
-def zigzag_shard(x: Tensor, k: int, rank: int, dim: int = 1, pad: float = 0) -> Tensor:
-    """rank's zigzag shard of x along `dim`; x is first padded at the end with `pad` to a multiple of 2k
-    (padding at the end is exact for causal attention: no real token sees a later one)."""
-    n = x.shape[dim]
-    extra = padded_len(n, k) - n
-    if extra:
-        shape = list(x.shape)
-        shape[dim] = extra
-        x = torch.cat((x, x.new_full(shape, pad)), dim=dim)
-    return x.index_select(dim, zigzag_positions(x.shape[dim], k, rank, x.device))
-
-
-def zigzag_unshard(shards: list[Tensor], dim: int = 1, n: int | None = None) -> Tensor:
-    """The full sequence from every rank's shard (in rank order), cut back to n tokens."""
-    k = len(shards)
-    c = shards[0].shape[dim] // 2
-    chunks: list[Tensor | None] = [None] * (2 * k)
-    for r, s in enumerate(shards):
-        chunks[r], chunks[2 * k - 1 - r] = s.narrow(dim, 0, c), s.narrow(dim, c, c)
-    full = torch.cat(chunks, dim=dim)
-    return full if n is None else full.narrow(dim, 0, n)
+from minigpt.attention import AttentionBackend, FlashAttention
+from minigpt.distributed.mesh import Mesh
 
 
 # ------------------------------------------------------------------------------------------------
@@ -112,7 +70,7 @@ def _rows(t: Tensor, rows: slice) -> Tensor:
 def _block_forward(q: Tensor, k: Tensor, v: Tensor, src: int, rank: int, sm_scale: float, o: Tensor,
                    lse: Tensor) -> None:
     """Fold block src's keys into the running fp32 (o, lse) of the local rows that see them: one kernel launch."""
-    from minigpt_kernels.flash_attention import launch_forward
+    from minigpt_kernels.launch import launch_forward
 
     if src == rank:  # the local block: causal over the local order; it writes every row's first state
         launch_forward(q, k, v, True, sm_scale, out=(o, lse))
@@ -125,10 +83,10 @@ def _block_forward(q: Tensor, k: Tensor, v: Tensor, src: int, rank: int, sm_scal
 def _block_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, src: int, rank: int,
                     sm_scale: float, dq: Tensor, accumulator: Callable[[], Tensor]) -> Tensor:
     """Another rank's block src's share of the backward, added by the kernels into fp32 buffers: dQ into dq, then
-    dK/dV into the block's travelling accumulator (laid out as a _stack_kv message), which `accumulator()` gives.
+    dK/dV into the block's travelling accumulator (laid out as a stack_kv message), which `accumulator()` gives.
     It is asked for only once the dQ kernel is launched, so its hop overlaps that kernel. Returns it.
     lse and delta are the final ones: P = exp2(s − lse) and delta = rowsum(dO ∘ O) are those of the whole row."""
-    from minigpt_kernels.flash_attention import launch_backward_dkdv, launch_backward_dq
+    from minigpt_kernels.launch import launch_backward_dkdv, launch_backward_dq
 
     rows, keys = _visible(src, rank, q.shape[2] // 2)
     mine = [_rows(t, rows) for t in (do, q)]
@@ -137,7 +95,7 @@ def _block_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, de
     launch_backward_dq(*mine, *theirs, *stats, False, sm_scale, out=_rows(dq, rows), accumulate=True)
     dkv = accumulator()
     launch_backward_dkdv(*mine, *theirs, *stats, False, sm_scale,
-                         out=tuple(_rows(t, keys) for t in _unstack_kv(dkv)), accumulate=True)
+                         out=tuple(_rows(t, keys) for t in unstack_kv(dkv)), accumulate=True)
     return dkv
 
 
@@ -168,7 +126,7 @@ class Ring:
         return wait
 
 
-def _stack_kv(k: Tensor, v: Tensor) -> Tensor:
+def stack_kv(k: Tensor, v: Tensor) -> Tensor:
     """k and v in one contiguous message (2, B, N, H, D): the model's layout, which the kernels read as strided
     (B, H, N, D) views (and the dK/dV accumulator's layout). When k and v already are the two halves of such a
     buffer (the block recompute makes them so), that buffer is the message and nothing is copied."""
@@ -181,8 +139,8 @@ def _stack_kv(k: Tensor, v: Tensor) -> Tensor:
     return torch.stack((kt, vt))
 
 
-def _unstack_kv(kv: Tensor) -> tuple[Tensor, Tensor]:
-    """The (B, H, N, D) views of k and v in a _stack_kv message."""
+def unstack_kv(kv: Tensor) -> tuple[Tensor, Tensor]:
+    """The (B, H, N, D) views of k and v in a stack_kv message."""
     return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
 
 
@@ -199,17 +157,17 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | Non
                  ) -> tuple[Tensor, Tensor]:
     """(o, lse) of causal attention of the local zigzag queries against the whole sequence's keys; no autograd.
     o has q's dtype and memory layout; lse is the base-2 row log-sum-exp, fp32 (B, H, N_local)."""
-    from minigpt_kernels.flash_attention import _empty_in_layout_of
+    from minigpt_kernels.launch import empty_in_layout_of
 
     ring = Ring(group)
-    kv = _stack_kv(k, v)
+    kv = stack_kv(k, v)
     # the running result, fp32: written by the local block (step 0, every row sees its diagonal), then continued
-    o, lse = _empty_in_layout_of(q, torch.float32), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    o, lse = empty_in_layout_of(q, torch.float32), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     for step in range(ring.size):
         src = (ring.rank - step) % ring.size  # whose block we hold now
         # post the next block's transfer first, so it overlaps this block's compute
         incoming = ring.pass_on(kv) if step + 1 < ring.size else None
-        _block_forward(q, *_unstack_kv(kv), src, ring.rank, sm_scale, o, lse)
+        _block_forward(q, *unstack_kv(kv), src, ring.rank, sm_scale, o, lse)
         if incoming is not None:
             kv = incoming()
     return o.to(q.dtype), lse
@@ -223,14 +181,14 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     kernel while the accumulator of the other ranks' dK/dV for it makes its last hop home, so neither transfer
     waits alone. In between, each other rank's block is processed as it arrives: its dQ kernel first, while the
     block's accumulator is still arriving, then its dK/dV kernel adding into that accumulator."""
-    from minigpt_kernels.flash_attention import (_empty_in_layout_of, launch_backward_delta, launch_backward_dkdv,
+    from minigpt_kernels.launch import (empty_in_layout_of, launch_backward_delta, launch_backward_dkdv,
                                                  launch_backward_dq)
 
     ring = Ring(group)
-    kv = _stack_kv(k, v)
+    kv = stack_kv(k, v)
     kv_incoming = ring.pass_on(kv) if ring.size > 1 else None
     do, delta = launch_backward_delta(do, o, lse)
-    dq = launch_backward_dq(do, q, k, v, lse, delta, True, sm_scale, out=_empty_in_layout_of(q, torch.float32))
+    dq = launch_backward_dq(do, q, k, v, lse, delta, True, sm_scale, out=empty_in_layout_of(q, torch.float32))
     dkv_incoming = None  # the (dK, dV) accumulator (fp32, laid out as kv) of the block we hold: it travels with it
     for step in range(1, ring.size):
         src = (ring.rank - step) % ring.size  # whose block arrives now
@@ -239,7 +197,7 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
         # this block's share, computed while the next block (and, during its dQ kernel, its accumulator) is in flight
         # the first rank after a block's owner starts its accumulator: fp32 zeros laid out as kv
         accumulator = dkv_incoming or _ready(torch.zeros(kv.shape, dtype=torch.float32, device=kv.device))
-        dkv = _block_backward(do, q, *_unstack_kv(kv), lse, delta, src, ring.rank, sm_scale, dq, accumulator)
+        dkv = _block_backward(do, q, *unstack_kv(kv), lse, delta, src, ring.rank, sm_scale, dq, accumulator)
         # hand the accumulator on with its block; after the last hop each one is back at its owner
         dkv_incoming = ring.pass_on(dkv)
         if dkv.numel() * dkv.element_size() >= SERIAL_HOP_BYTES:
@@ -251,7 +209,7 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     if dkv_incoming is None:  # a ring of one
         return dq, dk, dv
     # dK = mine + the other ranks' (fp32), added in fp32 and cast into mine in one pass
-    theirs_k, theirs_v = _unstack_kv(dkv_incoming())
+    theirs_k, theirs_v = unstack_kv(dkv_incoming())
     return dq, dk.add_(theirs_k), dv.add_(theirs_v)
 
 
@@ -317,3 +275,8 @@ class RingFlashAttention(FlashAttention):
 
     def attend_saved(self, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool = True) -> Tensor:
         return ring_attention(q, k, v, self.group, causal, precomputed=(o, lse))
+
+
+def mesh_attention(mesh: Mesh, backend: AttentionBackend) -> AttentionBackend:
+    """The model's attention on this mesh: ring attention over the cp group when the sequence is split."""
+    return RingFlashAttention(mesh.cp_group) if mesh.cp > 1 else backend

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from minigpt.files import atomic_write_text, markdown_table
 from minigpt.metrics import attention_flops, git_commit, versions
-from minigpt.ring_attention import Ring, _stack_kv, ring_attention
+from minigpt.distributed.ring_attention import Ring, ring_attention, stack_kv
 
 
 def _timer(device: torch.device, fn: Callable[[], object], warmup: int, reps: int) -> float:
@@ -76,7 +76,7 @@ def bench_one(D: int, S: int, hidden: int, device: torch.device, dtype: torch.dt
     row["ring_fwd_bwd_ms"] = _timer(
         device, lambda: torch.autograd.grad(ring_attention(q, k, v, None), (q, k, v), do), warmup, reps)
     ring = Ring(None)
-    kv = _stack_kv(k.detach(), v.detach())
+    kv = stack_kv(k.detach(), v.detach())
 
     def transfers() -> None:  # the forward's K−1 block hops, no compute
         block = kv
@@ -104,7 +104,7 @@ def bench_one(D: int, S: int, hidden: int, device: torch.device, dtype: torch.dt
 
 def check(device: torch.device, dtype: torch.dtype) -> float:
     """Largest difference between ring attention (output and gradients) and our kernel on the whole sequence."""
-    from minigpt.ring_attention import zigzag_shard, zigzag_unshard
+    from minigpt.distributed.sharding import zigzag_shard, zigzag_unshard
     from minigpt_kernels.flash_attention import flash_attention
 
     K, rank = dist.get_world_size(), dist.get_rank()
@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=2048, help="heads = hidden / head_dim")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--out", type=Path, default=Path("results"))
+    p.add_argument("--out", type=Path, default=Path("runs/ring_bench"),
+                   help="output directory (default: runs/ring_bench, git-ignored; publish with --out results/...)")
     p.add_argument("--cpu", action="store_true", help="a tiny run on CPU (gloo, Triton's interpreter, fp32)")
     args = p.parse_args(argv)
     if "WORLD_SIZE" not in os.environ:

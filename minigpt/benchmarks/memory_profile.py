@@ -3,7 +3,7 @@
     minigpt-memory --out results/memory/1m -- attention=flash seq_len=1048576 batch_size=1 \\
         model.recompute_every=1 model.recompute_dtype=bfloat16 model.loss_chunk=4096 model.mlp_chunk=65536 \\
         model.offload=true model.keep_attention=true
-    (= python -m minigpt.experiments.memory_profile ...; everything after `--` is a trainer override)
+    (= python -m minigpt.benchmarks.memory_profile ...; everything after `--` is a trainer override)
 
 It builds the run as the trainer does (same config, model, levers, compile), takes one warm-up step (so the
 optimizer state exists, the allocator has grown and the regions are compiled), then one
@@ -172,7 +172,7 @@ def _step(t: Any, x: Any, y: Any, phases: list[dict[str, Any]] | None) -> None:
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     with torch.autocast("cuda", dtype=t.dtype, enabled=t.dtype != torch.float32):
-        loss = t.parallel.loss(t.model, x, y)
+        loss = t.forward.loss(x, y)
     t0 = mark("forward + loss", t0)
     t.scaler.scale(loss).backward()
     t0 = mark("backward", t0)
@@ -186,7 +186,8 @@ def profile(overrides: list[str], warmup_tokens: int, cpp_stacks: bool, snapshot
             ) -> dict[str, Any]:
     import torch
 
-    from minigpt.config import compose
+    from minigpt.compose import compose
+    from minigpt.distributed.sharding import shard_batch
     from minigpt.metrics import git_commit
     from minigpt.summary import RunSummary
     from minigpt.train import build
@@ -195,7 +196,7 @@ def profile(overrides: list[str], warmup_tokens: int, cpp_stacks: bool, snapshot
     if cfg.torch_device().type != "cuda":
         raise RuntimeError("the memory profile records the CUDA caching allocator: it needs a CUDA GPU")
     t = build(cfg, {}, RunSummary(status="running"))
-    x, y = (b.to(t.device) for b in t.parallel.batch(t.data, "train", 0, cfg.batch_size))
+    x, y = (b.to(t.device) for b in shard_batch(t.mesh, t.data, "train", 0, cfg.batch_size))
     # the warm-up makes the optimizer state, grows the allocator and compiles the regions for every shape the
     # measured step uses (compiling while the allocator history is recorded failed on torch 2.11: a SystemError
     # from the compiled loss inside a recomputed chunk), so by default it is a whole step at the full length

@@ -1,6 +1,6 @@
 """Training curves of one run or of stages that continue each other, from each run's metrics.jsonl.
 
-    python -m minigpt.experiments.curves runs/passkey-512 runs/passkey-2k runs/passkey-8k \\
+    python -m minigpt.sweep.curves runs/passkey-512 runs/passkey-2k runs/passkey-8k \\
         --metrics eval/passkey_acc eval/passkey_grid_acc eval/val_loss --out results/passkey_curve
 
 Writes <out>.png (one panel per metric, the step on x, each run its own colour and labelled with its seq_len) and

@@ -82,7 +82,7 @@ class Trial:
     wall_s: float | None = None
     n_layer: int | None = None
     error: str | None = None  # one line: why, for status error or timeout
-    run_dir: str | None = None
+    run_dir: str | None = None  # the trial's run directory, relative to the sweep's --out
     exit_code: int | None = None  # the trainer's; None when it was stopped at the time limit
 
     @property

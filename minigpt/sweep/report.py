@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from minigpt.experiments.search import Trial, base_variant, best, derive_from_probes, is_probe
+from minigpt.sweep.search import Trial, base_variant, best, derive_from_probes, is_probe
 from minigpt.files import atomic_write_text, markdown_table
 
 COLUMNS = ["variant", "max seq_len", "peak allocated at max", "KB/token", "tokens/s at max", "step time at max",

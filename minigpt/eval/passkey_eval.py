@@ -3,11 +3,12 @@
     minigpt-eval-passkey --checkpoint outputs/<run>                    # its newest intact checkpoint
     minigpt-eval-passkey --checkpoint run/checkpoints/ckpt_00003000.pt --lengths 2048 4096 8192 16384 --wandb
 
-(or `python scripts/eval_passkey.py ...`). The grid itself (key placement, greedy decoding, exact match) is minigpt/retrieval.py; this module scores a
-checkpoint with it and writes the table, the heatmap and the W&B run.
+(or `python scripts/eval_passkey.py ...`). The grid itself (key placement, greedy decoding, exact match) is
+minigpt/eval/retrieval.py; this module scores a checkpoint with it and writes the table, the heatmap and the W&B run.
 
-Outputs (--out, default `passkey/` beside the checkpoint's run): passkey_grid.json, passkey_grid.md,
-passkey_heatmap.png; with --wandb also a W&B run holding the grid as a Table and the heatmap.
+Outputs (--out, default `passkey/` in the checkpoint's run directory; publishing is an explicit --out results/...):
+passkey_grid.json (the checkpoint's path in it relative), passkey_grid.md, passkey_heatmap.png; with --wandb also a
+W&B run holding the grid as a Table and the heatmap.
 Exit codes: 0 done, 1 a missing or damaged checkpoint (or an unwritable --out), 2 bad arguments.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -24,11 +26,11 @@ import numpy as np
 import torch
 
 from minigpt.attention import AttentionBackend, attention_names, get_attention
-from minigpt.checkpoint import CheckpointError, find_and_load, list_checkpoints
+from minigpt.checkpoint import CheckpointError, UnsafeCheckpointError, find_and_load, list_checkpoints
 from minigpt.config import AttentionConfig, ConfigError, ModelConfig
 from minigpt.data import DataError, PasskeyData
 from minigpt.files import WriteError, atomic_write_text, markdown_table
-from minigpt.retrieval import DEFAULT_DEPTHS, DEFAULT_KEYS_PER_CELL, passkey_grid
+from minigpt.eval.retrieval import DEFAULT_DEPTHS, DEFAULT_KEYS_PER_CELL, passkey_grid
 
 FILES = ("passkey_grid.json", "passkey_grid.md", "passkey_heatmap.png")
 
@@ -273,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path, state = find_checkpoint(args.checkpoint)
         model, backend = model_from_checkpoint(state, args.attention, path)
+    except UnsafeCheckpointError as e:  # a file that would run code: refused as a bad setting, never loaded
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -295,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     result = passkey_grid(model, lengths, args.depths, args.keys_per_cell, device, dtype, args.seed, args.batch_size,
                           trained, progress=lambda c: print(f"length {c['length']:>8,} depth {c['depth']:.2f}: "
                                                             f"{100 * c['accuracy']:5.1f}%", flush=True))
-    result["run"] = {"checkpoint": str(path), "step": step, "model": model.cfg.name, "attention": attention,
+    # the checkpoint relative to the working directory: results name no machine paths
+    result["run"] = {"checkpoint": os.path.relpath(path), "step": step, "model": model.cfg.name, "attention": attention,
                      "device": device.type, "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
                      "date": dt.datetime.now().isoformat(timespec="seconds")}
     out = args.out or default_out(path)

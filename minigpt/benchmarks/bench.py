@@ -127,7 +127,7 @@ def explore_tiles(head_dims=(64, 128), seq_lens=(2048, 8192), tokens: int = 1638
     """
     from triton.testing import do_bench
 
-    from minigpt_kernels import flash_attention as fa
+    from minigpt_kernels import launch as fa  # the launchers and TileConfig (the package exports the function)
 
     TC = fa.TileConfig
     shapes, tma_options = (TILE_SHORTLIST, (True,)) if shortlist else (TILE_CANDIDATES, (False, True))
@@ -229,7 +229,8 @@ def write_explore(explore: list[dict], out_dir: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     """`minigpt-bench` / scripts/bench_attention.py: parse the arguments, run, print the table."""
     p = argparse.ArgumentParser(prog="bench_attention", description="Attention kernels on the GPU: ours (flash) vs "
-                                "SDPA's backends and naive, in one process; results/attention_<GPU>.{json,md}.")
+                                "SDPA's backends and naive, in one process; <out>/attention_<GPU>.{json,md} (default "
+                                "runs/bench, git-ignored; publish with --out results).")
     p.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
     p.add_argument("--seq", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--full", action="store_true", help="explore non-causal attention (the table is always causal)")
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16", help="dtype to explore in")
     p.add_argument("--shortlist", action="store_true", help="explore only the shortlisted tile shapes, TMA loads")
-    p.add_argument("--out", type=Path, default=Path("results"))
+    p.add_argument("--out", type=Path, default=Path("runs/bench"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (it times GPU kernels)")

@@ -1,6 +1,6 @@
 """The training table: runs' summaries side by side, flash over sdpa at each setting.
 
-    python -m minigpt.experiments.training_table outputs/*        # prints a markdown table
+    python -m minigpt.benchmarks.training_table outputs/*        # prints a markdown table
 """
 from __future__ import annotations
 

@@ -26,11 +26,11 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from minigpt.experiments.search import Trial, variant_overrides
+from minigpt.sweep.search import Trial, variant_overrides
 from minigpt.summary import SUMMARY_FILE, ExitCode, RunSummary
 
 TRAINER = (sys.executable, "-m", "minigpt")
@@ -86,7 +86,8 @@ class SubprocessRunner:
         output = (run_dir / LOG_FILE).read_text(errors="replace")
         if self.nproc > 1:
             returncode = worker_exit_code(returncode, output)
-        return read_trial(variant, seq_len, run_dir, returncode, output, time.perf_counter() - t0, self.time_limit_s)
+        trial = read_trial(variant, seq_len, run_dir, returncode, output, time.perf_counter() - t0, self.time_limit_s)
+        return replace(trial, run_dir=str(run_dir.relative_to(self.out_dir)))  # the record names no machine path
 
 
 def _wait(proc: subprocess.Popen, limit_s: float) -> int | None:

@@ -17,7 +17,7 @@ For exact match, greedy decoding agrees with the argmax of one teacher-forced fo
 same inputs at every step, and the converse by the same induction; only ties and rounding can tell them apart.
 Greedy costs KEY_DIGITS forwards instead of one, and says what the model answered (`answers` in the JSON).
 
-The trainer logs a small grid at each eval (`passkey_grid=<keys per cell>`); minigpt/experiments/passkey_eval.py
+The trainer logs a small grid at each eval (`passkey_grid=<keys per cell>`); minigpt/eval/passkey_eval.py
 scores any checkpoint over a larger one and draws the heatmap.
 """
 from __future__ import annotations

@@ -5,15 +5,16 @@
     minigpt-sweep --variants flash+levers --no-search --probe-seq-lens 2097152   # 2M derived from 1-/2-layer probes
     minigpt-sweep --cpu                                            # tiny model on CPU (smoke test)
     minigpt-sweep --variants flash+levers --nproc 2 --context 2    # each trial under torchrun, sequence split over 2
-    minigpt-sweep --combine results/sweeps/* --out results --name context_scaling_H200
+    minigpt-sweep --combine runs/sweeps/* --out results --name context_scaling_H200   # publish a combined table
 
-(or `python scripts/context_sweep.py ...`, `python -m minigpt.experiments.sweep ...`, from any directory.)
+(or `python scripts/context_sweep.py ...`, `python -m minigpt.sweep.sweep ...`, from any directory.)
 Variants are <backend>[+lever...] (`--help` lists both; levers=bf16ckpt+losschunk+mlpchunk, keepattn only
 with a backend that returns its log-sum-exp). Each trial is the trainer in a fresh process; its files are in
 --out/trials/<variant>-n<seq_len>/ (summary.json, trainer.log). An error trial (a bad setting, a crash) is
 not a memory limit: it ends that variant's search and is listed under the table.
 
-Results go to --out: trials.jsonl (every trial, appended as it ends) and results.{json,csv,md} and *.png,
+Results go to --out (default runs/sweeps/<date>-<time>, git-ignored; publishing is an explicit --out results/...,
+and every path the sweep records is relative): trials.jsonl (every trial, appended as it ends) and results.{json,csv,md} and *.png,
 built from every trial in trials.jsonl (also of variants run there before). Re-running with the same --out
 resumes: ok and oom trials are reused, a timeout is reused unless --trial-time-limit grew, error trials
 run again.
@@ -31,10 +32,10 @@ from pathlib import Path
 from typing import Callable
 
 from minigpt.attention import attention_names
-from minigpt.experiments.report import (by_variant, combine, derive_all, log_summary_to_wandb, only_errors, plot,
+from minigpt.sweep.report import (by_variant, combine, derive_all, log_summary_to_wandb, only_errors, plot,
                                         write_reports)
-from minigpt.experiments.runner import TRIALS_FILE, SubprocessRunner, TrialStore
-from minigpt.experiments.search import (LEVERS, Trial, TrialRunner, best, is_probe, probe_variant, search_max_seq_len,
+from minigpt.sweep.runner import TRIALS_FILE, SubprocessRunner, TrialStore
+from minigpt.sweep.search import (LEVERS, Trial, TrialRunner, best, is_probe, probe_variant, search_max_seq_len,
                                         variant_overrides)
 from minigpt.files import WriteError
 
@@ -212,8 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", nargs="+", type=variant_arg, default=None, metavar="VARIANT",
                    help=f"<backend>[+lever...]; backends: {', '.join(attention_names())}; levers: {', '.join(LEVERS)} "
                         f"(default: each backend eager and +compile; --cpu: naive sdpa)")
-    p.add_argument("--out", type=Path, metavar="DIR", default=Path("results/sweeps") / time.strftime("%Y%m%d-%H%M%S"),
-                   help="sweep directory (default: results/sweeps/<date>-<time>); an existing one resumes")
+    p.add_argument("--out", type=Path, metavar="DIR", default=Path("runs/sweeps") / time.strftime("%Y%m%d-%H%M%S"),
+                   help="sweep directory (default: runs/sweeps/<date>-<time>, git-ignored; publish with --out "
+                        "results/...); an existing one resumes")
     p.add_argument("--start", nargs="*", type=start_arg, default=[], metavar="VARIANT=N",
                    help="start seq_len of a variant")
     p.add_argument("--default-start", metavar="N", type=positive_int,

@@ -1,0 +1,102 @@
+"""From the command line to a checked TrainConfig: Hydra composes configs/train.yaml with the overrides into the
+schema of config.py, keys the schema lacks are refused, Hydra's and OmegaConf's errors become one line, and
+validate.py runs every check before anything of the run is created.
+"""
+from __future__ import annotations
+
+import importlib.resources
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig
+
+from minigpt.config import ConfigError, TrainConfig
+from minigpt.validate import validate
+
+CONFIG_NAME = "train"
+
+
+def config_dir() -> Path:
+    """configs/ of the installed package (`minigpt.configs`), so runs work from any directory."""
+    try:
+        return Path(str(importlib.resources.files("minigpt.configs")))
+    except ModuleNotFoundError:  # a source tree on PYTHONPATH, not installed
+        return Path(__file__).resolve().parent.parent / "configs"
+
+
+def register_schema() -> None:
+    """Make `train_schema` available to the defaults list of configs/train.yaml."""
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def check_known_keys(cfg: DictConfig, schema: type = TrainConfig, prefix: str = "") -> None:
+    """Refuse keys the schema does not have, also those added with `+key=value` (Hydra lets them through)."""
+    known = {f.name: f for f in fields(schema)}
+    for key, value in cfg.items_ex(resolve=False):
+        name = f"{prefix}{key}"
+        if key not in known:
+            parent = prefix.rstrip(".")
+            raise ConfigError(f"{name}: no such setting{f' in {parent}' if parent else ''} (see minigpt/config.py)")
+        section = known[key].default_factory  # sections are dataclasses built by their factory
+        if isinstance(value, DictConfig) and is_dataclass(section):
+            check_known_keys(value, section, f"{name}.")
+
+
+def one_line(exc: BaseException) -> str:
+    """Reduce a Hydra/OmegaConf composition error to 'key=value: what is wrong'."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+    from omegaconf.errors import OmegaConfBaseException
+
+    chain, e = [], exc
+    while e is not None:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for e in chain:
+        if isinstance(e, MissingConfigException) and e.options is not None and e.missing_cfg_file:
+            group, _, option = e.missing_cfg_file.rpartition("/")
+            return f"{group}={option}: no such option; choose one of {', '.join(sorted(e.options))}"
+        if isinstance(e, OverrideParseException):
+            return f"cannot parse override: {str(e).splitlines()[0]}"
+    for e in chain:
+        if isinstance(e, OmegaConfBaseException) and getattr(e, "full_key", None):
+            msg = str(e).splitlines()[0]
+            key = e.full_key
+            if "not in struct" in msg or "Key '" in msg and "not" in msg:
+                parent = key.rpartition(".")[0]
+                return f"{key}: no such setting{f' in {parent}' if parent else ''} (see minigpt/config.py)"
+            return f"{key}: {msg}"
+    return str(exc).strip().splitlines()[0]
+
+
+def to_train_config(cfg: DictConfig) -> TrainConfig:
+    """A composed DictConfig as a validated TrainConfig (validate.py); ConfigError (one line) for anything wrong."""
+    from omegaconf import OmegaConf
+
+    check_known_keys(cfg)
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except Exception as e:  # OmegaConf raises many types; all become one line
+        raise ConfigError(one_line(e)) from e
+    validate(obj)
+    return obj
+
+
+def compose(overrides: list[str], run_dir: str = ".") -> TrainConfig:
+    """Compose configs/train.yaml with command-line overrides into a validated TrainConfig (outside a Hydra run,
+    so `run_dir` stands in for Hydra's output directory)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_schema()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+            cfg = hydra_compose(config_name=CONFIG_NAME, overrides=overrides)
+            cfg.run_dir = run_dir  # outside a Hydra run there is no output dir to interpolate
+    except Exception as e:  # Hydra raises many types; all become one line
+        raise ConfigError(one_line(e)) from e
+    finally:
+        GlobalHydra.instance().clear()
+    return to_train_config(cfg)

@@ -1,1 +1,0 @@
-"""Experiments built on the trainer: the context-length sweep and the attention benchmark."""

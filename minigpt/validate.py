@@ -1,0 +1,49 @@
+"""The checks of a TrainConfig that need runtime knowledge, run before anything of the run is created.
+
+config.py checks what a value allows by itself; here come the checks that ask the code and the machine:
+the attention registry (a backend's name, options and capabilities on this device, dtype and head_dim, e.g.
+that flash needs Triton and a GPU), the GPU itself, W&B credentials for an online run, and torchrun's world
+size. Each failure is a ConfigError of one line (exit code 2).
+"""
+from __future__ import annotations
+
+import torch
+
+from minigpt.attention import BACKENDS, SDPA_BACKEND_CHOICES, attention_names, get_attention
+from minigpt.config import ConfigError, TrainConfig, one_of
+from minigpt.distributed.process import launched_world_size
+from minigpt.loggers import check_wandb
+
+
+def validate(cfg: TrainConfig) -> None:
+    """cfg's own checks (config.py), then the runtime ones; raises ConfigError for the first that fails."""
+    one_of("attention", cfg.attention.name, attention_names())
+    one_of("attention.sdpa_backend", cfg.attention.sdpa_backend, SDPA_BACKEND_CHOICES)
+    cfg.validate()
+    check_device(cfg)
+    check_attention_fits(cfg)
+    check_wandb(cfg.logger)
+    world = launched_world_size()  # torchrun's; 1 without it
+    if world % cfg.parallel.context:
+        raise ConfigError(f"parallel.context={cfg.parallel.context}: must divide the number of processes ({world}; "
+                          f"torchrun --nproc_per_node x nodes)")
+
+
+def check_device(cfg: TrainConfig) -> None:
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda: no CUDA GPU is visible; use device=cpu or device=auto")
+    if cfg.torch_device().type == "cpu" and cfg.compute_dtype() == torch.float16:
+        raise ConfigError("dtype=float16: not on CPU; use dtype=auto (float32) or bfloat16")
+
+
+def check_attention_fits(cfg: TrainConfig) -> None:
+    """The backend's own capability check on this run's device, dtype and head_dim."""
+    name = cfg.attention.name
+    reason = get_attention(name, **cfg.attention.options()).unsupported(
+        cfg.torch_device(), cfg.compute_dtype(), cfg.model.head_dim)
+    if reason:
+        raise ConfigError(f"attention={name}: {reason}")
+    if cfg.model.keep_attention and not BACKENDS[name].returns_lse:
+        with_lse = [n for n, b in BACKENDS.items() if b.returns_lse]
+        raise ConfigError(f"model.keep_attention=true: needs a backend that returns its log-sum-exp "
+                          f"(attention={' or '.join(with_lse)}), not attention={name}")
