@@ -51,12 +51,25 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 @functools.cache
 def fused_rotary() -> ModuleType | None:
     """kernels/rotary.py (qkv split + RoPE in one Triton pass), imported at the first GPU forward; None without
-    Triton, and the model keeps its PyTorch code."""
+    Triton (the model then keeps its PyTorch code)."""
     try:
         from minigpt_kernels import rotary
     except ImportError:
         return None
     return rotary
+
+
+def rotary_fits(qkv: Tensor, cos: Tensor, sin: Tensor) -> bool:
+    """Whether qkv_rotary takes these inputs: a GPU tensor of its layout, with Triton installed."""
+    if not qkv.is_cuda:
+        return False
+    kernels = fused_rotary()
+    return kernels is not None and kernels.rotary_fits(qkv, cos, sin)
+
+
+def qkv_rotary(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k (rotated), v by kernels/rotary.py, for inputs that rotary_fits."""
+    return fused_rotary().qkv_rotary(qkv, cos, sin)
 
 
 class CausalSelfAttention(nn.Module):
@@ -96,9 +109,8 @@ class CausalSelfAttention(nn.Module):
         and layer). RoPE is applied in this layout so the caller's transposes are free strided views.
         On a GPU, eager runs do the split and RoPE in one Triton pass each way (kernels/rotary.py: a dozen
         elementwise passes fewer); compiled regions keep the PyTorch code, which Inductor fuses itself."""
-        fused = fused_rotary() if qkv.is_cuda and not torch.compiler.is_compiling() else None
-        if fused is not None and fused.rotary_fits(qkv, cos, sin):
-            return fused.qkv_rotary(qkv, cos, sin)
+        if not torch.compiler.is_compiling() and rotary_fits(qkv, cos, sin):
+            return qkv_rotary(qkv, cos, sin)
         q, k = apply_rotary(qkv[:, :, 0], cos, sin), apply_rotary(qkv[:, :, 1], cos, sin)
         return q, k, qkv[:, :, 2].contiguous()
 
