@@ -110,10 +110,10 @@ def test_persistent_forward_on_few_programs_matches_the_plain_kernel(head_dim, c
         qkv = torch.randn(batch, seq, 3, heads, head_dim, device="cuda", generator=g).to(torch.bfloat16)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
         outs = []
-        for launch in (kernels.launch_forward_pingpong, kernels.launch_forward_persistent):
+        for run_kernel in (kernels.launch_forward_pingpong, kernels.launch_forward_persistent):
             o, lse = torch.full_like(q, float("nan")), torch.full((batch, heads, seq), float("nan"), device="cuda")
-            kwargs = {"programs": programs} if launch is kernels.launch_forward_persistent else {}
-            launch(q, k, v, o, lse, scale, consumers, block_n, stages, **kwargs)
+            kwargs = {"programs": programs} if run_kernel is kernels.launch_forward_persistent else {}
+            run_kernel(q, k, v, o, lse, scale, consumers, block_n, stages, **kwargs)
             outs.append((o, lse))
         (o1, l1), (o2, l2) = outs
         assert torch.equal(o1, o2) and torch.equal(l1, l2), (seq, programs)
@@ -136,9 +136,9 @@ def test_persistent_backward_on_few_programs_matches_the_plain_kernel(head_dim, 
         do = torch.randn(q.shape, device="cuda", generator=g).to(torch.bfloat16)
         o, lse = fa.launch_forward(q, k, v, True, 0.125)
         dq, dk, dv = fa.launch_backward_fused(do, q, k, v, o, lse, 0.125, plain)
-        launch, launched = kernels.launch_dkdv_dq_persistent, []
+        persistent, launched = kernels.launch_dkdv_dq_persistent, []
         monkeypatch.setattr(kernels, "sm_count", lambda device: 3)
-        monkeypatch.setattr(kernels, "launch_dkdv_dq_persistent", lambda *a, **kw: launched.append(1) or launch(*a, **kw))
+        monkeypatch.setattr(kernels, "launch_dkdv_dq_persistent", lambda *a, **kw: launched.append(1) or persistent(*a, **kw))
         dq_p, dk_p, dv_p = fa.launch_backward_fused(do, q, k, v, o, lse, 0.125,
                                                     dataclasses.replace(plain, persistent=True))
         monkeypatch.undo()
