@@ -86,6 +86,7 @@ def _tc(*args, **kwargs) -> TileConfig:
 
 _GLUON = dict(tma=True, specialized=True)
 _NOTES = "NOTES.md 'Dispatch table timings'"
+_MASKS = f"masks/GQA: Triton only, the dense rows' tiles, not tuned ({_NOTES})"
 # dQ needs block_m % block_n == 0, dK/dV block_n % block_m == 0; the forward takes either (powers of two).
 TABLE: tuple[Entry, ...] = (
     # Triton's CPU interpreter (tests): small tiles, several per test sequence, so diagonal, full and ragged tiles run
@@ -101,14 +102,15 @@ TABLE: tuple[Entry, ...] = (
     Entry("dq", (256,), "fp32", _tc(32, 16, 4, 1), f"shared memory at head_dim 256 ({_NOTES})"),
     # masks (window, documents, offsets) or GQA, 2-byte inputs: the Triton kernels, the dense rows' tiles without the
     # dK/dV register cap (its per-group loop and id loads need more), not tuned with masks yet
-    Entry("fwd", (16, 32, 64), "any", _tc(64, 64, 4, 3, tma=True), f"masks/GQA: Triton only, not tuned ({_NOTES})",
-          masks=True),
-    Entry("fwd", (128,), "any", _tc(128, 64, 8, 3, tma=True), f"masks/GQA: Triton only, not tuned ({_NOTES})",
-          masks=True),
-    Entry("dkdv", (16, 32, 64), "any", _tc(64, 64, 4, 3, tma=True), f"masks/GQA: Triton only, not tuned ({_NOTES})",
-          masks=True),
-    Entry("dq", (16, 32, 64), "any", _tc(128, 64, 8, 3, tma=True), f"masks/GQA: Triton only, not tuned ({_NOTES})",
-          masks=True),
+    Entry("fwd", (16, 32, 64), "any", _tc(64, 64, 4, 3, tma=True), _MASKS, masks=True),
+    Entry("fwd", (128,), "any", _tc(128, 64, 8, 3, tma=True), _MASKS, masks=True),
+    Entry("fwd", (256,), "any", _tc(64, 32, 4, 2), _MASKS, masks=True),
+    Entry("dkdv", (16, 32, 64), "any", _tc(64, 64, 4, 3, tma=True), _MASKS, masks=True),
+    Entry("dkdv", (128,), "any", _tc(64, 64, 4, 2, tma=True), _MASKS, masks=True),
+    Entry("dkdv", (256,), "any", _tc(16, 64, 4, 2), _MASKS, masks=True),
+    Entry("dq", (16, 32, 64), "any", _tc(128, 64, 8, 3, tma=True), _MASKS, masks=True),
+    Entry("dq", (128,), "any", _tc(128, 64, 8, 4, tma=True), _MASKS, masks=True),
+    Entry("dq", (256,), "any", _tc(64, 16, 4, 2), _MASKS, masks=True),
     # non-causal 2-byte inputs, where their own exploration differs from the causal choice
     Entry("fwd", (16, 32, 64), "non-causal", _tc(128, 64, 8, 3, tma=True), f"128-row tiles, 2.35 vs 2.45 ms ({_NOTES})"),
     # sm_90, causal 2-byte inputs that fit the warp-specialized Gluon kernels (NOTES.md O, Q, S, T, V, W, Z, AA)
