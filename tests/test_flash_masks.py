@@ -281,3 +281,25 @@ def test_masks_and_gqa_run_the_triton_kernels():
             with pytest.raises(ValueError, match="masks"):
                 dispatch.plan(kernel, 64, 8192, torch.bfloat16, True, masked=True, path=path, **sm90)
     assert dispatch.plan("fwd", 64, 8192, torch.bfloat16, True, masked=True, path="triton", **sm90).path == "triton"
+
+
+def test_torch_compile_traces_the_masked_custom_ops_without_a_graph_break():
+    """fullgraph=True (Dynamo + AOTAutograd here; Inductor on the GPU, tests/test_gpu_masks.py): a function passing
+    document_ids and a window to flash_attention with GQA compiles to one graph with the eager output and gradients
+    (the ids are never read on the host)."""
+    qkv, q, k, v = qkv_rows(1, 45, 4, 2, 16, torch.float32, seed=13)
+    ids = documents("ragged", 1, 45)
+    do = torch.randn(1, 4, 45, 16, generator=torch.Generator().manual_seed(14))
+
+    def attend(q, k, v, ids):
+        return flash_attention(q, k, v, window=6, document_ids=ids)
+
+    def step(fn):
+        o = fn(q, k, v, ids)
+        return (o, *torch.autograd.grad(o, (q, k, v), do))
+
+    torch._dynamo.reset()
+    eager = step(attend)
+    compiled = step(torch.compile(attend, backend="aot_eager", fullgraph=True))
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
