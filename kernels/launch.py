@@ -184,8 +184,10 @@ def _mask_args(q: Tensor, k: Tensor, causal: bool, window: int | None, q_doc_ids
         counts = torch.zeros((B * H, triton.cdiv(N_Q, blocks[0]), triton.cdiv(N_K, blocks[1])), dtype=torch.int32,
                              device=q.device)
         _tile_counts.append((kernel, counts, blocks))
-    ids = (q_doc_ids, k_doc_ids, q_doc_ids.stride(0), k_doc_ids.stride(0)) if docs else (q, q, 0, 0)
-    args = (*ids, shift, window or 0, max(N_Q, N_K).bit_length(), q if counts is None else counts)
+    ids = (q_doc_ids, k_doc_ids, q_doc_ids.stride(0), k_doc_ids.stride(0)) if masks and docs else (q, q, 0, 0)
+    # unmasked launches pass constants (no new specialization of the dense kernels per length)
+    spans = (shift, window or 0, max(N_Q, N_K).bit_length()) if masks else (0, 0, 0)
+    args = (*ids, *spans, q if counts is None else counts)
     return args, dict(GROUP=H // k.shape[1], MASKS=masks, WINDOWED=masks and window is not None,
                       DOCS=masks and docs, COUNT=counts is not None)
 

@@ -1,7 +1,7 @@
 """FlashAttention in Triton: the kernels, in reading order (tile sources, forward, backward). launch.py launches
 them; dispatch.py says with which tiles.
 
-    o = softmax(scale · q kᵀ + causal mask) v          q, k, v, o: (batch, heads, seq, head_dim)
+    o = softmax(scale · q kᵀ + mask) v          q, o: (batch, q_heads, seq, head_dim); k, v: (batch, kv_heads, seq, head_dim)
 
 The N×N score matrix never exists in memory. The forward walks over key tiles keeping, per query row,
 a running max m and running sum l of exp(scores − m), and rescales its accumulator whenever m grows;
@@ -21,6 +21,18 @@ the inputs are 16-byte aligned, through masked pointer loads otherwise.
 
 Causal masking: tiles entirely above the diagonal are never visited; only tiles on the diagonal pay for
 the mask. Sequence tails (seq not a multiple of the tile) are handled with masked loads and stores.
+
+Masks (MASKS: a sliding window, document ids, blocks at offsets) and GQA. Each query row sees an interval of keys
+(causal: j <= i; window: i − window < j, and non-causal j < i + window; documents: the keys of its document) whose
+ends never decrease with the row, so a query tile's keys span from its first row's lower end to its last row's
+upper end, and the keys every row of it sees from the last row's lower end to the first row's upper end
+(_key_span; the dK/dV kernel's mirror over queries is _query_span). Document ends come from a binary search over
+the non-decreasing ids on the device (log2 N scalar loads per program; no host sync, so no graph break). Tiles
+outside the span are never visited, whole tiles inside the common part run unmasked, and only the tiles between
+apply the elementwise mask (_visible). A row that sees no key (possible only for blocks at offsets) ends with o = 0
+and lse = −inf, and gets P = 0 in the backward. GQA (GROUP query heads per K/V head): query head h reads K/V head
+h // GROUP; the dK/dV kernel runs one program per K/V head and key tile and sums its group's query heads in turn,
+so no per-query-head copy of K/V or dK/dV exists. Without masks and with GROUP 1, the kernels are the dense ones.
 Offsets that can exceed 2³¹ (batch/head bases; tile starts on inputs where seq × row stride passes 2³¹,
 e.g. a million tokens in the model's qkv layout) are int64; offsets inside a tile stay int32.
 
