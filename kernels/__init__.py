@@ -4,6 +4,7 @@
     dispatch.py            which kernel and tiles run a call: one table, plan() -> Plan; MINIGPT_FLASH_PATH forces a path
     launch.py              the launchers (forward, backward and its kernels one by one, for ring attention)
     triton_kernels.py      the Triton kernels: forward with online softmax, FlashAttention-2 backward, dQ from stored dS
+                           (masks: sliding window, document ids, blocks at offsets; GQA; their tile spans)
     gluon/                 the Hopper (sm_90) kernels in Gluon: forward.py (ping-pong, persistent), backward.py
                            (five-matmul dK/dV/dQ, dQ), common.py (their shared helpers), schedule.py (persistent lists)
     device.py              interpreter or GPU, compute capability, TMA alignment (no triton import)

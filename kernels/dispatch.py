@@ -6,7 +6,11 @@
 "dkdv": ring attention's). The answer depends on the call only through its arguments (no device is queried here), so
 tests pin it on a CPU (tests/test_dispatch.py). The table's rows are tried in order, first match wins:
 
-    interpreter  >  fp32  >  non-causal  >  sm_90 warp-specialized (Gluon)  >  causal by length  >  every length
+    interpreter  >  fp32  >  masks or GQA  >  non-causal  >  sm_90 warp-specialized (Gluon)  >  causal by length  >
+    every length
+
+Calls with masks (a sliding window, document ids, blocks at offsets) or GQA (`masked=True`) run the Triton kernels
+only: the rows marked `masks` take them, and no Gluon or dS-path row applies (their kernels take neither yet).
 
 Paths: the forward runs "triton" (triton_kernels.fwd_kernel) or "gluon" (gluon/forward.py, persistent where its tiles
 say so); the backward "triton" (the seven-matmul backward: dQ kernel, then dK/dV kernel; its dQ kernel is the Gluon
@@ -60,13 +64,14 @@ class Entry:
     kernel of the dS path) at these head_dims runs `tiles` where `when` holds and the length is within `lengths`.
     when: "interpreter" (Triton's CPU interpreter), "fp32", "non-causal" (2-byte), "sm90" (causal 2-byte on sm_90,
     with inputs that fit the Gluon kernels; via_ds: any CUDA inputs), "causal" (2-byte), "any" (2-byte).
-    why: the reason, naming its kernels/NOTES.md section."""
+    why: the reason, naming its kernels/NOTES.md section. masks: the row applies only to calls with masks or GQA."""
     kernel: str
     head_dims: tuple[int, ...]
     when: str
     tiles: TileConfig
     why: str
     lengths: tuple[int, int | None] = ALL_LENGTHS
+    masks: bool = False
 
     def covers(self, seq_len: int | None) -> bool:
         if seq_len is None:  # no length given: rows for every length only
@@ -81,6 +86,7 @@ def _tc(*args, **kwargs) -> TileConfig:
 
 _GLUON = dict(tma=True, specialized=True)
 _NOTES = "NOTES.md 'Dispatch table timings'"
+_MASKS = f"masks/GQA: Triton only, the dense rows' tiles, not tuned ({_NOTES})"
 # dQ needs block_m % block_n == 0, dK/dV block_n % block_m == 0; the forward takes either (powers of two).
 TABLE: tuple[Entry, ...] = (
     # Triton's CPU interpreter (tests): small tiles, several per test sequence, so diagonal, full and ragged tiles run
@@ -94,6 +100,17 @@ TABLE: tuple[Entry, ...] = (
     Entry("dkdv", (256,), "fp32", _tc(16, 32, 4, 1), f"shared memory at head_dim 256 ({_NOTES})"),
     Entry("dq", (16, 32, 64, 128), "fp32", _tc(64, 32, 4, 2, tma=True), f"half the tile area fits smem ({_NOTES})"),
     Entry("dq", (256,), "fp32", _tc(32, 16, 4, 1), f"shared memory at head_dim 256 ({_NOTES})"),
+    # masks (window, documents, offsets) or GQA, 2-byte inputs: the Triton kernels, the dense rows' tiles without the
+    # dK/dV register cap (its per-group loop and id loads need more), not tuned with masks yet
+    Entry("fwd", (16, 32, 64), "any", _tc(64, 64, 4, 3, tma=True), _MASKS, masks=True),
+    Entry("fwd", (128,), "any", _tc(128, 64, 8, 3, tma=True), _MASKS, masks=True),
+    Entry("fwd", (256,), "any", _tc(64, 32, 4, 2), _MASKS, masks=True),
+    Entry("dkdv", (16, 32, 64), "any", _tc(64, 64, 4, 3, tma=True), _MASKS, masks=True),
+    Entry("dkdv", (128,), "any", _tc(64, 64, 4, 2, tma=True), _MASKS, masks=True),
+    Entry("dkdv", (256,), "any", _tc(16, 64, 4, 2), _MASKS, masks=True),
+    Entry("dq", (16, 32, 64), "any", _tc(128, 64, 8, 3, tma=True), _MASKS, masks=True),
+    Entry("dq", (128,), "any", _tc(128, 64, 8, 4, tma=True), _MASKS, masks=True),
+    Entry("dq", (256,), "any", _tc(64, 16, 4, 2), _MASKS, masks=True),
     # non-causal 2-byte inputs, where their own exploration differs from the causal choice
     Entry("fwd", (16, 32, 64), "non-causal", _tc(128, 64, 8, 3, tma=True), f"128-row tiles, 2.35 vs 2.45 ms ({_NOTES})"),
     # sm_90, causal 2-byte inputs that fit the warp-specialized Gluon kernels (NOTES.md O, Q, S, T, V, W, Z, AA)
@@ -151,18 +168,19 @@ def ds_head_elements(n: int, tile: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _entry(kernel: str, head_dim: int, seq_len: int | None, dtype: torch.dtype, causal: bool,
-           capability: tuple[int, int] | None, gluon_inputs: bool, interpret: bool) -> Entry | None:
-    """The table's first row for this kernel and call, None if none applies."""
+           capability: tuple[int, int] | None, gluon_inputs: bool, interpret: bool, masked: bool = False) -> Entry | None:
+    """The table's first row for this kernel and call, None if none applies (masked: masks or GQA)."""
     two_byte = dtype in (torch.float16, torch.bfloat16)
     holds = {"interpreter": interpret,
              "fp32": not interpret and dtype == torch.float32,
              "non-causal": not interpret and two_byte and not causal,
-             "sm90": not interpret and two_byte and causal and capability == SM90
+             "sm90": not interpret and two_byte and causal and capability == SM90 and not masked
              and (gluon_inputs or kernel == "via_ds"),
              "causal": not interpret and two_byte and causal,
              "any": not interpret and two_byte}
     for e in TABLE:
-        if e.kernel == kernel and head_dim in e.head_dims and holds[e.when] and e.covers(seq_len):
+        if e.kernel == kernel and head_dim in e.head_dims and holds[e.when] and e.covers(seq_len) \
+                and (masked or not e.masks):
             return e
     return None
 
@@ -174,7 +192,7 @@ def _first_gluon(kernel: str, head_dim: int) -> Entry | None:
 
 def plan(kernel: str, head_dim: int, seq_len: int | None, dtype: torch.dtype, causal: bool = True, *,
          deterministic: bool = False, capability: tuple[int, int] | None = None, gluon_inputs: bool = False,
-         batch_heads: int = 1, interpret: bool | None = None, path: str | None = None) -> Plan:
+         batch_heads: int = 1, interpret: bool | None = None, path: str | None = None, masked: bool = False) -> Plan:
     """Which kernel runs this call, with which tiles.
 
     kernel: "fwd", "bwd", or one backward kernel alone, "dq" or "dkdv". seq_len: the queries' length (None: the
@@ -182,20 +200,25 @@ def plan(kernel: str, head_dim: int, seq_len: int | None, dtype: torch.dtype, ca
     Gluon kernels (launch.gluon_inputs: CUDA, TMA-aligned, one length, a fresh result; the table adds sm_90, causal,
     fp16/bf16). deterministic: no five-matmul backward. batch_heads: B·H (the dS path's buffer size).
     interpret: Triton's CPU interpreter (default: TRITON_INTERPRET=1). path: forces a path for "fwd" and "bwd"
-    (default: $MINIGPT_FLASH_PATH; see PATHS)."""
+    (default: $MINIGPT_FLASH_PATH; see PATHS). masked: the call has masks or GQA (the Triton kernels only; a forced
+    gluon or via_ds path raises)."""
     interpret = INTERPRET if interpret is None else interpret
     if path is None:
         path = os.environ.get(PATH_ENV) or "auto"
     if path not in PATHS:
         raise ValueError(f"{PATH_ENV}={path!r}: allowed values are {', '.join(PATHS)}")
+    if masked:
+        if path in ("gluon", "via_ds") and kernel in ("fwd", "bwd"):
+            raise _cannot(path, "masks (window, document ids, offsets) and GQA run the Triton kernels only")
+        gluon_inputs = False
     if kernel in ("dq", "dkdv"):  # one kernel alone: the Gluon dQ kernel where the table says so
-        e = _entry(kernel, head_dim, seq_len, dtype, causal, capability, gluon_inputs, interpret)
+        e = _entry(kernel, head_dim, seq_len, dtype, causal, capability, gluon_inputs, interpret, masked)
         return Plan("gluon" if e.tiles.specialized else "triton", e.tiles, why=e.why)
     if kernel == "fwd":
-        return _forward(head_dim, seq_len, dtype, causal, capability, gluon_inputs, interpret, path)
+        return _forward(head_dim, seq_len, dtype, causal, capability, gluon_inputs, interpret, path, masked)
     if kernel == "bwd":
         return _backward(head_dim, seq_len, dtype, causal, deterministic, capability, gluon_inputs, batch_heads,
-                         interpret, path, VIA_DS_MAX_BYTES)
+                         interpret, path, VIA_DS_MAX_BYTES, masked)
     raise ValueError(f"plan: kernel must be one of fwd, bwd, dq, dkdv; got {kernel!r}")
 
 
@@ -203,9 +226,9 @@ def _cannot(path: str, why: str) -> ValueError:
     return ValueError(f"{PATH_ENV}={path}: {why}; allowed values are {', '.join(PATHS)} (auto: the table)")
 
 
-def _forward(head_dim, seq_len, dtype, causal, capability, gluon_inputs, interpret, path) -> Plan:
+def _forward(head_dim, seq_len, dtype, causal, capability, gluon_inputs, interpret, path, masked=False) -> Plan:
     e = _entry("fwd", head_dim, seq_len, dtype, causal, capability, gluon_inputs and path in ("auto", "gluon"),
-               interpret)
+               interpret, masked)
     if path == "gluon" and not e.tiles.specialized:
         g = _first_gluon("fwd", head_dim)
         if g is None or _entry("fwd", head_dim, g.lengths[0], dtype, causal, capability, gluon_inputs,
@@ -218,8 +241,12 @@ def _forward(head_dim, seq_len, dtype, causal, capability, gluon_inputs, interpr
 
 
 def _backward(head_dim, seq_len, dtype, causal, deterministic, capability, gluon_inputs, batch_heads, interpret, path,
-              max_ds_bytes) -> Plan:
+              max_ds_bytes, masked=False) -> Plan:
     forced = "" if path == "auto" else f"{PATH_ENV}={path}"
+    if masked:  # the seven-matmul Triton backward, the masks rows' tiles
+        dkdv = _entry("dkdv", head_dim, seq_len, dtype, causal, capability, False, interpret, True)
+        dq = _entry("dq", head_dim, seq_len, dtype, causal, capability, False, interpret, True)
+        return Plan("triton", dkdv.tiles, dq.tiles, forced or dq.why)
     if path in ("auto", "gluon") and not deterministic:  # the five-matmul backward (its dQ sums in a varying order)
         e = _entry("dkdvdq", head_dim, seq_len, dtype, causal, capability, gluon_inputs, interpret)
         if e is None and path == "gluon":

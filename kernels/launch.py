@@ -8,10 +8,20 @@ launches the forward and the backward's kernels one by one, into its own fp32 ac
       launch_backward_via_ds            dS kept in memory, dQ = dS K from it
       launch_backward_dq / _dkdv        the seven-matmul backward's two kernels (ring attention: one at a time)
       launch_backward_delta             delta = rowsum(dO ∘ O), for launches one by one
+
+Masks and GQA (keyword-only, every launcher but the Gluon- and dS-only ones): k and v may have fewer heads than q
+(q_heads a multiple of kv_heads; query head h reads K/V head h // (q_heads // kv_heads), and dK/dV sum over the
+group inside the dK/dV kernel); `window` (keys within it of the query: causal i − window < j ≤ i, else
+|i − j| < window); `q_doc_ids` (B, Nq) and `k_doc_ids` (B, Nk), non-decreasing ints (a query sees a key only of the
+same document); `q_offset` and `k_offset`, the global positions of the first query and key row, for a query block
+against a key block elsewhere in the sequence (ring attention): causal and window then compare global positions,
+and a causal launch may have Nq != Nk. A row that sees no key gets o = 0 and lse = −inf. The kernels find each tile's
+span of visible keys (or queries) on the device and skip the tiles outside it (triton_kernels.py, "Masks").
 """
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import triton
@@ -98,15 +108,95 @@ def empty_in_layout_of(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     return torch.empty((B, H, N, D), dtype=dtype, device=t.device)
 
 
-def _check_lengths(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
-    """The launchers take Nq query rows against Nk key rows; a causal mask is the diagonal of a square, so causal
-    launches need Nq == Nk. (flash_attention's own check, _check_inputs, keeps one shape for q, k, v.)"""
-    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3] or k.shape[2] < 1:
-        raise ValueError(f"flash_attention: q (B, H, Nq, D) and k, v (B, H, Nk, D) with Nk >= 1 expected, got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if causal and q.shape[2] != k.shape[2]:
+def _check_lengths(q: Tensor, k: Tensor, v: Tensor, causal: bool, positioned: bool = False) -> None:
+    """The launchers take Nq query rows against Nk key rows, and q_heads a multiple of kv_heads (GQA). A causal mask
+    without positions is the diagonal of a square, so causal launches need Nq == Nk unless q_offset/k_offset place
+    the blocks (positioned). (flash_attention's own check, check_inputs, keeps one length for q, k, v.)"""
+    if (k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or k.shape[2] < 1
+            or k.shape[1] < 1 or q.shape[1] % k.shape[1]):
+        raise ValueError(f"flash_attention: q (B, Hq, Nq, D) and k, v (B, Hkv, Nk, D) with Nk >= 1 and Hq a multiple "
+                         f"of Hkv expected, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if causal and q.shape[2] != k.shape[2] and not positioned:
         raise ValueError(f"flash_attention: causal attention needs as many queries as keys, got Nq={q.shape[2]}, "
-                         f"Nk={k.shape[2]} (different lengths only without the causal mask)")
+                         f"Nk={k.shape[2]} (different lengths only without the causal mask, or with q_offset/k_offset)")
+
+
+CHECK_MASKS_ENV = "MINIGPT_CHECK_MASKS"  # =1: check that document ids do not decrease (a host sync per launch)
+_tile_counts: list | None = None  # count_tiles' record while it is active (tests, interpreter only)
+
+
+@contextlib.contextmanager
+def count_tiles():
+    """Tests under Triton's interpreter: while active, every Triton attention kernel launch counts the tiles it
+    visits. Yields a list that receives (kernel, counts, (block_m, block_n)) per launch: kernel "fwd", "dq" or "dkdv",
+    counts an int32 (B·q_heads, query tiles, key tiles) tensor of visits (the dK/dV kernel counts per query head)."""
+    global _tile_counts
+    if not INTERPRET:
+        raise RuntimeError("count_tiles runs under Triton's interpreter only (TRITON_INTERPRET=1)")
+    _tile_counts = []
+    try:
+        yield _tile_counts
+    finally:
+        _tile_counts = None
+
+
+def _check_doc_ids(name: str, ids: Tensor, q: Tensor, n: int) -> Tensor:
+    """A (B, n) int32/int64 tensor of document ids on q's device, with contiguous rows; checked non-decreasing when
+    MINIGPT_CHECK_MASKS=1."""
+    if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.shape != (q.shape[0], n):
+        raise ValueError(f"flash_attention: {name} must be a (batch, seq) = ({q.shape[0]}, {n}) tensor, got "
+                         f"{tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__}")
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"flash_attention: {name} must be int32 or int64, got {ids.dtype}")
+    if ids.device != q.device:
+        raise ValueError(f"flash_attention: {name} must be on q's device {q.device}, got {ids.device}")
+    if os.environ.get(CHECK_MASKS_ENV) == "1" and n > 1 and bool((ids[:, 1:] < ids[:, :-1]).any()):
+        raise ValueError(f"flash_attention: {name} must be non-decreasing along the sequence (packed documents)")
+    return ids if ids.stride(1) == 1 or n == 1 else ids.contiguous()
+
+
+def _mask_args(q: Tensor, k: Tensor, causal: bool, window: int | None, q_doc_ids: Tensor | None,
+               k_doc_ids: Tensor | None, q_offset: int | None, k_offset: int | None, kernel: str,
+               blocks: tuple[int, int]) -> tuple[tuple, dict]:
+    """Checked masks, as the Triton kernels take them: (Q_IDS, K_IDS, stride_qids, stride_kids, shift, window, steps,
+    COUNTS) and the constexprs GROUP, MASKS, WINDOWED, DOCS, COUNT. MASKS where some mask leaves out keys beyond
+    today's causal diagonal: a window narrower than the blocks' span, documents, or a causal launch off the
+    diagonal (offsets that differ, Nq != Nk)."""
+    B, H, N_Q = q.shape[:3]
+    N_K = k.shape[2]
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"flash_attention: window must be an int >= 1 (or None), got {window!r}")
+    for name, off in (("q_offset", q_offset), ("k_offset", k_offset)):
+        if off is not None and (isinstance(off, bool) or not isinstance(off, int) or off < 0):
+            raise ValueError(f"flash_attention: {name} must be an int >= 0 (or None), got {off!r}")
+    if (q_doc_ids is None) != (k_doc_ids is None):
+        raise ValueError("flash_attention: q_doc_ids and k_doc_ids go together (both or neither)")
+    docs = q_doc_ids is not None
+    if docs:
+        q_doc_ids = _check_doc_ids("q_doc_ids", q_doc_ids, q, N_Q)
+        k_doc_ids = _check_doc_ids("k_doc_ids", k_doc_ids, q, N_K)
+    shift = (q_offset or 0) - (k_offset or 0)  # query i sits at key index i + shift
+    if window is not None and window > max(abs(N_Q - 1 + shift), abs(shift - (N_K - 1))):
+        window = None  # wider than any query-key distance of these blocks: leaves nothing out
+    masks = window is not None or docs or (causal and (shift != 0 or N_Q != N_K))
+    counts = None
+    if _tile_counts is not None:
+        counts = torch.zeros((B * H, triton.cdiv(N_Q, blocks[0]), triton.cdiv(N_K, blocks[1])), dtype=torch.int32,
+                             device=q.device)
+        _tile_counts.append((kernel, counts, blocks))
+    ids = (q_doc_ids, k_doc_ids, q_doc_ids.stride(0), k_doc_ids.stride(0)) if masks and docs else (q, q, 0, 0)
+    # unmasked launches pass constants (no new specialization of the dense kernels per length)
+    spans = (shift, window or 0, max(N_Q, N_K).bit_length()) if masks else (0, 0, 0)
+    args = (*ids, *spans, q if counts is None else counts)
+    return args, dict(GROUP=H // k.shape[1], MASKS=masks, WINDOWED=masks and window is not None,
+                      DOCS=masks and docs, COUNT=counts is not None)
+
+
+def _masked(q: Tensor, k: Tensor, causal: bool, window, q_doc_ids, q_offset, k_offset) -> bool:
+    """Whether a launch needs the Triton kernels' masks or GQA (the Gluon and dS paths take neither)."""
+    shift = (q_offset or 0) - (k_offset or 0)
+    return (q.shape[1] != k.shape[1] or window is not None or q_doc_ids is not None
+            or (causal and (shift != 0 or q.shape[2] != k.shape[2])))
 
 
 def _row_stride(t: Tensor) -> int | None:
@@ -160,7 +250,9 @@ def _grad_outputs(out: tuple[Tensor, ...] | None, accumulate: bool, names: tuple
 
 
 def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float, cfg: TileConfig | None = None,
-                   out: tuple[Tensor, Tensor] | None = None, accumulate: bool = False) -> tuple[Tensor, Tensor]:
+                   out: tuple[Tensor, Tensor] | None = None, accumulate: bool = False, *, window: int | None = None,
+                   q_doc_ids: Tensor | None = None, k_doc_ids: Tensor | None = None, q_offset: int | None = None,
+                   k_offset: int | None = None) -> tuple[Tensor, Tensor]:
     """Run the forward kernel: (o, lse) of the Nq rows of q against the Nk keys of k, v (Nq == Nk when causal).
     `cfg` overrides the tile table (the benchmark's tile exploration).
 
@@ -168,14 +260,19 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
     a contiguous last dimension; lse (B, H, Nq) fp32, a contiguous tensor or a slice of one along Nq.
     accumulate=True: out holds, in fp32, the attention of these rows over other keys (o normalized, lse base 2; a
     row with lse = -inf holds nothing yet, whatever its o) and is overwritten with the attention over both key
-    sets. Ring attention folds each arriving block into its running output this way, without a merge pass."""
-    _check_lengths(q, k, v, causal)
+    sets. Ring attention folds each arriving block into its running output this way, without a merge pass.
+    window, q_doc_ids, k_doc_ids, q_offset, k_offset, and k, v with fewer heads than q: see the module docstring."""
+    _check_lengths(q, k, v, causal, q_offset is not None or k_offset is not None)
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
-    ready = specialized_ready(q, k, v, causal, accumulate, out)
+    masked = _masked(q, k, causal, window, q_doc_ids, q_offset, k_offset)
+    ready = not masked and specialized_ready(q, k, v, causal, accumulate, out)
     if cfg is not None and cfg.specialized and not ready:
-        raise ValueError(_NOT_SPECIALIZED.format("forward"))
-    cfg = cfg or plan("fwd", D, N_Q, q.dtype, causal, capability=_capability(q), gluon_inputs=ready).tiles
+        raise ValueError(_NOT_SPECIALIZED.format("forward") + ", nor masks or GQA")
+    cfg = cfg or plan("fwd", D, N_Q, q.dtype, causal, capability=_capability(q), gluon_inputs=ready,
+                      masked=masked).tiles
+    margs, mflags = _mask_args(q, k, causal, window, q_doc_ids, k_doc_ids, q_offset, k_offset, "fwd",
+                               (cfg.block_m, cfg.block_n))
     if out is None:
         if accumulate:
             raise ValueError("flash_attention: accumulate=True continues the state in `out`; none given")
@@ -193,17 +290,19 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
         return o, lse
     grid = (triton.cdiv(N_Q, cfg.block_m), B * H)
     fwd_kernel[grid](q, k, v, o, lse, *strides3(q), *strides3(k), *strides3(v), *strides3(o), _row_stride(lse),
-                      H, N_Q, N_K, sm_scale * LOG2E, CAUSAL=causal, CONTINUE=accumulate, HEAD_DIM=D,
+                      H, N_Q, N_K, sm_scale * LOG2E, *margs, CAUSAL=causal, CONTINUE=accumulate, HEAD_DIM=D,
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v),
                       TMA=_use_tma(cfg, k, v), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                      **_reg_cap(cfg))
+                      **mflags, **_reg_cap(cfg))
     return o, lse
 
 
 def launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, sm_scale: float,
                     dkdv_cfg: TileConfig | None = None, dq_cfg: TileConfig | None = None,
                     deterministic: bool = False, out: tuple[Tensor, Tensor, Tensor] | None = None,
-                    fp32_dq: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                    fp32_dq: bool = False, *, window: int | None = None, q_doc_ids: Tensor | None = None,
+                    k_doc_ids: Tensor | None = None, q_offset: int | None = None,
+                    k_offset: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The backward: (dq, dk, dv). Where the table says so (long causal sequences at head_dim 64 or 128 on an
     H100/H200), the five-matmul backward (launch_backward_fused), unless deterministic results are asked for (deterministic=True or
     torch.use_deterministic_algorithms): its dQ is summed in a varying order. Short causal sequences at head_dim 128
@@ -214,16 +313,19 @@ def launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse:
     kernel, which saves a pass over O and dO: 1–3% of the backward at 1K–4K and at 128K tokens (NOTES.md L).
     out=(dq, dk, dv): write the gradients there (q's, k's, v's shapes, contiguous last dimensions) and return them;
     fp32_dq: where the five-matmul backward runs, return its fp32 dQ accumulator in out's dq's stead (see
-    launch_backward_fused)."""
+    launch_backward_fused). Masks and GQA (window, q_doc_ids, k_doc_ids, q_offset, k_offset; the module docstring):
+    the seven-matmul backward, the masks' tiles of the table."""
     if do.stride(-1) != 1:
         do = do.contiguous()
     B, H, N = lse.shape
+    masks = dict(window=window, q_doc_ids=q_doc_ids, k_doc_ids=k_doc_ids, q_offset=q_offset, k_offset=k_offset)
+    masked = _masked(q, k, causal, window, q_doc_ids, q_offset, k_offset)
     if out is not None:
         _grad_outputs(out, False, ("dq", "dk", "dv"), (q, k, v))  # checked here, before either path runs
     if dkdv_cfg is None and dq_cfg is None:  # the plan's path; else the seven-matmul backward with the tiles given
         args = (q.shape[-1], N, q.dtype, causal)
         options = dict(deterministic=deterministic or torch.are_deterministic_algorithms_enabled(),
-                       capability=_capability(q), batch_heads=B * H)
+                       capability=_capability(q), batch_heads=B * H, masked=masked)
         p = plan("bwd", *args, gluon_inputs=True, **options)  # the inputs are checked only where a Gluon kernel runs
         if (p.path == "gluon" or p.dq_tiles.specialized) and not specialized_ready(q, k, v, causal, also=(do,)):
             p = plan("bwd", *args, gluon_inputs=False, **options)
@@ -235,9 +337,9 @@ def launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse:
     # rows start 16-byte aligned whatever N, as TMA reads them
     delta = torch.empty((B, H, (N + 3) // 4 * 4), dtype=torch.float32, device=lse.device)[:, :, :N]
     dq = launch_backward_dq(do, q, k, v, lse, delta, causal, sm_scale, dq_cfg, o=o,
-                            out=None if out is None else out[0])
+                            out=None if out is None else out[0], **masks)
     dk, dv = launch_backward_dkdv(do, q, k, v, lse, delta, causal, sm_scale, dkdv_cfg,
-                                  out=None if out is None else out[1:])
+                                  out=None if out is None else out[1:], **masks)
     return dq, dk, dv
 
 
@@ -307,35 +409,41 @@ def launch_backward_delta(do: Tensor, o: Tensor, lse: Tensor) -> tuple[Tensor, T
 
 def launch_backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, causal: bool,
                          sm_scale: float, cfg: TileConfig | None = None, out: tuple[Tensor, Tensor] | None = None,
-                         accumulate: bool = False, ds: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                         accumulate: bool = False, ds: Tensor | None = None, *, window: int | None = None,
+                         q_doc_ids: Tensor | None = None, k_doc_ids: Tensor | None = None, q_offset: int | None = None,
+                         k_offset: int | None = None) -> tuple[Tensor, Tensor]:
     """(dk, dv) of the Nk keys over the Nq queries (Nq == Nk when causal), in the memory layouts of k and v, or
     written into out=(dk, dv) (k's shape, contiguous last dimension); accumulate=True adds them to what out holds
     (fp32): ring attention's travelling dK/dV accumulator. ds (causal, square tiles): a flat buffer of
-    B·H·ds_head_elements(N, tile) elements in q's dtype that receives every dS tile (launch_backward_via_ds)."""
-    _check_lengths(q, k, v, causal)
+    B·H·ds_head_elements(N, tile) elements in q's dtype that receives every dS tile (launch_backward_via_ds).
+    Masks and GQA: the module docstring (with GQA, one program sums a key tile's dK/dV over its group of query heads)."""
+    _check_lengths(q, k, v, causal, q_offset is not None or k_offset is not None)
     B, H, N_Q, D = q.shape
+    masked = _masked(q, k, causal, window, q_doc_ids, q_offset, k_offset)
     N_K = k.shape[2]
     dk, dv = _grad_outputs(out, accumulate, ("dk", "dv"), (k, v))
     (lse, stride_lse), (delta, stride_delta) = _rows_in(lse), _rows_in(delta)
     if cfg is not None and cfg.specialized:
         raise ValueError("flash_attention: the warp-specialized dK/dV kernel computes dQ too: launch_backward_fused "
                          "runs it")
-    c = cfg or plan("dkdv", D, N_Q, q.dtype, causal).tiles
-    if ds is not None and not (causal and c.block_m == c.block_n and ds.dtype == q.dtype and ds.is_contiguous()
+    c = cfg or plan("dkdv", D, N_Q, q.dtype, causal, masked=masked).tiles
+    if ds is not None and not (causal and not masked and c.block_m == c.block_n and ds.dtype == q.dtype and ds.is_contiguous()
                                and ds.numel() == B * H * ds_head_elements(N_Q, c.block_m)
                                and ds_head_elements(N_Q, c.block_m) < 2**31):  # offsets inside a head are int32
-        raise ValueError(f"flash_attention: ds takes causal launches with square tiles, a contiguous {q.dtype} buffer "
-                         f"of B·H·ds_head_elements(N, tile) elements, under 2³¹ per head; got {c} and {ds.numel()} "
-                         f"{ds.dtype}")
-    bwd_dkdv_kernel[(triton.cdiv(N_K, c.block_n), B * H)](
+        raise ValueError(f"flash_attention: ds takes causal launches without masks or GQA, with square tiles, a "
+                         f"contiguous {q.dtype} buffer of B·H·ds_head_elements(N, tile) elements, under 2³¹ per head; "
+                         f"got {c} and {ds.numel()} {ds.dtype}")
+    margs, mflags = _mask_args(q, k, causal, window, q_doc_ids, k_doc_ids, q_offset, k_offset, "dkdv",
+                               (c.block_m, c.block_n))
+    bwd_dkdv_kernel[(triton.cdiv(N_K, c.block_n), B * k.shape[1])](
         q, k, v, do, lse, delta, dk, dv,
         dk if ds is None else ds,  # DS: any pointer when nothing is stored
         *strides3(q), *strides3(k), *strides3(v), *strides3(do),
-        *strides3(dk), *strides3(dv), stride_lse, stride_delta, H, N_Q, N_K, sm_scale * LOG2E, sm_scale,
+        *strides3(dk), *strides3(dv), stride_lse, stride_delta, H, N_Q, N_K, sm_scale * LOG2E, sm_scale, *margs,
         CAUSAL=causal, ACCUMULATE=accumulate, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
         INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v, do), TMA=_use_tma(c, q, do),
         ROW_TMA=_use_tma(c, lse, delta), STORE_DS=ds is not None,
-        num_warps=c.num_warps, num_stages=c.num_stages, **_reg_cap(c))
+        num_warps=c.num_warps, num_stages=c.num_stages, **mflags, **_reg_cap(c))
     return dk, dv
 
 
@@ -363,6 +471,8 @@ def launch_backward_via_ds(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tenso
     128, 4.25× q's size), so the table takes this path only for short sequences (dispatch.plan).
     cfg: the dK/dV kernel's tiles (square); dq_cfg: the dQ kernel's warps and stages (its tiles are cfg's)."""
     _check_lengths(q, k, v, True)
+    if q.shape != k.shape:
+        raise ValueError("flash_attention: the dS path takes as many K/V heads as query heads (no GQA)")
     B, H, N, D = q.shape
     c = cfg or plan("dkdv", D, N, q.dtype, True).tiles
     dc = dq_cfg or TileConfig(c.block_m, c.block_n, 4, 3)  # 4 warps, 3 stages: best of 2–4 stages, 4 or 8 warps
@@ -381,13 +491,16 @@ def launch_backward_via_ds(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tenso
 
 def launch_backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, causal: bool,
                        sm_scale: float, cfg: TileConfig | None = None, out: Tensor | None = None,
-                       accumulate: bool = False, o: Tensor | None = None) -> Tensor:
+                       accumulate: bool = False, o: Tensor | None = None, *, window: int | None = None,
+                       q_doc_ids: Tensor | None = None, k_doc_ids: Tensor | None = None, q_offset: int | None = None,
+                       k_offset: int | None = None) -> Tensor:
     """dq of the Nq queries over the Nk keys (Nq == Nk when causal), in the memory layout of q, or written into
     `out` (q's shape, contiguous last dimension); accumulate=True adds it to what out holds (fp32).
     o given (the forward's output): delta is computed here from o and do and written into `delta` (then an output,
-    (B, H, Nq) fp32) instead of read from it."""
-    _check_lengths(q, k, v, causal)
+    (B, H, Nq) fp32) instead of read from it. Masks and GQA: the module docstring."""
+    _check_lengths(q, k, v, causal, q_offset is not None or k_offset is not None)
     B, H, N_Q, D = q.shape
+    masked = _masked(q, k, causal, window, q_doc_ids, q_offset, k_offset)
     N_K = k.shape[2]
     (dq,) = _grad_outputs(None if out is None else (out,), accumulate, ("dq",), (q,))
     if o is not None and (o.shape != q.shape or o.stride(-1) != 1):
@@ -400,12 +513,12 @@ def launch_backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
     (lse, stride_lse), (delta, stride_delta) = _rows_in(lse), _rows_in(delta)
     # the warp-specialized dQ kernel computes delta from o (it has no path that reads it); the inputs are checked only
     # where the table (or cfg) wants it
-    if cfg is not None and cfg.specialized and not (o is not None and cfg.block_m == 128
+    if cfg is not None and cfg.specialized and not (o is not None and cfg.block_m == 128 and not masked
                                                     and specialized_ready(q, k, v, causal, accumulate, also=(do,))):
-        raise ValueError(_NOT_SPECIALIZED.format("dQ kernel") + ", with o given; its block_m is 128")
+        raise ValueError(_NOT_SPECIALIZED.format("dQ kernel") + ", with o given, no masks or GQA; its block_m is 128")
     c = cfg
     if c is None:
-        c = plan("dq", D, N_Q, q.dtype, causal, capability=_capability(q), gluon_inputs=True).tiles
+        c = plan("dq", D, N_Q, q.dtype, causal, capability=_capability(q), gluon_inputs=True, masked=masked).tiles
         if c.specialized and not (o is not None and specialized_ready(q, k, v, causal, accumulate, also=(do,))):
             c = plan("dq", D, N_Q, q.dtype, causal, capability=_capability(q), gluon_inputs=False).tiles
     if c.specialized:
@@ -414,13 +527,15 @@ def launch_backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
             do, q, k, v, o, lse, stride_lse, delta, stride_delta, dq, sm_scale, sm_scale * LOG2E, c.block_n,
             c.num_stages)
         return dq
+    margs, mflags = _mask_args(q, k, causal, window, q_doc_ids, k_doc_ids, q_offset, k_offset, "dq",
+                               (c.block_m, c.block_n))
     bwd_dq_kernel[(triton.cdiv(N_Q, c.block_m), B * H)](
         q, k, v, do, lse, delta, dq, o, *strides3(q), *strides3(k), *strides3(v), *strides3(do),
         *strides3(dq), *(strides3(o) if o is not None else (0, 0, 0)), stride_lse, stride_delta,
-        H, N_Q, N_K, sm_scale * LOG2E, sm_scale,
+        H, N_Q, N_K, sm_scale * LOG2E, sm_scale, *margs,
         CAUSAL=causal, ACCUMULATE=accumulate, HEAD_DIM=D, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
         INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v, do), TMA=_use_tma(c, k, v), DELTA_FROM_O=o is not None,
-        num_warps=c.num_warps, num_stages=c.num_stages, **_reg_cap(c))
+        num_warps=c.num_warps, num_stages=c.num_stages, **mflags, **_reg_cap(c))
     return dq
 
 

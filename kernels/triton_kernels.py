@@ -1,7 +1,7 @@
 """FlashAttention in Triton: the kernels, in reading order (tile sources, forward, backward). launch.py launches
 them; dispatch.py says with which tiles.
 
-    o = softmax(scale · q kᵀ + causal mask) v          q, k, v, o: (batch, heads, seq, head_dim)
+    o = softmax(scale · q kᵀ + mask) v          q, o: (batch, q_heads, seq, head_dim); k, v: (batch, kv_heads, seq, head_dim)
 
 The N×N score matrix never exists in memory. The forward walks over key tiles keeping, per query row,
 a running max m and running sum l of exp(scores − m), and rescales its accumulator whenever m grows;
@@ -21,6 +21,18 @@ the inputs are 16-byte aligned, through masked pointer loads otherwise.
 
 Causal masking: tiles entirely above the diagonal are never visited; only tiles on the diagonal pay for
 the mask. Sequence tails (seq not a multiple of the tile) are handled with masked loads and stores.
+
+Masks (MASKS: a sliding window, document ids, blocks at offsets) and GQA. Each query row sees an interval of keys
+(causal: j <= i; window: i − window < j, and non-causal j < i + window; documents: the keys of its document) whose
+ends never decrease with the row, so a query tile's keys span from its first row's lower end to its last row's
+upper end, and the keys every row of it sees from the last row's lower end to the first row's upper end
+(_key_span; the dK/dV kernel's mirror over queries is _query_span). Document ends come from a binary search over
+the non-decreasing ids on the device (log2 N scalar loads per program; no host sync, so no graph break). Tiles
+outside the span are never visited, whole tiles inside the common part run unmasked, and only the tiles between
+apply the elementwise mask (_visible). A row that sees no key (possible only for blocks at offsets) ends with o = 0
+and lse = −inf, and gets P = 0 in the backward. GQA (GROUP query heads per K/V head): query head h reads K/V head
+h // GROUP; the dK/dV kernel runs one program per K/V head and key tile and sums its group's query heads in turn,
+so no per-query-head copy of K/V or dK/dV exists. Without masks and with GROUP 1, the kernels are the dense ones.
 Offsets that can exceed 2³¹ (batch/head bases; tile starts on inputs where seq × row stride passes 2³¹,
 e.g. a million tokens in the model's qkv layout) are int64; offsets inside a tile stay int32.
 
@@ -114,17 +126,145 @@ def _load_rows(src, row, rows, rows_ok, other, TMA: tl.constexpr):
 
 
 # ------------------------------------------------------------------------------------------------
+# Masks: which keys a query sees (causal, sliding window, documents), and which tiles hold any of them
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _search(ids, n, target, steps, AFTER: tl.constexpr):
+    """The first index j in [0, n) of the non-decreasing ids with ids[j] > target (AFTER) or ids[j] >= target (n if
+    none): a binary search of `steps` >= log2(n + 1) halvings, one scalar load each, on the device (no host sync)."""
+    lo = tl.full([], 0, tl.int32)
+    hi = lo + n
+    for _ in range(steps):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        val = tl.load(ids + tl.minimum(mid, n - 1))
+        if AFTER:
+            right = val <= target
+            left = val > target
+        else:
+            right = val < target
+            left = val >= target
+        lo = tl.where(active & right, mid + 1, lo)
+        hi = tl.where(active & left, mid, hi)
+    return lo
+
+
+@triton.jit
+def _segments(lo, a, b, hi, BLOCK: tl.constexpr):
+    """Tiles of BLOCK rows over the visible span [lo, hi): (first, full_lo, full_hi, hi) where tiles from `first`
+    (lo rounded down to a tile) to hi are visited, those in [full_lo, full_hi) (inside [a, b): visible to every row
+    of the other side) without the elementwise mask, the others with it. Nothing visible (hi <= lo): no tile."""
+    first = lo // BLOCK * BLOCK  # lo, a >= 0
+    hi = tl.where(hi > lo, hi, first)
+    hi_t = tl.cdiv(hi, BLOCK) * BLOCK
+    full_lo = tl.minimum(tl.maximum(tl.cdiv(a, BLOCK) * BLOCK, first), hi_t)
+    full_hi = tl.maximum(tl.minimum(tl.maximum(b, 0) // BLOCK * BLOCK, hi_t), full_lo)
+    return first, full_lo, full_hi, hi
+
+
+@triton.jit
+def _key_span(start_m, N_Q, N_K, shift, window, q_ids, k_ids, steps, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+              DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key tiles query rows [start_m, start_m + BLOCK_M) visit, as _segments gives them. A query at index i sits
+    at key index i + shift (shift = q_offset − k_offset). Each row sees an interval of keys whose ends do not decrease
+    with the row, so the first row bounds the span from below and the last from above; the full tiles are those
+    every row sees: the last row's lower bound to the first row's upper bound, and whole tiles inside N_K."""
+    first = start_m + shift
+    last = tl.minimum(start_m + BLOCK_M, N_Q) - 1 + shift
+    lo = tl.full([], 0, tl.int32)
+    a = lo
+    hi = lo + N_K
+    b = hi
+    if CAUSAL:  # keys j <= i
+        hi = tl.minimum(hi, last + 1)
+        b = tl.minimum(b, first + 1)
+    if WINDOWED:  # keys i − window < j (and, non-causal, j < i + window)
+        lo = tl.maximum(lo, first - window + 1)
+        a = tl.maximum(a, last - window + 1)
+        if not CAUSAL:
+            hi = tl.minimum(hi, last + window)
+            b = tl.minimum(b, first + window)
+    if DOCS:  # keys of the rows' documents: from the first row's document to the last row's
+        doc_first = tl.load(q_ids + start_m)
+        doc_last = tl.load(q_ids + tl.minimum(start_m + BLOCK_M, N_Q) - 1)
+        lo = tl.maximum(lo, _search(k_ids, N_K, doc_first, steps, False))
+        hi = tl.minimum(hi, _search(k_ids, N_K, doc_last, steps, True))
+        a = tl.maximum(a, _search(k_ids, N_K, doc_last, steps, False))
+        b = tl.minimum(b, _search(k_ids, N_K, doc_first, steps, True))
+    return _segments(lo, a, b, hi, BLOCK_N)
+
+
+@triton.jit
+def _query_span(start_n, N_Q, N_K, shift, window, q_ids, k_ids, steps, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+                DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The query tiles that see keys [start_n, start_n + BLOCK_N), as _segments gives them (the dK/dV kernel's span;
+    _key_span's mirror: a key at index j sits at query index j − shift). Query rows past N_Q need no mask here (their
+    q and dO load as 0), so the last ragged query tile may be full."""
+    first = start_n - shift
+    last = tl.minimum(start_n + BLOCK_N, N_K) - 1 - shift
+    lo = tl.full([], 0, tl.int32)
+    a = lo
+    hi = lo + N_Q
+    b = lo + tl.cdiv(N_Q, BLOCK_M) * BLOCK_M
+    if CAUSAL:  # queries i >= j
+        lo = tl.maximum(lo, first)
+        a = tl.maximum(a, last)
+    if WINDOWED:  # queries i < j + window (and, non-causal, j − window < i)
+        hi = tl.minimum(hi, last + window)
+        b = tl.minimum(b, first + window)
+        if not CAUSAL:
+            lo = tl.maximum(lo, first - window + 1)
+            a = tl.maximum(a, last - window + 1)
+    if DOCS:
+        doc_first = tl.load(k_ids + start_n)
+        doc_last = tl.load(k_ids + tl.minimum(start_n + BLOCK_N, N_K) - 1)
+        lo = tl.maximum(lo, _search(q_ids, N_Q, doc_first, steps, False))
+        hi = tl.minimum(hi, _search(q_ids, N_Q, doc_last, steps, True))
+        a = tl.maximum(a, _search(q_ids, N_Q, doc_last, steps, False))
+        b = tl.minimum(b, _search(q_ids, N_Q, doc_first, steps, True))
+    return _segments(lo, a, b, hi, BLOCK_M)
+
+
+@triton.jit
+def _visible(d, q_doc, k_doc, window, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, DOCS: tl.constexpr):
+    """Which (query, key) pairs of a tile the masks leave visible: d = query position − key position (2-D), q_doc and
+    k_doc the pairs' document ids (broadcast to d's shape). At least one mask is on."""
+    if CAUSAL:
+        vis = d >= 0
+        if WINDOWED:
+            vis = vis & (d < window)
+    elif WINDOWED:
+        vis = (d < window) & (d > -window)
+    if DOCS:
+        if CAUSAL or WINDOWED:
+            vis = vis & (q_doc == k_doc)
+        else:
+            vis = q_doc == k_doc
+    return vis
+
+
+@triton.jit
+def _count_visit(counts, tile, COUNT: tl.constexpr):
+    """Tests (interpreter only): count a visit of this tile (launch.count_tiles)."""
+    if COUNT:
+        tl.atomic_add(counts + tile, 1)
+
+
+# ------------------------------------------------------------------------------------------------
 # Forward
 # ------------------------------------------------------------------------------------------------
 @triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, lo, hi, N_K, qk_scale,
+               q_doc, k_ids, shift, window, counts,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr):
+               INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr, MASKS: tl.constexpr, WINDOWED: tl.constexpr,
+               DOCS: tl.constexpr, COUNT: tl.constexpr):
     """Fold key tiles [lo, hi) into the running (acc, l, m) of one query tile.
 
     MASKED tiles (the causal diagonal, or the ragged last tile) apply the causal/bounds mask; the rest
     are known to be fully visible and skip it. k_src/v_src are TMA descriptors (TMA) or pointer tiles over the
-    N_K keys.
+    N_K keys. MASKS: the mask is _visible's (window, documents q_doc / k_ids, queries at key index i + shift), and a
+    row may have seen no key yet after a masked tile (its max stays −inf).
     """
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -135,17 +275,30 @@ def _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, lo
         k = _load_tile(k_src, start_n, in_bounds, MASKED, TMA)
         v = _load_tile(v_src, start_n, in_bounds, MASKED, TMA)
         qk = tl.dot(q, tl.trans(k))
+        _count_visit(counts, start_n // BLOCK_N, COUNT)
         if MASKED:
             visible = in_bounds[None, :]
-            if CAUSAL:
+            if MASKS:
+                cols = start_n + offs_n
+                if DOCS:
+                    k_doc = tl.load(k_ids + cols, mask=in_bounds, other=0)
+                else:
+                    k_doc = cols
+                visible = visible & _visible((offs_m + shift)[:, None] - cols[None, :], q_doc[:, None],
+                                             k_doc[None, :], window, CAUSAL, WINDOWED, DOCS)
+            elif CAUSAL:
                 visible = visible & (offs_m[:, None] >= (start_n + offs_n)[None, :])
             qk = tl.where(visible, qk, float("-inf"))
         # scores in base-2 units are s = qk · scale·log2(e);  m_new = max(m_old, rowmax(s))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_use = m_new
+        if MASKS:
+            if MASKED:  # a row that has seen no key yet: subtract 0, not −inf, so p = α = 0 instead of NaN
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         # p = exp2(s − m_new), one fused multiply-add per score
-        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        p = tl.math.exp2(qk * qk_scale - m_use[:, None])
         # α = exp2(m_old − m_new) rescales what was accumulated under the old max
-        alpha = tl.math.exp2(m_i - m_new)
+        alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         # acc = α·acc + p v, the add done by the tensor core's accumulator
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
@@ -160,15 +313,22 @@ def fwd_kernel(Q, K, V, O, LSE,
                 stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                 stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on, stride_lse,
                 H, N_Q, N_K, qk_scale,
+                Q_IDS, K_IDS, stride_qids, stride_kids, shift, window, steps, COUNTS,
                 CAUSAL: tl.constexpr, CONTINUE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr):
-    """One query tile of N_Q rows against N_K keys (N_Q == N_K when CAUSAL). LSE rows are stride_lse apart.
-    CONTINUE: (O, LSE) hold an fp32 partial result over other keys, continued here and overwritten."""
+                BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr, GROUP: tl.constexpr,
+                MASKS: tl.constexpr, WINDOWED: tl.constexpr, DOCS: tl.constexpr, COUNT: tl.constexpr):
+    """One query tile of N_Q rows against N_K keys (N_Q == N_K when CAUSAL without MASKS). LSE rows are stride_lse
+    apart. CONTINUE: (O, LSE) hold an fp32 partial result over other keys, continued here and overwritten.
+    GROUP: query heads per K/V head (GQA; head h reads K/V head h // GROUP). MASKS: the key span comes from
+    _key_span (causal, WINDOWED: keys within `window`, DOCS: documents Q_IDS/K_IDS (rows stride_*ids apart per batch),
+    queries at key index i + shift) and rows that see no key get o = 0, lse = −inf. COUNT (tests): count each
+    visited tile in COUNTS (B·H, query tiles, key tiles)."""
     pid_m = tl.program_id(0)
     if CAUSAL:  # longest rows first: the last query tiles see the most keys
         pid_m = tl.num_programs(0) - 1 - pid_m
     bh = tl.program_id(1)
     b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+    hk = h // GROUP  # the K/V head this query head reads
     start_m = pid_m * BLOCK_M
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -178,8 +338,15 @@ def fwd_kernel(Q, K, V, O, LSE,
         + offs_m[:, None] * stride_qn + offs_d[None, :]
     row_ok = (start_m + offs_m) < N_Q
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-    k_src = _tile_source(K + b * stride_kb + h * stride_kh, N_K, stride_kn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
-    v_src = _tile_source(V + b * stride_vb + h * stride_vh, N_K, stride_vn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
+    k_src = _tile_source(K + b * stride_kb + hk * stride_kh, N_K, stride_kn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
+    v_src = _tile_source(V + b * stride_vb + hk * stride_vh, N_K, stride_vn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
+    q_ids = Q_IDS + b * stride_qids
+    k_ids = K_IDS + b * stride_kids
+    if DOCS:
+        q_doc = tl.load(q_ids + start_m + offs_m, mask=row_ok, other=0)
+    else:
+        q_doc = offs_m
+    counts = COUNTS + (bh * tl.cdiv(N_Q, BLOCK_M) + pid_m) * tl.cdiv(N_K, BLOCK_N)
 
     if CONTINUE:
         # the state of a softmax over earlier keys, (o, lse) = (Σ 2^s v / Σ 2^s, log2 Σ 2^s), as a running
@@ -197,16 +364,32 @@ def fwd_kernel(Q, K, V, O, LSE,
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s − m)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # running unnormalized output
 
-    if CAUSAL:  # key tiles wholly before the query tile are fully visible; the rest, to the diagonal, get the mask
-        full_hi = (start_m // BLOCK_N) * BLOCK_N  # = start_m unless key tiles are wider than query tiles
-        diag_hi = tl.minimum(start_m + BLOCK_M, N_K)
-    else:  # all keys visible; only the ragged last tile is masked
-        full_hi = (N_K // BLOCK_N) * BLOCK_N
-        diag_hi = N_K
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, 0, full_hi, N_K,
-                               qk_scale, False, CAUSAL, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, full_hi, diag_hi, N_K,
-                               qk_scale, True, CAUSAL, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
+    if MASKS:  # masked tiles at both ends of the span, full ones between
+        first, full_lo, full_hi, hi = _key_span(start_m, N_Q, N_K, shift, window, q_ids, k_ids, steps, CAUSAL,
+                                                WINDOWED, DOCS, BLOCK_M, BLOCK_N)
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, first, full_lo,
+                                   N_K, qk_scale, q_doc, k_ids, shift, window, counts, True, CAUSAL, BLOCK_M, BLOCK_N,
+                                   INT64_OFFSETS, TMA, MASKS, WINDOWED, DOCS, COUNT)
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, full_lo, full_hi,
+                                   N_K, qk_scale, q_doc, k_ids, shift, window, counts, False, CAUSAL, BLOCK_M,
+                                   BLOCK_N, INT64_OFFSETS, TMA, MASKS, WINDOWED, DOCS, COUNT)
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, full_hi, hi,
+                                   N_K, qk_scale, q_doc, k_ids, shift, window, counts, True, CAUSAL, BLOCK_M, BLOCK_N,
+                                   INT64_OFFSETS, TMA, MASKS, WINDOWED, DOCS, COUNT)
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)  # a row that saw no key: o = 0, lse = m = −inf
+    else:
+        if CAUSAL:  # key tiles wholly before the query tile are fully visible; the rest, to the diagonal, get the mask
+            full_hi = (start_m // BLOCK_N) * BLOCK_N  # = start_m unless key tiles are wider than query tiles
+            diag_hi = tl.minimum(start_m + BLOCK_M, N_K)
+        else:  # all keys visible; only the ragged last tile is masked
+            full_hi = (N_K // BLOCK_N) * BLOCK_N
+            diag_hi = N_K
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, 0, full_hi, N_K,
+                                   qk_scale, q_doc, k_ids, 0, 0, counts, False, CAUSAL, BLOCK_M, BLOCK_N,
+                                   INT64_OFFSETS, TMA, MASKS, WINDOWED, DOCS, COUNT)
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, full_hi, diag_hi,
+                                   N_K, qk_scale, q_doc, k_ids, 0, 0, counts, True, CAUSAL, BLOCK_M, BLOCK_N,
+                                   INT64_OFFSETS, TMA, MASKS, WINDOWED, DOCS, COUNT)
 
     # o = acc / l;  LSE = m + log2(l) (base 2), what the backward needs to rebuild P = exp2(s − LSE)
     o = acc / l_i[:, None]
@@ -241,12 +424,14 @@ def bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_dob, 
 
 @triton.jit
 def _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, ds_head, stride_qn, stride_don,
-                    start_n, lo, hi, N_Q, qk_scale,
+                    start_n, lo, hi, N_Q, qk_scale, q_ids, k_doc, shift, window, counts, count_step,
                     MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr,
-                    TMA: tl.constexpr, ROW_TMA: tl.constexpr, STORE_DS: tl.constexpr):
+                    TMA: tl.constexpr, ROW_TMA: tl.constexpr, STORE_DS: tl.constexpr, CAUSAL: tl.constexpr,
+                    MASKS: tl.constexpr, WINDOWED: tl.constexpr, DOCS: tl.constexpr, COUNT: tl.constexpr):
     """Accumulate dK, dV of one key tile over query tiles [lo, hi) of the N_Q queries. Works on transposed tiles
     (keys × queries). STORE_DS: also write each bf16/fp16 dS tile into this head's triangle of tiles (ds_head), for
-    bwd_dq_from_ds_kernel."""
+    bwd_dq_from_ds_kernel. MASKED without MASKS: the causal diagonal; with MASKS: _visible's mask (k_doc: the key
+    tile's document ids), and rows that saw no key (lse = −inf) get P = 0."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     q_src = _tile_start(q_src, lo, stride_qn, INT64_OFFSETS, TMA)
@@ -260,10 +445,21 @@ def _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, ds_head, st
         # LSE = 0 and P = 1 there, but their Q and dO rows are 0 too, so they add exactly 0 to dV (P dO) and dK
         # (dS = P ∘ (V dOᵀ − delta) = 0, delta = 0)
         lse = _load_rows(lse_src, start_m, rows, row_ok, float("inf"), ROW_TMA)
+        if MASKS:  # a row that sees no key (launches at offsets): P = exp2(s − ∞) = 0
+            lse = tl.where(lse == float("-inf"), float("inf"), lse)
+        _count_visit(counts, (start_m // BLOCK_M) * count_step, COUNT)
         # Pᵀ = exp2(K Qᵀ · scale·log2e − LSE)
         pT = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
         if MASKED:
-            pT = tl.where(rows[None, :] >= offs_n[:, None], pT, 0.0)
+            if MASKS:
+                if DOCS:
+                    q_doc = tl.load(q_ids + rows, mask=row_ok, other=0)
+                else:
+                    q_doc = rows
+                pT = tl.where(_visible((rows + shift)[None, :] - offs_n[:, None], q_doc[None, :], k_doc[:, None],
+                                       window, CAUSAL, WINDOWED, DOCS), pT, 0.0)
+            else:
+                pT = tl.where(rows[None, :] >= offs_n[:, None], pT, 0.0)
         # dV += Pᵀ dO
         dv = tl.dot(pT.to(do.dtype), do, dv)
         # dPᵀ = V dOᵀ;  dSᵀ = Pᵀ ∘ (dPᵀ − delta)
@@ -281,55 +477,116 @@ def _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, ds_head, st
 
 
 @triton.jit
+def _bwd_dkdv_head(dk, dv, k, v, Q, DO, LSE, DELTA, DS, stride_qb, stride_qh, stride_qn, stride_dob, stride_doh,
+                   stride_don, stride_lse, stride_delta, b, h, H, N_Q, N_K, start_n, qk_scale,
+                   q_ids, k_doc, shift, window, first, full_lo, full_hi, hi, COUNTS,
+                   CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr, ROW_TMA: tl.constexpr, STORE_DS: tl.constexpr,
+                   MASKS: tl.constexpr, WINDOWED: tl.constexpr, DOCS: tl.constexpr, COUNT: tl.constexpr):
+    """Add query head h's share to the dK, dV of one key tile: its query tiles [first, hi) under MASKS (masked
+    outside [full_lo, full_hi)), else the causal diagonal and below, or every query tile."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    bh = b * H + h
+    q_src = _tile_source(Q + b * stride_qb + h * stride_qh, N_Q, stride_qn, offs_m, offs_d, BLOCK_M, HEAD_DIM, TMA)
+    do_src = _tile_source(DO + b * stride_dob + h * stride_doh, N_Q, stride_don, offs_m, offs_d, BLOCK_M, HEAD_DIM,
+                          TMA)
+    lse_src = _row_source(LSE + bh * stride_lse, N_Q, BLOCK_M, ROW_TMA)
+    delta_src = _row_source(DELTA + bh * stride_delta, N_Q, BLOCK_M, ROW_TMA)
+    n_tiles = tl.cdiv(N_Q, BLOCK_M)
+    ds_head = DS + bh * (_triangle_tile(n_tiles, 0) * (BLOCK_M * BLOCK_N))  # this head's triangle
+    n_key_tiles = tl.cdiv(N_K, BLOCK_N)
+    counts = COUNTS + bh * n_tiles * n_key_tiles + start_n // BLOCK_N
+    if MASKS:
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, ds_head, stride_qn, stride_don,
+                                 start_n, first, full_lo, N_Q, qk_scale, q_ids, k_doc, shift, window, counts,
+                                 n_key_tiles, True, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA, ROW_TMA, False, CAUSAL,
+                                 MASKS, WINDOWED, DOCS, COUNT)
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, ds_head, stride_qn, stride_don,
+                                 start_n, full_lo, full_hi, N_Q, qk_scale, q_ids, k_doc, shift, window, counts,
+                                 n_key_tiles, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA, ROW_TMA, False, CAUSAL,
+                                 MASKS, WINDOWED, DOCS, COUNT)
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, ds_head, stride_qn, stride_don,
+                                 start_n, full_hi, hi, N_Q, qk_scale, q_ids, k_doc, shift, window, counts,
+                                 n_key_tiles, True, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA, ROW_TMA, False, CAUSAL,
+                                 MASKS, WINDOWED, DOCS, COUNT)
+    elif CAUSAL:  # queries before this key tile cannot see it; the diagonal tiles get the mask
+        diag_hi = tl.minimum(start_n + BLOCK_N, N_Q)
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, ds_head, stride_qn, stride_don,
+                                 start_n, start_n, diag_hi, N_Q, qk_scale, q_ids, k_doc, 0, 0, counts, n_key_tiles,
+                                 True, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA, ROW_TMA, STORE_DS, CAUSAL, MASKS,
+                                 WINDOWED, DOCS, COUNT)
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, ds_head, stride_qn, stride_don,
+                                 start_n, diag_hi, N_Q, N_Q, qk_scale, q_ids, k_doc, 0, 0, counts, n_key_tiles,
+                                 False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA, ROW_TMA, STORE_DS, CAUSAL, MASKS,
+                                 WINDOWED, DOCS, COUNT)
+    else:
+        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, ds_head, stride_qn, stride_don,
+                                 start_n, 0, N_Q, N_Q, qk_scale, q_ids, k_doc, 0, 0, counts, n_key_tiles,
+                                 False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA, ROW_TMA, False, CAUSAL, MASKS,
+                                 WINDOWED, DOCS, COUNT)
+    return dk, dv
+
+
+@triton.jit
 def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS,
                      stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                      stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lse, stride_delta,
                      H, N_Q, N_K, qk_scale, sm_scale,
+                     Q_IDS, K_IDS, stride_qids, stride_kids, shift, window, steps, COUNTS,
                      CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr, ROW_TMA: tl.constexpr,
-                     STORE_DS: tl.constexpr):
-    """dK, dV of one tile of the N_K keys over the N_Q queries (N_Q == N_K when CAUSAL). ACCUMULATE: add them to
-    what DK, DV hold (fp32) instead of overwriting it. ROW_TMA: LSE and delta rows are read through TMA.
-    STORE_DS (causal, BLOCK_M == BLOCK_N): also leave the dS tiles in DS (launch_backward_via_ds)."""
+                     STORE_DS: tl.constexpr, GROUP: tl.constexpr, MASKS: tl.constexpr, WINDOWED: tl.constexpr,
+                     DOCS: tl.constexpr, COUNT: tl.constexpr):
+    """dK, dV of one tile of the N_K keys of one K/V head over the N_Q queries (N_Q == N_K when CAUSAL without
+    MASKS). H query heads, GROUP of them per K/V head (GQA): the program sums the shares of its group's query heads
+    one after the other, so dK, dV need no per-query-head buffer. ACCUMULATE: add them to what DK, DV hold (fp32)
+    instead of overwriting it. ROW_TMA: LSE and delta rows are read through TMA. STORE_DS (causal, BLOCK_M ==
+    BLOCK_N, GROUP 1, no MASKS): also leave the dS tiles in DS (launch_backward_via_ds). MASKS, WINDOWED, DOCS,
+    COUNT: as for fwd_kernel, the query span from _query_span (the same for every head of the group)."""
     start_n = tl.program_id(0) * BLOCK_N
-    bh = tl.program_id(1)
-    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
-    offs_m = tl.arange(0, BLOCK_M)
+    bhk = tl.program_id(1)
+    b, hk = (bhk // (H // GROUP)).to(tl.int64), (bhk % (H // GROUP)).to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     col_ok = (start_n + offs_n) < N_K
     rows_n = start_n.to(tl.int64) + offs_n
-    k = tl.load(K + b * stride_kb + h * stride_kh + rows_n[:, None] * stride_kn + offs_d[None, :],
+    k = tl.load(K + b * stride_kb + hk * stride_kh + rows_n[:, None] * stride_kn + offs_d[None, :],
                 mask=col_ok[:, None], other=0.0)
-    v = tl.load(V + b * stride_vb + h * stride_vh + rows_n[:, None] * stride_vn + offs_d[None, :],
+    v = tl.load(V + b * stride_vb + hk * stride_vh + rows_n[:, None] * stride_vn + offs_d[None, :],
                 mask=col_ok[:, None], other=0.0)
-    q_src = _tile_source(Q + b * stride_qb + h * stride_qh, N_Q, stride_qn, offs_m, offs_d, BLOCK_M, HEAD_DIM, TMA)
-    do_src = _tile_source(DO + b * stride_dob + h * stride_doh, N_Q, stride_don, offs_m, offs_d, BLOCK_M, HEAD_DIM,
-                          TMA)
-    lse_src = _row_source(LSE + bh.to(tl.int64) * stride_lse, N_Q, BLOCK_M, ROW_TMA)
-    delta_src = _row_source(DELTA + bh.to(tl.int64) * stride_delta, N_Q, BLOCK_M, ROW_TMA)
-    n_tiles = tl.cdiv(N_Q, BLOCK_M)
-    ds_head = DS + bh.to(tl.int64) * (_triangle_tile(n_tiles, 0) * (BLOCK_M * BLOCK_N))  # this head's triangle
+    q_ids = Q_IDS + b * stride_qids
+    k_ids = K_IDS + b * stride_kids
+    if DOCS:
+        k_doc = tl.load(k_ids + start_n + offs_n, mask=col_ok, other=0)
+    else:
+        k_doc = offs_n
+    if MASKS:
+        first, full_lo, full_hi, hi = _query_span(start_n, N_Q, N_K, shift, window, q_ids, k_ids, steps, CAUSAL,
+                                                  WINDOWED, DOCS, BLOCK_M, BLOCK_N)
+    else:
+        first, full_lo, full_hi, hi = 0, 0, 0, 0
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    if CAUSAL:  # queries before this key tile cannot see it; the diagonal tiles get the mask
-        diag_hi = tl.minimum(start_n + BLOCK_N, N_Q)
-        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, ds_head, stride_qn, stride_don,
-                                 start_n, start_n, diag_hi, N_Q, qk_scale, True, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA,
-                                 ROW_TMA, STORE_DS)
-        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, ds_head, stride_qn, stride_don,
-                                 start_n, diag_hi, N_Q, N_Q, qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA,
-                                 ROW_TMA, STORE_DS)
-    else:
-        dk, dv = _bwd_dkdv_tiles(dk, dv, k, v, q_src, do_src, lse_src, delta_src, ds_head, stride_qn, stride_don,
-                                 start_n, 0, N_Q, N_Q, qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA,
-                                 ROW_TMA, False)
+    if GROUP == 1:
+        dk, dv = _bwd_dkdv_head(dk, dv, k, v, Q, DO, LSE, DELTA, DS, stride_qb, stride_qh, stride_qn, stride_dob,
+                                stride_doh, stride_don, stride_lse, stride_delta, b, hk, H, N_Q, N_K, start_n,
+                                qk_scale, q_ids, k_doc, shift, window, first, full_lo, full_hi, hi, COUNTS, CAUSAL,
+                                HEAD_DIM, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA, ROW_TMA, STORE_DS, MASKS, WINDOWED,
+                                DOCS, COUNT)
+    else:  # the group's query heads, one after the other, into the same accumulators
+        for g in range(GROUP):
+            dk, dv = _bwd_dkdv_head(dk, dv, k, v, Q, DO, LSE, DELTA, DS, stride_qb, stride_qh, stride_qn, stride_dob,
+                                    stride_doh, stride_don, stride_lse, stride_delta, b, hk * GROUP + g, H, N_Q, N_K,
+                                    start_n, qk_scale, q_ids, k_doc, shift, window, first, full_lo, full_hi, hi,
+                                    COUNTS, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA, ROW_TMA, False,
+                                    MASKS, WINDOWED, DOCS, COUNT)
 
     dk *= sm_scale  # dS was taken w.r.t. the scaled scores
-    dk_ptrs = DK + b * stride_dkb + h * stride_dkh + rows_n[:, None] * stride_dkn + offs_d[None, :]
-    dv_ptrs = DV + b * stride_dvb + h * stride_dvh + rows_n[:, None] * stride_dvn + offs_d[None, :]
+    dk_ptrs = DK + b * stride_dkb + hk * stride_dkh + rows_n[:, None] * stride_dkn + offs_d[None, :]
+    dv_ptrs = DV + b * stride_dvb + hk * stride_dvh + rows_n[:, None] * stride_dvn + offs_d[None, :]
     if ACCUMULATE:  # dK = dK_before + this launch's share (scaled above, alone); this program is the tile's only writer
         dk += tl.load(dk_ptrs, mask=col_ok[:, None], other=0.0)
         dv += tl.load(dv_ptrs, mask=col_ok[:, None], other=0.0)
@@ -339,9 +596,11 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS,
 
 @triton.jit
 def _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, lo, hi, N_K, qk_scale,
+                  q_doc, k_ids, shift, window, counts,
                   MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr,
-                  TMA: tl.constexpr):
-    """Accumulate dQ of one query tile over key tiles [lo, hi) of the N_K keys."""
+                  TMA: tl.constexpr, CAUSAL: tl.constexpr, MASKS: tl.constexpr, WINDOWED: tl.constexpr,
+                  DOCS: tl.constexpr, COUNT: tl.constexpr):
+    """Accumulate dQ of one query tile over key tiles [lo, hi) of the N_K keys (MASKED, MASKS: as _fwd_tiles)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     k_src = _tile_start(k_src, lo, stride_kn, INT64_OFFSETS, TMA)
@@ -352,9 +611,19 @@ def _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, sta
         k = _load_tile(k_src, start_n, col_ok, True, TMA)
         v = _load_tile(v_src, start_n, col_ok, True, TMA)
         # P = exp2(Q Kᵀ · scale·log2e − LSE)
+        _count_visit(counts, start_n // BLOCK_N, COUNT)
         p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
         if MASKED:
-            p = tl.where(offs_m[:, None] >= (start_n + offs_n)[None, :], p, 0.0)
+            if MASKS:
+                cols = start_n + offs_n
+                if DOCS:
+                    k_doc = tl.load(k_ids + cols, mask=col_ok, other=0)
+                else:
+                    k_doc = cols
+                p = tl.where(_visible((offs_m + shift)[:, None] - cols[None, :], q_doc[:, None], k_doc[None, :],
+                                      window, CAUSAL, WINDOWED, DOCS), p, 0.0)
+            else:
+                p = tl.where(offs_m[:, None] >= (start_n + offs_n)[None, :], p, 0.0)
         # dP = dO Vᵀ;  dS = P ∘ (dP − delta);  dQ += dS K
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq)
@@ -369,11 +638,15 @@ def bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, O,
                    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
                    stride_dqb, stride_dqh, stride_dqn, stride_ob, stride_oh, stride_on, stride_lse, stride_delta,
                    H, N_Q, N_K, qk_scale, sm_scale,
+                   Q_IDS, K_IDS, stride_qids, stride_kids, shift, window, steps, COUNTS,
                    CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr, DELTA_FROM_O: tl.constexpr):
-    """dQ of one tile of the N_Q queries over the N_K keys (N_Q == N_K when CAUSAL). ACCUMULATE: add it to what DQ
-    holds (fp32) instead of overwriting it. DELTA_FROM_O: compute the tile's delta rows from O and dO (loaded here
-    anyway) and write them to DELTA for the dK/dV kernel, instead of reading them: no separate delta pass."""
+                   BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr, DELTA_FROM_O: tl.constexpr,
+                   GROUP: tl.constexpr, MASKS: tl.constexpr, WINDOWED: tl.constexpr, DOCS: tl.constexpr,
+                   COUNT: tl.constexpr):
+    """dQ of one tile of the N_Q queries over the N_K keys (N_Q == N_K when CAUSAL without MASKS). ACCUMULATE: add
+    it to what DQ holds (fp32) instead of overwriting it. DELTA_FROM_O: compute the tile's delta rows from O and dO
+    (loaded here anyway) and write them to DELTA for the dK/dV kernel, instead of reading them: no separate delta
+    pass. GROUP, MASKS, WINDOWED, DOCS, COUNT: as for fwd_kernel."""
     pid_m = tl.program_id(0)
     if CAUSAL:  # longest rows first
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -390,6 +663,8 @@ def bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, O,
     do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_don + offs_d[None, :],
                  mask=row_ok[:, None], other=0.0)
     lse = tl.load(LSE + bh.to(tl.int64) * stride_lse + rows, mask=row_ok, other=float("inf"))
+    if MASKS:  # a row that sees no key (launches at offsets): P = exp2(s − ∞) = 0
+        lse = tl.where(lse == float("-inf"), float("inf"), lse)
     if DELTA_FROM_O:  # delta_i = Σ_d dO_id · O_id, as bwd_delta_kernel computes it
         o = tl.load(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + offs_d[None, :],
                     mask=row_ok[:, None], other=0.0)
@@ -397,19 +672,41 @@ def bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, O,
         tl.store(DELTA + bh.to(tl.int64) * stride_delta + rows, delta, mask=row_ok)
     else:
         delta = tl.load(DELTA + bh.to(tl.int64) * stride_delta + rows, mask=row_ok, other=0.0)
-    k_src = _tile_source(K + b * stride_kb + h * stride_kh, N_K, stride_kn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
-    v_src = _tile_source(V + b * stride_vb + h * stride_vh, N_K, stride_vn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
+    hk = h // GROUP  # the K/V head this query head reads
+    k_src = _tile_source(K + b * stride_kb + hk * stride_kh, N_K, stride_kn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
+    v_src = _tile_source(V + b * stride_vb + hk * stride_vh, N_K, stride_vn, offs_n, offs_d, BLOCK_N, HEAD_DIM, TMA)
+    q_ids = Q_IDS + b * stride_qids
+    k_ids = K_IDS + b * stride_kids
+    if DOCS:
+        q_doc = tl.load(q_ids + rows, mask=row_ok, other=0)
+    else:
+        q_doc = offs_m
+    counts = COUNTS + (bh * tl.cdiv(N_Q, BLOCK_M) + pid_m) * tl.cdiv(N_K, BLOCK_N)
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if CAUSAL:
+    if MASKS:  # masked tiles at both ends of the span, full ones between
+        first, full_lo, full_hi, hi = _key_span(start_m, N_Q, N_K, shift, window, q_ids, k_ids, steps, CAUSAL,
+                                                WINDOWED, DOCS, BLOCK_M, BLOCK_N)
+        dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, first, full_lo, N_K,
+                           qk_scale, q_doc, k_ids, shift, window, counts, True, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA,
+                           CAUSAL, MASKS, WINDOWED, DOCS, COUNT)
+        dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, full_lo, full_hi, N_K,
+                           qk_scale, q_doc, k_ids, shift, window, counts, False, BLOCK_M, BLOCK_N, INT64_OFFSETS,
+                           TMA, CAUSAL, MASKS, WINDOWED, DOCS, COUNT)
+        dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, full_hi, hi, N_K,
+                           qk_scale, q_doc, k_ids, shift, window, counts, True, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA,
+                           CAUSAL, MASKS, WINDOWED, DOCS, COUNT)
+    elif CAUSAL:
         dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, 0, start_m, N_K,
-                           qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
+                           qk_scale, q_doc, k_ids, 0, 0, counts, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA, CAUSAL,
+                           MASKS, WINDOWED, DOCS, COUNT)
         dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, start_m,
-                           tl.minimum(start_m + BLOCK_M, N_K), N_K, qk_scale, True, BLOCK_M, BLOCK_N, INT64_OFFSETS,
-                           TMA)
+                           tl.minimum(start_m + BLOCK_M, N_K), N_K, qk_scale, q_doc, k_ids, 0, 0, counts, True,
+                           BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA, CAUSAL, MASKS, WINDOWED, DOCS, COUNT)
     else:
         dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, 0, N_K, N_K,
-                           qk_scale, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA)
+                           qk_scale, q_doc, k_ids, 0, 0, counts, False, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA, CAUSAL,
+                           MASKS, WINDOWED, DOCS, COUNT)
     dq *= sm_scale
     dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn + offs_d[None, :]
     if ACCUMULATE:  # dQ = dQ_before + this launch's share (scaled above, alone); this program is the tile's only writer

@@ -1,0 +1,155 @@
+"""GPU-only checks of sliding windows, document ids and GQA in our FlashAttention (issue 33; python -m pytest -m gpu
+tests/test_gpu_masks.py): bf16/fp16 at 4K-16K tokens against a float32 masked SDPA reference (outputs and gradients),
+the launchers' block form at offsets, deterministic mode, and torch.compile(fullgraph=True) of a function that
+passes document_ids (no graph break: the tile spans are found on the device). The CPU twin is tests/test_flash_masks.py.
+"""
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attention_reference import masked_attention, rel_err, visible_mask
+from minigpt_kernels.flash_attention import flash_attention
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+launch = importlib.import_module("minigpt_kernels.launch")
+# Relative error against float32; bf16 keeps 8 mantissa bits, fp16 11.
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def qkv_rows(B, N, Hq, Hkv, D, dtype, seed):
+    """q (B, Hq, N, D), k, v (B, Hkv, N, D): head-transposed views of one (B, N, Hq + 2·Hkv, D) leaf."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    qkv = torch.randn(B, N, Hq + 2 * Hkv, D, device="cuda", generator=g).to(dtype).requires_grad_()
+    q, k, v = qkv.split((Hq, Hkv, Hkv), dim=2)
+    return qkv, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+def documents(kind: str, B: int, N: int, seed: int = 0) -> torch.Tensor | None:
+    """(B, N) int64 ids on the GPU: "ragged" random lengths of 1 to 3000 tokens (per batch row), "tokens" one token
+    each, "one" a single document, "none" no ids."""
+    if kind == "none":
+        return None
+    if kind == "tokens":
+        return torch.arange(N, device="cuda").repeat(B, 1)
+    if kind == "one":
+        return torch.zeros(B, N, dtype=torch.int64, device="cuda")
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(B):
+        lengths = torch.randint(1, 3000, (N,), generator=g)
+        rows.append(torch.repeat_interleave(torch.arange(N), lengths)[:N])
+    return torch.stack(rows).cuda()
+
+
+def sdpa_reference(q, k, v, visible, scale=None):
+    """float32 masked SDPA (GQA by repeating K/V heads): visible (Nq, Nk) or (B, Nq, Nk)."""
+    q, k, v = (t.float() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    mask = visible.cuda() if visible.dim() == 2 else visible.cuda()[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+# (N, Hq, Hkv, head_dim, causal, window, documents)
+CASES = [
+    (4096, 4, 4, 64, True, None, "ragged"),
+    (4096, 4, 2, 64, True, None, "none"),
+    (4096, 6, 2, 128, False, None, "none"),
+    (4096, 4, 1, 64, True, 1, "none"),
+    (4096, 4, 2, 128, True, 256, "none"),
+    (4096, 2, 2, 64, False, 300, "none"),
+    (4096, 4, 2, 64, True, 5000, "none"),
+    (4096, 2, 2, 64, True, None, "tokens"),
+    (4096, 2, 2, 64, False, None, "one"),
+    (8192, 8, 2, 128, True, 1000, "ragged"),
+    (8192, 4, 2, 64, False, 700, "ragged"),
+    (16384, 4, 1, 64, True, 2048, "ragged"),
+    (16384, 2, 2, 128, True, None, "ragged"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("n,hq,hkv,head_dim,causal,window,docs", CASES,
+                         ids=[f"n{n}-h{a}/{b}-d{d}-{'causal' if c else 'full'}-w{w}-{doc}"
+                              for n, a, b, d, c, w, doc in CASES])
+def test_masks_accuracy_vs_float32_sdpa(n, hq, hkv, head_dim, causal, window, docs, dtype):
+    qkv, q, k, v = qkv_rows(1, n, hq, hkv, head_dim, dtype, seed=n + hq * 7 + (window or 0))
+    ids = documents(docs, 1, n, seed=n)
+    o = flash_attention(q, k, v, causal, window=window, document_ids=ids)
+    do = torch.randn(o.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)).to(dtype)
+    (grad,) = torch.autograd.grad(o, qkv, do)
+
+    qkv32 = qkv.detach().float().requires_grad_()
+    q32, k32, v32 = (t.transpose(1, 2) for t in qkv32.split((hq, hkv, hkv), dim=2))
+    visible = visible_mask(n, n, causal, window, ids, ids)
+    ref = sdpa_reference(q32, k32, v32, visible)
+    (grad_ref,) = torch.autograd.grad(ref, qkv32, do.float())
+    errs = {"o": rel_err(o, ref)}
+    for name, part, part_ref in zip("qkv", grad.split((hq, hkv, hkv), 2), grad_ref.split((hq, hkv, hkv), 2)):
+        errs[f"d{name}"] = rel_err(part, part_ref)
+    assert all(e < TOL[dtype] for e in errs.values()), errs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_launchers_at_offsets_vs_the_reference_block(causal, dtype):
+    """A query block against a key block elsewhere (q_offset/k_offset, their document ids, a window, GQA): the block's
+    own masked attention in float64, rows that see no key included (o = 0, lse = -inf), and its gradients."""
+    n, hq, hkv, d = 8192, 4, 2, 64
+    _, q, k, v = qkv_rows(1, n, hq, hkv, d, dtype, seed=3)
+    q, k, v = (t.detach() for t in (q, k, v))
+    ids = documents("ragged", 1, n, seed=4)
+    for qs, ks in ((slice(4096, 8192), slice(0, 4096)), (slice(1000, 5000), slice(3000, 8192))):
+        masks = dict(window=1500, q_doc_ids=ids[:, qs], k_doc_ids=ids[:, ks], q_offset=qs.start, k_offset=ks.start)
+        qb, kb, vb = q[:, :, qs], k[:, :, ks], v[:, :, ks]
+        o, lse = launch.launch_forward(qb, kb, vb, causal, d ** -0.5, **masks)
+        visible = visible_mask(n, n, causal, 1500, ids, ids)[..., qs, ks]
+        ref, lse_ref = masked_attention(qb, kb, vb, visible.cuda(), d ** -0.5)  # float64, rows that see nothing: 0
+        assert not o.isnan().any() and rel_err(o, ref) < TOL[dtype]
+        assert torch.equal(lse.isinf(), lse_ref.isinf())
+        finite = lse_ref.isfinite()
+        assert (lse.double()[finite] - lse_ref[finite]).abs().max() < 0.05
+        do = torch.randn(qb.shape, device="cuda").to(dtype)
+        grads = launch.launch_backward(do, qb, kb, vb, o, lse, causal, d ** -0.5, **masks)
+        leaves = [t.double().requires_grad_() for t in (qb, kb, vb)]
+        refs = torch.autograd.grad(masked_attention(*leaves, visible.cuda(), d ** -0.5)[0], leaves, do.double())
+        for name, got, r in zip("qkv", grads, refs):
+            assert not got.isnan().any() and rel_err(got, r) < TOL[dtype], f"d{name}"
+
+
+def test_deterministic_mode_gives_bitwise_equal_gradients():
+    """Masks and GQA run the seven-matmul backward (no atomics): two runs, under torch.use_deterministic_algorithms,
+    give the same bits; so does deterministic=True."""
+    qkv, q, k, v = qkv_rows(2, 8192, 8, 2, 128, torch.bfloat16, seed=5)
+    ids = documents("ragged", 2, 8192, seed=6)
+    do = torch.randn(q.shape, device="cuda").to(torch.bfloat16)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [torch.autograd.grad(flash_attention(q, k, v, window=2000, document_ids=ids), qkv, do)[0]
+                for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(was)
+    flag = torch.autograd.grad(flash_attention(q, k, v, window=2000, document_ids=ids, deterministic=True), qkv, do)
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], flag[0])
+
+
+def test_torch_compile_with_document_ids_has_no_graph_break():
+    """fullgraph=True: a graph break (a host sync on the ids, say) is an error. Output and gradients match eager."""
+    def block(x, w, ids):
+        B, N, _ = x.shape
+        qkv = (x @ w).view(B, N, 8 + 2 * 2, 64)
+        q, k, v = (t.transpose(1, 2) for t in qkv.split((8, 2, 2), dim=2))
+        return flash_attention(q, k, v, window=1024, document_ids=ids).transpose(1, 2).reshape(B, N, -1)
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(2, 4096, 256, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(256, 12 * 64, device="cuda", generator=g) / 16).bfloat16().requires_grad_()
+    ids = documents("ragged", 2, 4096, seed=8)
+    eager = block(x, w, ids)
+    (g_eager,) = torch.autograd.grad(eager.float().square().mean(), w)
+    compiled = torch.compile(block, fullgraph=True)(x, w, ids)
+    (g_compiled,) = torch.autograd.grad(compiled.float().square().mean(), w)
+    assert rel_err(compiled, eager.double()) < 1e-2 and rel_err(g_compiled, g_eager.double()) < 1e-2
