@@ -5,7 +5,10 @@
   one line and exit code 2 instead of Hydra's multi-line report;
 - each run gets a directory of its own (`outputs/<date>_<time>_<attention>_<model>_n<seq_len>`, with `-1`,
   `-2`, ... when two runs start in the same second), unless `hydra.run.dir` is given;
-- with no GPU and no model chosen, CPU-sized defaults (config.CPU_DEFAULTS) replace the gpt2-small run.
+- with no GPU and no model chosen, CPU-sized defaults (config.CPU_DEFAULTS) replace the gpt2-small run, and a
+  GPU-sized job asked for on the CPU is said to be one (one line), then runs;
+- `--help` lists the config groups and every setting (minigpt/usage.py), and `--cfg job` prints the config as it
+  will run on this machine (CPU defaults, device, dtype and compile resolved); Hydra's own help is `--hydra-help`.
 A multirun (`-m`) exits with the first failing job's code.
 
 Under torchrun (`torchrun --nproc_per_node=N -m minigpt ...`) every rank runs this: rank 0 reserves the run
@@ -18,11 +21,13 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from minigpt.compose import CONFIG_NAME, compose, config_dir, register_schema, to_train_config
-from minigpt.config import CPU_DEFAULTS, ConfigError
+from minigpt.config import CPU_DEFAULTS, ConfigError, TrainConfig
 from minigpt.distributed.process import TorchrunProcess, env_rank
 from minigpt.summary import ExitCode
+from minigpt.usage import cpu_warning
 
 HYDRA_KEYS = ("hydra.", "+hydra.", "++hydra.")
 
@@ -64,15 +69,55 @@ def _key(override: str) -> str:
     return override.lstrip("+~").partition("=")[0]
 
 
-def _with_cpu_defaults(overrides: list[str]) -> list[str]:
+def _with_cpu_defaults(overrides: list[str], say: Callable[[str], None] = print) -> list[str]:
     """On a machine without a GPU, a run that names no model gets CPU-sized defaults for what it did not set."""
     cfg = compose(overrides)
     if cfg.torch_device().type != "cpu" or any(_key(o) == "model" for o in overrides):
         return overrides
     given = {_key(o) for o in overrides}
     added = [d for d in CPU_DEFAULTS if _key(d) not in given]
-    print(f"no GPU: using CPU-sized defaults {' '.join(added)} (name a model, e.g. model=gpt2-small, to override)")
+    say(f"no GPU: using CPU-sized defaults {' '.join(added)} (name a model, e.g. model=gpt2-small, to override)")
     return [*added, *overrides]
+
+
+def _run_name(cfg: TrainConfig) -> str:
+    """A run directory's name: outputs/<date>_<time>_<attention>_<model>_n<seq_len>."""
+    return f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{cfg.attention.name}_{cfg.model.name}_n{cfg.seq_len}"
+
+
+def _job_request(argv: list[str]) -> list[str] | None:
+    """The overrides of `--cfg job [--resolve] [overrides]` (printed here, resolved for this machine); None for any
+    other command line (`--cfg hydra|all`, other flags: Hydra's)."""
+    rest, found, i = [], False, 0
+    while i < len(argv):
+        if argv[i] in ("--cfg", "-c") and argv[i + 1 : i + 2] == ["job"] or argv[i] == "--cfg=job":
+            found, i = True, i + (1 if "=" in argv[i] else 2)
+        elif argv[i] == "--resolve":
+            i += 1
+        elif argv[i].startswith("-"):
+            return None
+        else:
+            rest.append(argv[i])
+            i += 1
+    return rest if found else None
+
+
+def _print_job(argv: list[str]) -> int:
+    """`--cfg job`: the config that would run on this machine (usage.job_yaml); exit 2 for a bad setting."""
+    from minigpt.usage import job_yaml
+
+    notes: list[str] = []
+    try:
+        overrides = _with_cpu_defaults([a for a in argv if not a.startswith(HYDRA_KEYS)], say=notes.append)
+        run_dir = next((a.partition("=")[2] for a in argv if _key(a) == "hydra.run.dir"), None)
+        cfg = compose(overrides, run_dir=run_dir or ".")
+        if run_dir is None:
+            cfg = compose(overrides, run_dir=f"outputs/{_run_name(cfg)}")  # (created when the run starts)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return ExitCode.BAD_SETTING
+    print(job_yaml(cfg, notes), end="")
+    return ExitCode.OK
 
 
 def train_main(argv: list[str] | None = None) -> int:
@@ -90,6 +135,15 @@ def _train_main(argv: list[str] | None) -> int:
     from minigpt.run import claim_run_dir, run
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):  # ours: groups, options and settings (Hydra's: --hydra-help)
+        import torch
+
+        from minigpt.usage import train_help
+
+        print(train_help(cpu_only=not torch.cuda.is_available()))
+        return ExitCode.OK
+    if (job := _job_request(argv)) is not None:
+        return _print_job(job)
     flags = [a for a in argv if a.startswith("-")]  # Hydra's own: --help, --cfg job, -m/--multirun, ...
     multirun = any(a in ("-m", "--multirun") for a in flags)
     if not flags:
@@ -98,9 +152,10 @@ def _train_main(argv: list[str] | None) -> int:
             argv = [*_with_cpu_defaults(overrides), *(a for a in argv if a.startswith(HYDRA_KEYS))]
             run_dir = next((a.partition("=")[2] for a in argv if _key(a) == "hydra.run.dir"), None)
             cfg = compose([a for a in argv if not a.startswith(HYDRA_KEYS)], run_dir=run_dir or ".")
+            if (warning := cpu_warning(cfg)) and env_rank() == 0:  # a GPU-sized job asked for on the CPU: it runs
+                print(warning, file=sys.stderr)
             if run_dir is None:
-                name = f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{cfg.attention.name}_{cfg.model.name}_n{cfg.seq_len}"
-                argv.append(f"hydra.run.dir={reserve_shared_dir('outputs', name)}")
+                argv.append(f"hydra.run.dir={reserve_shared_dir('outputs', _run_name(cfg))}")
             elif finished := claim_run_dir(cfg):  # before Hydra writes its .hydra/ record into that directory
                 print(finished)
                 return ExitCode.OK
@@ -134,6 +189,13 @@ def _train_main(argv: list[str] | None) -> int:
               (f"; exit codes of the failed: {', '.join(map(str, failed))}" if failed else ""),
               file=sys.stderr if failed else sys.stdout)
     return failed[0] if failed else ExitCode.OK
+
+
+def sample_main(argv: list[str] | None = None) -> int:
+    """`minigpt-sample PATH [--prompt TEXT] ...`: text from a run or checkpoint (minigpt/sample.py)."""
+    from minigpt.sample import main
+
+    return main(argv)
 
 
 def sweep_main(argv: list[str] | None = None) -> int:

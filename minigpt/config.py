@@ -27,6 +27,9 @@ LOGGER_NAMES = ("wandb", "none")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 # A run with no GPU and no model chosen gets these instead of gpt2-small (a 3-hour CPU run otherwise).
 CPU_DEFAULTS = ("model=tiny", "seq_len=256", "batch_size=8", "max_steps=300")
+# What a CPU runs in minutes; anything larger is a GPU-sized job (gpu_sized says why).
+CPU_MODELS = ("tiny", "small-6l")
+CPU_MAX_SEQ_LEN = 2048
 
 
 class ConfigError(ValueError):
@@ -41,6 +44,15 @@ def one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
 def at_least(key: str, value: Any, low: int = 1) -> None:
     if value is None or value < low:
         raise ConfigError(f"{key}={value}: must be an integer >= {low}")
+
+
+def gpu_sized(model: str | None, seq_len: int | None) -> str | None:
+    """Why a job of this model preset and seq_len is sized for a GPU ("model=gpt2-small, seq_len=8192"), or None
+    when a CPU runs it (a model of CPU_MODELS, seq_len up to CPU_MAX_SEQ_LEN)."""
+    too_big = [f"model={model}"] if model is not None and model not in CPU_MODELS else []
+    if seq_len is not None and seq_len > CPU_MAX_SEQ_LEN:
+        too_big.append(f"seq_len={seq_len}")
+    return ", ".join(too_big) or None
 
 
 @dataclass
@@ -69,12 +81,12 @@ class AttentionConfig:
 @dataclass
 class ModelConfig:
     # Architecture: set by a preset in configs/model/ (tiny, gpt2-small, gpt2-medium).
-    name: str = MISSING
-    n_layer: int = MISSING
-    n_head: int = MISSING
-    n_embd: int = MISSING
+    name: str = MISSING  # the preset's name (tiny | small-6l | gpt2-small | gpt2-medium)
+    n_layer: int = MISSING  # transformer blocks
+    n_head: int = MISSING  # attention heads (head_dim = n_embd / n_head)
+    n_embd: int = MISSING  # width of the residual stream
     vocab_size: Optional[int] = None  # None: the tokenizer's size; GPT-2 presets pad to 50304
-    rope_base: float = 10000.0
+    rope_base: float = 10000.0  # RoPE's base θ
     # Memory levers (minigpt/levers.py; README "Memory levers" says what each saves and costs).
     recompute_every: int = 0  # keep only every k-th block's input, recompute the block in the backward; 0 = off
     recompute_dtype: str = "float32"  # float32 | bfloat16: dtype of those stored block inputs
@@ -121,10 +133,10 @@ class DataConfig:
     cache_dir: str = "~/.cache/minigpt"  # trained tokenizers and tokenized datasets
     # hf: datasets.load_dataset(dataset, dataset_config, split=split, streaming=streaming), or a save_to_disk dir
     dataset: Optional[str] = None
-    dataset_config: Optional[str] = None
-    split: str = "train"
-    text_column: str = "text"
-    streaming: bool = False
+    dataset_config: Optional[str] = None  # hf: the dataset's configuration (subset) name
+    split: str = "train"  # hf: the split to read
+    text_column: str = "text"  # hf: the column holding the documents
+    streaming: bool = False  # hf: stream the dataset instead of downloading it whole (needs max_docs)
     max_docs: Optional[int] = None  # read at most this many documents (required with streaming)
 
     def validate(self) -> None:
@@ -157,11 +169,11 @@ class ParallelConfig:
 @dataclass
 class LoggerConfig:
     name: str = "wandb"  # wandb | none
-    project: str = "minigpt"
-    entity: Optional[str] = None
-    group: Optional[str] = None
+    project: str = "minigpt"  # W&B project
+    entity: Optional[str] = None  # W&B team or user; None: your default
+    group: Optional[str] = None  # W&B run group
     run_name: Optional[str] = None  # None: "<attention>-<model>-n<seq_len>"
-    tags: list[str] = field(default_factory=list)
+    tags: list[str] = field(default_factory=list)  # W&B tags, e.g. logger.tags=[a,b]
     mode: str = "auto"  # auto: online when W&B credentials exist, else offline; WANDB_MODE wins
 
     def validate(self) -> None:
@@ -178,32 +190,32 @@ class TrainConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
-    seq_len: int = 1024
-    batch_size: int = 4
-    grad_accum: int = 1
-    max_steps: int = 500
-    eval_every: int = 100  # 0 = only at the end
-    eval_batches: int = 4  # 0 = no evaluation
+    seq_len: int = 1024  # tokens per training sequence (the context length)
+    batch_size: int = 4  # sequences per micro-batch (per process under torchrun)
+    grad_accum: int = 1  # micro-batches per optimizer step
+    max_steps: int = 500  # optimizer steps
+    eval_every: int = 100  # evaluate every this many steps; 0 = only at the end
+    eval_batches: int = 4  # val batches per evaluation; 0 = no evaluation
     passkey_grid: int = 0  # passkey data: at each eval, this many keys per key depth (0, ¼, ½, ¾, 1), greedy; 0 = off
-    ckpt_every: int = 0  # 0 = only at the end (and when interrupted)
+    ckpt_every: int = 0  # checkpoint every this many steps; 0 = only at the end (and when interrupted)
     save_checkpoints: bool = True  # false: never write checkpoints (sweep trials, benchmarks)
-    seed: int = 1337
+    seed: int = 1337  # model init and data order
     device: str = "auto"  # auto | cuda | cpu
     dtype: str = "auto"  # autocast dtype; auto = bfloat16 on CUDA, float32 on CPU
     compile: Optional[bool] = None  # regional torch.compile; null = on with CUDA, off on CPU
     resume: str = "none"  # none | auto (latest intact checkpoint in ckpt_dir) | path to a checkpoint file or dir
 
-    lr: float = 6e-4
-    min_lr: float = 6e-5
-    warmup_steps: int = 20
+    lr: float = 6e-4  # peak learning rate (AdamW)
+    min_lr: float = 6e-5  # learning rate at the end of the cosine decay
+    warmup_steps: int = 20  # linear warmup from 0 to lr
     lr_decay_steps: Optional[int] = None  # cosine horizon; None = max_steps
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # 0 = off
+    weight_decay: float = 0.1  # AdamW, on matrices only
+    beta1: float = 0.9  # AdamW
+    beta2: float = 0.95  # AdamW
+    grad_clip: float = 1.0  # clip the gradient norm to this; 0 = off
 
     run_dir: str = "."  # where summary.json goes; train.yaml sets it to Hydra's output dir
-    ckpt_dir: str = "${run_dir}/checkpoints"
+    ckpt_dir: str = "${run_dir}/checkpoints"  # where checkpoints go (the newest two are kept)
 
     def torch_device(self) -> torch.device:
         """The device: `auto` is CUDA when a GPU is visible, else the CPU (validate.py refuses cuda without one)."""

@@ -55,6 +55,7 @@ class PasskeyData:
     seq_len: int
     seed: int
     vocab_size: int = 256
+    tokenizer_json: str | None = None  # bytes are tokens: no tokenizer file (a run records "bytes")
 
     NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
     QUESTION = " What is the pass key? The pass key is {key}."
@@ -109,6 +110,7 @@ class TokenData:
     seed: int
     vocab_size: int
     answer: slice | None = None  # no retrieval task on free text
+    tokenizer_json: str | None = None  # the tokenizer (`tokenizers` JSON), saved into the run directory
 
     def __post_init__(self):
         for split, tokens in (("train", self.train), ("val", self.val)):
@@ -294,7 +296,7 @@ def load_text(cfg: DataConfig, seq_len: int, seed: int) -> TokenData:
         ) from e
     tokenizer = load_tokenizer(cfg, _documents(ds, "text"), key)
     train, val = _split(_token_stream(ds, "text", tokenizer), cfg.val_fraction)
-    return TokenData(train, val, seq_len, seed, tokenizer.get_vocab_size())
+    return TokenData(train, val, seq_len, seed, tokenizer.get_vocab_size(), tokenizer_json=tokenizer.to_str())
 
 
 # --------------------------------------------------------------------------------------------
@@ -436,7 +438,25 @@ def load_hf(cfg: DataConfig, seq_len: int, seed: int) -> TokenData:
     key = hashlib.sha256(f"{cfg.dataset}|{cfg.dataset_config}|{cfg.split}|{cfg.max_docs}|{ds._fingerprint}".encode())
     tokenizer = load_tokenizer(cfg, _documents(ds, cfg.text_column), key.hexdigest()[:16])
     train, val = _split(_token_stream(ds, cfg.text_column, tokenizer), cfg.val_fraction)
-    return TokenData(train, val, seq_len, seed, tokenizer.get_vocab_size())
+    return TokenData(train, val, seq_len, seed, tokenizer.get_vocab_size(), tokenizer_json=tokenizer.to_str())
+
+
+# --------------------------------------------------------------------------------------------
+# the run's tokenizer, kept with the run (minigpt/sample.py reads it back)
+# --------------------------------------------------------------------------------------------
+TOKENIZER_FILE = "tokenizer.json"
+BYTES = "bytes"  # what a run of byte tokens (passkey) records as its tokenizer
+
+
+def save_tokenizer(data: PasskeyData | TokenData, run_dir: str | Path, write: bool = True) -> str:
+    """Write the data's tokenizer into run_dir/tokenizer.json (unless `write` is false: another rank writes it);
+    returns what checkpoints record as the run's tokenizer: "bytes", or that file's absolute path."""
+    if data.tokenizer_json is None:
+        return BYTES
+    path = Path(run_dir).resolve() / TOKENIZER_FILE
+    if write:
+        atomic_write_text(path, data.tokenizer_json)
+    return str(path)
 
 
 def build_data(cfg: DataConfig, seq_len: int, seed: int) -> PasskeyData | TokenData:

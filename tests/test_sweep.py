@@ -333,7 +333,8 @@ def test_context_must_divide_nproc(capsys, tmp_path):
         main(["--nproc", "2", "--context", "4", "--logger", "none", "--out", str(tmp_path / "o")])
     assert e.value.code == 2 and "error: argument --context: 4 must divide --nproc 2" in capsys.readouterr().err
     parser = build_parser()
-    cfg = sweep_config(parser, parser.parse_args(["--nproc", "4", "--context", "2", "--logger", "none"]))
+    cfg = sweep_config(parser, parser.parse_args(["--nproc", "4", "--context", "2", "--logger", "none",
+                                                  "--allow-cpu"]))
     assert (cfg.nproc, cfg.context) == (4, 2)
 
 
@@ -397,7 +398,7 @@ def test_cpu_only_supplies_defaults_for_what_is_not_given():
     cfg = sweep_config(parser, parser.parse_args(["--cpu", "--default-start", "1024", "--set", "model.n_layer=1"]))
     assert (cfg.default_start, cfg.granularity, cfg.full_n_layer) == (1024, 64, 2)  # a start above --cpu's cap is tried
     assert cfg.base_overrides[-1] == "model.n_layer=1"
-    cfg = sweep_config(parser, parser.parse_args([]))
+    cfg = sweep_config(parser, parser.parse_args(["--allow-cpu"]))
     assert (cfg.default_start, cfg.granularity, cfg.max_seq_len) == (4096, 128, None)
     assert cfg.base_overrides == ["model=gpt2-small"]
 

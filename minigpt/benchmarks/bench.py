@@ -243,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("runs/bench"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        p.error("needs a CUDA GPU (it times GPU kernels)")
+        p.error("needs a CUDA GPU (it times GPU kernels); without one, test the kernels in Triton's interpreter: "
+                "python -m pytest tests/test_flash_attention.py")
 
     explore = None
     if args.explore or args.explore_only:

@@ -4,6 +4,7 @@
     minigpt-sweep --variants sdpa flash flash+levers --start flash+levers=262144
     minigpt-sweep --variants flash+levers --no-search --probe-seq-lens 2097152   # 2M derived from 1-/2-layer probes
     minigpt-sweep --cpu                                            # tiny model on CPU (smoke test)
+    (on a machine without a GPU a GPU-sized sweep is refused with exit code 2; --allow-cpu runs it anyway)
     minigpt-sweep --variants flash+levers --nproc 2 --context 2    # each trial under torchrun, sequence split over 2
     minigpt-sweep --combine runs/sweeps/* --out results --name context_scaling_H200   # publish a combined table
 
@@ -243,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context-parallel degree of each trial (parallel.context=K; divides --nproc; attention=flash)")
     p.add_argument("--cpu", action="store_true",
                    help="tiny model on CPU; supplies the defaults of the settings not given (smoke test)")
+    p.add_argument("--allow-cpu", action="store_true",
+                   help="run a GPU-sized sweep (a model other than tiny or small-6l, or seq_len > 2048) on a machine "
+                        "without a GPU anyway (refused otherwise)")
     p.add_argument("--set", nargs="*", type=override_arg, default=[], metavar="KEY=VALUE",
                    help="extra trainer overrides")
     p.add_argument("--combine", type=Path, nargs="+", metavar="DIR",
@@ -251,6 +255,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--header", default="Context-length scaling, gpt2-small, batch 1.",
                    help="first line of a --combine report")
     return p
+
+
+def gpu_sized_on_cpu(overrides: list[str], variants: list[str], start: dict[str, int], default_start: int,
+                     probe_seq_lens: list[int]) -> str | None:
+    """Why this sweep is too big for this machine: it has no GPU (the trials would run on the CPU, where nothing
+    runs out of memory) and the model or a start length is GPU-sized (config.gpu_sized); None otherwise."""
+    import torch
+
+    from minigpt.config import gpu_sized
+
+    if torch.cuda.is_available() or any(o.lstrip("+") == "device=cuda" for o in overrides):
+        return None  # (device=cuda without a GPU: every trial ends with the trainer's own one line)
+    model = next((o.partition("=")[2] for o in reversed(overrides) if o.lstrip("+").partition("=")[0] == "model"),
+                 None)
+    longest = max([start.get(v, default_start) for v in variants] + probe_seq_lens)
+    return gpu_sized(model, longest)
 
 
 def sweep_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> SweepConfig:
@@ -284,6 +304,10 @@ def sweep_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> S
             check_wandb(LoggerConfig(name="wandb"))
         except ConfigError as e:
             parser.error(f"argument --logger: {e}")
+    if not args.allow_cpu and (why := gpu_sized_on_cpu(defaults["base"] + args.set, variants, start,
+                                                       given("default_start"), args.probe_seq_lens)):
+        parser.error(f"no GPU, and this sweep is GPU-sized ({why}); for a CPU smoke test run --cpu, or add --allow-cpu "
+                     f"to run it here anyway")
     out = args.out.expanduser().resolve()
     if out.exists() and not out.is_dir():
         parser.error(f"argument --out: {out} is a file, not a sweep directory")
