@@ -69,3 +69,34 @@ class RecordingLogger:
 
     def series(self, key):
         return [m[key] for _, m in self.metrics if key in m]
+
+
+# The fast tier: what `python -m pytest` runs by default (≤ 60 s on 2 cores). It covers the kernel's forward and
+# backward in the interpreter (one small shape), one CLI training run, checkpoint → resume equality, a bad override's
+# exit 2, fault paths (unsafe and non-finite checkpoints), each data source, the config, the layout rules and the
+# tools' help. Everything else is marked `slow` here (run it with `python -m pytest -m slow`; .ci/run runs both).
+# A new test is slow until it is named here: keep this tier fast.
+FAST_FILES = {"test_config.py", "test_data.py", "test_dispatch.py", "test_figures.py", "test_imports.py",
+              "test_results_rules.py", "test_usage.py"}
+FAST_TESTS = (
+    "test_flash_attention.py::test_matches_float64_reference[n130-d32-float16-causal]",
+    "test_train.py::test_resume_gives_the_same_losses",
+    "test_checkpoint.py::test_a_checkpoint_loads_with_weights_only_and_restores_the_rng_states",
+    "test_checkpoint.py::test_resume_through_the_python_api_refuses_a_planted_checkpoint",
+    "test_checkpoint.py::test_non_finite_parameters_at_the_last_step_keep_the_last_good_checkpoint",
+    "test_checkpoint.py::test_stale_temp_files_of_dead_writers_are_removed_at_the_next_start",
+    "test_train.py::test_the_cli_trains_and_its_last_line_says_where_the_run_is",
+    "test_sample.py::test_generate_greedy_crop_and_a_missing_path",
+)
+SLOW_IN_FAST_FILES = ("test_config.py::test_cli_bad_override_is_one_line_and_nonzero[attention",
+                      "test_config.py::test_cli_bad_override_is_one_line_and_nonzero[batch_size")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the markers
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = f"{Path(str(item.fspath)).name}::{item.name}"
+        fast = (Path(str(item.fspath)).name in FAST_FILES and not name.startswith(SLOW_IN_FAST_FILES)) \
+            or name.startswith(FAST_TESTS)
+        if not fast and item.get_closest_marker("gpu") is None:
+            item.add_marker(pytest.mark.slow)

@@ -40,14 +40,14 @@ def _losses(cfg) -> list[float]:
 
 
 def test_resume_gives_the_same_losses(tiny_config, tmp_path):
-    straight = _losses(tiny_config("max_steps=20", "lr_decay_steps=20"))
-    first = tiny_config("max_steps=10", "lr_decay_steps=20")
+    straight = _losses(tiny_config("max_steps=6", "lr_decay_steps=6", "eval_batches=0"))
+    first = tiny_config("max_steps=3", "lr_decay_steps=6", "eval_batches=0")
     first.run_dir, first.ckpt_dir = str(tmp_path / "b"), str(tmp_path / "b" / "ckpt")
     head = _losses(first)
-    second = tiny_config("max_steps=20", "lr_decay_steps=20", "resume=auto")
+    second = tiny_config("max_steps=6", "lr_decay_steps=6", "eval_batches=0", "resume=auto")
     second.run_dir, second.ckpt_dir = str(tmp_path / "b2"), first.ckpt_dir
     tail = _losses(second)
-    assert len(straight) == 20 and len(head) == 10 and len(tail) == 10
+    assert len(straight) == 6 and len(head) == 3 and len(tail) == 3
     assert head + tail == pytest.approx(straight, rel=1e-6, abs=1e-7)
 
 
@@ -229,3 +229,18 @@ def test_a_recomputed_block_with_frozen_parameters_trains_the_others(tiny_config
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_the_cli_trains_and_its_last_line_says_where_the_run_is(tmp_path):
+    """One training run through the command line, as a user starts it (the fast tier's CLI run)."""
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "cli run"
+    done = subprocess.run([sys.executable, "-m", "minigpt", "model=tiny", "device=cpu", "seq_len=128", "batch_size=2",
+                           "max_steps=2", "eval_batches=0", "logger=none", f"hydra.run.dir='{run_dir}'"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["status"] == "ok" and s["steps"] == 2 and math.isfinite(s["final_train_loss"])
+    assert str(run_dir) in done.stdout.strip().splitlines()[-1]
