@@ -77,7 +77,7 @@ def check_overrides(overrides: list[str]) -> None:
     """Each override as Hydra's parser reads it; one it cannot parse, a value list outside a multirun (a `,` in a
     value) and words the shell split off a value with spaces are refused with the quoting that works."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import OverrideParseException
+    from hydra.errors import HydraException  # OverrideParseException, and the lexer's own
 
     parser = OverridesParser.create()
     for i, text in enumerate(overrides):
@@ -91,7 +91,7 @@ def check_overrides(overrides: list[str]) -> None:
                               f"override, with Hydra's quotes around the value: {_quoted(key, value)}")
         try:
             sweep = parser.parse_override(text).is_sweep_override()
-        except OverrideParseException:
+        except HydraException:
             sweep = None
         if sweep is None or sweep:
             raise ConfigError(f"{text}: cannot parse this value{' (a `,` makes a list)' if sweep else ''}; quote it for "
