@@ -102,9 +102,10 @@ def claim_run_dir(cfg: TrainConfig) -> str | None:
     killed = killed_run(cfg)
     if cfg.resume == "none":
         if ckpts:
+            inside = Path(cfg.ckpt_dir).absolute().is_relative_to(run_dir.absolute())  # else a new ckpt_dir will do
             raise ConfigError(f"ckpt_dir={cfg.ckpt_dir}: holds checkpoints of another run (newest: step "
                               f"{step_of(ckpts[-1])}{'; ' + killed if killed else ''}); continue it with resume=auto, "
-                              f"or choose a new hydra.run.dir (or ckpt_dir)")
+                              f"or choose a new {'hydra.run.dir' if inside else 'ckpt_dir'}")
         if summary_path.exists() and not failed_before_first_step(cfg):
             raise ConfigError(f"hydra.run.dir={cfg.run_dir}: holds another run's {SUMMARY_FILE}"
                               f"{' (' + killed + ')' if killed else ''}; choose a new hydra.run.dir, or continue that "
