@@ -5,7 +5,10 @@
   one line and exit code 2 instead of Hydra's multi-line report;
 - each run gets a directory of its own (`outputs/<date>_<time>_<attention>_<model>_n<seq_len>`, with `-1`,
   `-2`, ... when two runs start in the same second), unless `hydra.run.dir` is given;
-- with no GPU and no model chosen, CPU-sized defaults (config.CPU_DEFAULTS) replace the gpt2-small run.
+- with no GPU and no model chosen, CPU-sized defaults (config.CPU_DEFAULTS) replace the gpt2-small run;
+- before Hydra writes anything: an override it cannot parse is refused with the quoting that works, the
+  directories the run writes must be writable, and the run directory's lock is taken (minigpt/runlock.py);
+- SIGINT, SIGTERM, SIGHUP before the run started end it with one line and 128 + signal.
 A multirun (`-m`) exits with the first failing job's code.
 
 Under torchrun (`torchrun --nproc_per_node=N -m minigpt ...`) every rank runs this: rank 0 reserves the run
