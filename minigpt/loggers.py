@@ -147,6 +147,9 @@ class WandbLogger:
                  config: dict[str, Any] | None = None, job_type: str | None = None):
         import wandb
 
+        for key in ("WANDB_MODE", "WANDB_BASE_URL", "WANDB_DIR"):  # empty is unset, to us and so to W&B (it fails)
+            if os.environ.get(key) == "":
+                del os.environ[key]
         self.mode = wandb_mode(mode)
         directory = wandb_dir(directory)
         Path(directory).mkdir(parents=True, exist_ok=True)
