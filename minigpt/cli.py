@@ -126,8 +126,8 @@ def _train_hydra(argv: list[str] | None, stop) -> int:
             check_overrides(argv)
             overrides = [a for a in argv if not a.startswith(HYDRA_KEYS)]
             argv = [*_with_cpu_defaults(overrides), *(a for a in argv if a.startswith(HYDRA_KEYS))]
-            run_dir = next((str(OverridesParser.create().parse_override(a).value()) for a in argv
-                            if _key(a) == "hydra.run.dir"), None)
+            run_dir = next((str(OverridesParser.create().parse_override(a).value()) for a in reversed(argv)
+                            if _key(a) == "hydra.run.dir"), None)  # the last one, as Hydra takes it
             cfg = compose([a for a in argv if not a.startswith(HYDRA_KEYS)], run_dir=run_dir or ".")
             if env_rank() == 0:
                 check_writable(_places(cfg, run_dir, argv))
