@@ -8,7 +8,10 @@
 - with no GPU and no model chosen, CPU-sized defaults (config.CPU_DEFAULTS) replace the gpt2-small run, and a
   GPU-sized job asked for on the CPU is said to be one (one line), then runs;
 - `--help` lists the config groups and every setting (minigpt/usage.py), and `--cfg job` prints the config as it
-  will run on this machine (CPU defaults, device, dtype and compile resolved); Hydra's own help is `--hydra-help`.
+  will run on this machine (CPU defaults, device, dtype and compile resolved); Hydra's own help is `--hydra-help`;
+- before Hydra writes anything: an override it cannot parse is refused with the quoting that works, the
+  directories the run writes must be writable, and the run directory's lock is taken (minigpt/runlock.py);
+- SIGINT, SIGTERM, SIGHUP before the run started end it with one line and 128 + signal.
 A multirun (`-m`) exits with the first failing job's code.
 
 Under torchrun (`torchrun --nproc_per_node=N -m minigpt ...`) every rank runs this: rank 0 reserves the run
@@ -18,6 +21,7 @@ workers' codes in its report).
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -128,11 +132,35 @@ def train_main(argv: list[str] | None = None) -> int:
         return code
 
 
-def _train_main(argv: list[str] | None) -> int:
-    import hydra
-    from omegaconf import OmegaConf
+def _places(cfg, run_dir: str | None, argv: list[str]) -> list[tuple[str, str]]:
+    """(setting, directory) of everything the run writes, to check before Hydra writes anything."""
+    places = [("hydra.run.dir", run_dir or "outputs")]
+    if run_dir or any(_key(a) == "ckpt_dir" for a in argv):  # else it is the new run directory's checkpoints/
+        places.append(("ckpt_dir", cfg.ckpt_dir))
+    if cfg.data.name in ("text", "hf"):
+        places.append(("data.cache_dir", cfg.data.cache_dir))
+    if cfg.logger.name == "wandb" and os.environ.get("WANDB_DIR"):
+        places.append(("WANDB_DIR", os.environ["WANDB_DIR"]))
+    return places
 
-    from minigpt.run import claim_run_dir, run
+
+def _train_main(argv: list[str] | None) -> int:
+    from minigpt.signals import Interrupted, StopSignals
+
+    with StopSignals(again="already stopping; please wait") as stop:
+        try:
+            return _train_hydra(argv, stop)
+        except Interrupted as e:  # before the run started, or while Hydra set it up: nothing to finish
+            print(f"{e} before the run started", file=sys.stderr)
+            return ExitCode.SIGNAL_BASE + e.signum
+
+
+def _train_hydra(argv: list[str] | None, stop) -> int:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from minigpt.compose import check_overrides
+    from minigpt.run import release_run_dir, take_run_dir
+    from minigpt.validate import check_writable
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):  # ours: groups, options and settings (Hydra's: --hydra-help)
@@ -146,33 +174,58 @@ def _train_main(argv: list[str] | None) -> int:
         return _print_job(job)
     flags = [a for a in argv if a.startswith("-")]  # Hydra's own: --help, --cfg job, -m/--multirun, ...
     multirun = any(a in ("-m", "--multirun") for a in flags)
+    locked = None  # the run directory's lock, taken here (rank 0) before Hydra writes its .hydra/ record there
     if not flags:
         try:
+            check_overrides(argv)
             overrides = [a for a in argv if not a.startswith(HYDRA_KEYS)]
             argv = [*_with_cpu_defaults(overrides), *(a for a in argv if a.startswith(HYDRA_KEYS))]
-            run_dir = next((a.partition("=")[2] for a in argv if _key(a) == "hydra.run.dir"), None)
+            run_dir = next((str(OverridesParser.create().parse_override(a).value()) for a in reversed(argv)
+                            if _key(a) == "hydra.run.dir"), None)  # the last one, as Hydra takes it
             cfg = compose([a for a in argv if not a.startswith(HYDRA_KEYS)], run_dir=run_dir or ".")
             if (warning := cpu_warning(cfg)) and env_rank() == 0:  # a GPU-sized job asked for on the CPU: it runs
                 print(warning, file=sys.stderr)
+            if env_rank() == 0:
+                check_writable(_places(cfg, run_dir, argv))
             if run_dir is None:
-                argv.append(f"hydra.run.dir={reserve_shared_dir('outputs', _run_name(cfg))}")
-            elif finished := claim_run_dir(cfg):  # before Hydra writes its .hydra/ record into that directory
-                print(finished)
-                return ExitCode.OK
+                run_dir = str(reserve_shared_dir('outputs', _run_name(cfg)))
+                argv.append(f"hydra.run.dir={run_dir}")
+                if not any(_key(a) == "ckpt_dir" for a in argv):
+                    cfg.ckpt_dir = str(Path(run_dir) / "checkpoints")
+            cfg.run_dir = run_dir
             if env_rank() != 0:  # rank 0 keeps Hydra's record of the run; the other ranks write nothing
                 argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
+            elif finished := take_run_dir(cfg):  # the resumed run finished already: nothing to do
+                print(finished)
+                return ExitCode.OK
+            else:
+                locked = cfg
         except ConfigError as e:
             if env_rank() == 0:  # every rank finds the same bad setting; one line is enough
                 print(f"error: {e}", file=sys.stderr)
             return ExitCode.BAD_SETTING
     elif multirun and not any(_key(a) == "hydra.sweep.dir" for a in argv):
         argv.append(f"hydra.sweep.dir={reserve_dir('multirun', time.strftime('%Y-%m-%d_%H-%M-%S'))}")
+    try:
+        return _hydra_app(argv, multirun, stop)
+    finally:
+        if locked is not None:
+            release_run_dir(locked)
+
+
+def _hydra_app(argv: list[str], multirun: bool, stop) -> int:
+    import hydra
+    from omegaconf import OmegaConf
+
+    from minigpt.run import run
 
     register_schema()
     codes: list[int] = []
 
     @hydra.main(config_path=str(config_dir()), config_name=CONFIG_NAME, version_base=None)
     def app(dict_cfg) -> None:
+        if stop.signum:  # a multirun that was interrupted: no more jobs
+            return
         try:
             cfg = to_train_config(dict_cfg)
         except ConfigError as e:
@@ -180,6 +233,7 @@ def _train_main(argv: list[str] | None) -> int:
             codes.append(ExitCode.BAD_SETTING)
             return
         codes.append(run(cfg, config_dict=OmegaConf.to_container(dict_cfg, resolve=True)))
+        stop.immediate, stop.note = False, "the run has ended; exiting"  # a signal now changes neither its line nor code
 
     sys.argv = [sys.argv[0], *argv]
     app()
@@ -188,6 +242,8 @@ def _train_main(argv: list[str] | None) -> int:
         print(f"multirun: {len(codes) - len(failed)} of {len(codes)} jobs ok" +
               (f"; exit codes of the failed: {', '.join(map(str, failed))}" if failed else ""),
               file=sys.stderr if failed else sys.stdout)
+    if multirun and stop.signum and not failed:
+        return ExitCode.SIGNAL_BASE + stop.signum  # interrupted between jobs
     return failed[0] if failed else ExitCode.OK
 
 

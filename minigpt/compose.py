@@ -69,6 +69,35 @@ def one_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0]
 
 
+def _quoted(key: str, value: str) -> str:
+    return f"""'{key}="{value}"'"""
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Each override as Hydra's parser reads it; one it cannot parse, a value list outside a multirun (a `,` in a
+    value) and words the shell split off a value with spaces are refused with the quoting that works."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException  # OverrideParseException, and the lexer's own
+
+    parser = OverridesParser.create()
+    for i, text in enumerate(overrides):
+        key, eq, value = text.partition("=")
+        if not eq and not text.startswith("~"):
+            start = next((j for j in range(i - 1, -1, -1) if "=" in overrides[j]), None)
+            if start is None:
+                raise ConfigError(f"{text!r}: not an override (expected key=value)")
+            key, _, value = " ".join(overrides[start:i + 1]).partition("=")
+            raise ConfigError(f"{text!r}: not an override (the shell split a value with spaces?); quote the whole "
+                              f"override, with Hydra's quotes around the value: {_quoted(key, value)}")
+        try:
+            sweep = parser.parse_override(text).is_sweep_override()
+        except HydraException:
+            sweep = None
+        if sweep is None or sweep:
+            raise ConfigError(f"{text}: cannot parse this value{' (a `,` makes a list)' if sweep else ''}; quote it for "
+                              f"Hydra inside the shell's quotes: {_quoted(key, value)}")
+
+
 def to_train_config(cfg: DictConfig) -> TrainConfig:
     """A composed DictConfig as a validated TrainConfig (validate.py); ConfigError (one line) for anything wrong."""
     from omegaconf import OmegaConf
@@ -89,6 +118,7 @@ def compose(overrides: list[str], run_dir: str = ".") -> TrainConfig:
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    check_overrides(overrides)
     register_schema()
     GlobalHydra.instance().clear()
     try:

@@ -52,7 +52,8 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> Path:
     return path
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` of this host runs (also another user's)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -76,7 +77,7 @@ def remove_stale_temps(directory: str | Path, say: Callable[[str], None] = print
         if not m or not p.is_file() or (m["host"] is not None and m["host"] != host):
             continue
         pid = int(m["pid"])
-        if pid != os.getpid() and _alive(pid):
+        if pid != os.getpid() and process_alive(pid):
             continue
         p.unlink(missing_ok=True)
         removed.append(p)

@@ -4,15 +4,20 @@
 One lifecycle for every W&B run minigpt makes (training runs, the sweep's summary run): `WandbLogger` opens
 the run, `log` adds a step, `finish` writes the summary and waits until the run is on disk. Metric keys are
 grouped as train/, perf/, memory/, eval/. With `mode=auto` W&B runs online when credentials exist and offline
-otherwise (sync later with `wandb sync`), so a run never blocks on a login prompt or the network.
+otherwise (sync later with `wandb sync`), so a run never blocks on a login prompt or the network; an online run
+whose server (`WANDB_BASE_URL`, else api.wandb.ai) does not answer a TCP connect within a few seconds is refused
+before it starts.
 `WANDB_MODE` and `WANDB_DIR` in the environment win over the config.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import netrc
 import os
+import socket
+import urllib.parse
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -97,12 +102,38 @@ def wandb_mode(configured: str) -> str:
     return "online" if has_wandb_credentials() else "offline"
 
 
-def check_wandb(cfg: LoggerConfig) -> None:
-    """Refuse an online run without credentials before it starts (W&B would prompt or fail mid-run)."""
-    if cfg.name == "wandb" and wandb_mode(cfg.mode) == "online" and not has_wandb_credentials():
-        source = "WANDB_MODE=online" if os.environ.get("WANDB_MODE") else f"logger.mode={cfg.mode}"
+WANDB_CONNECT_TIMEOUT_S = 4.0
+
+
+@functools.lru_cache(maxsize=None)
+def _unreachable(host: str, port: int) -> str | None:
+    """Why a TCP connection to host:port fails within WANDB_CONNECT_TIMEOUT_S, or None (asked once per process)."""
+    try:
+        socket.create_connection((host, port), timeout=WANDB_CONNECT_TIMEOUT_S).close()
+    except socket.timeout:
+        return f"no answer within {WANDB_CONNECT_TIMEOUT_S:.0f} s"
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
+def check_wandb(cfg: LoggerConfig, none: str = "logger=none") -> None:
+    """Refuse an online run without credentials, or whose W&B server does not answer, before it starts (W&B would
+    prompt, or fail or hang mid-run). `none`: how the caller's command line turns W&B off."""
+    if cfg.name != "wandb" or wandb_mode(cfg.mode) != "online":
+        return
+    env = bool(os.environ.get("WANDB_MODE"))  # it wins over logger.mode, so the advice must name it
+    source, offline = ("WANDB_MODE=online", "WANDB_MODE=offline") if env else (f"logger.mode={cfg.mode}",
+                                                                                "logger.mode=offline")
+    if not has_wandb_credentials():
         raise ConfigError(f"{source}: no W&B credentials; set WANDB_API_KEY or run `wandb login`, "
-                          "or use logger.mode=offline (sync later) or logger=none")
+                          f"or use {offline} (sync later) or {none}")
+    url = os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+    parts = urllib.parse.urlsplit(url)
+    reason = _unreachable(parts.hostname or url, parts.port or (80 if parts.scheme == "http" else 443))
+    if reason:
+        raise ConfigError(f"{source}: cannot reach the W&B server {url} ({reason}); run offline with "
+                          f"WANDB_MODE=offline (sync later with `wandb sync`), or use {none}")
 
 
 def wandb_dir(default: str | Path) -> str:
@@ -116,6 +147,9 @@ class WandbLogger:
                  config: dict[str, Any] | None = None, job_type: str | None = None):
         import wandb
 
+        for key in ("WANDB_MODE", "WANDB_BASE_URL", "WANDB_DIR"):  # empty is unset, to us and so to W&B (it fails)
+            if os.environ.get(key) == "":
+                del os.environ[key]
         self.mode = wandb_mode(mode)
         directory = wandb_dir(directory)
         Path(directory).mkdir(parents=True, exist_ok=True)

@@ -3,20 +3,26 @@
     run(cfg, logger=None) -> exit code          (minigpt/summary.py has the table of statuses and codes)
 
 Nothing is lost:
+- one run directory, one run: the run holds the directory's lock (`run.lock`, minigpt/runlock.py; the CLI takes
+  it before Hydra writes there) and a run refused for any reason writes nothing there;
 - a run never writes over another run: a directory that already holds a run's summary.json or checkpoints is
   refused (exit 2) unless the run resumes it (`resume=auto`); `resume=auto` on a finished run says so and
-  changes nothing;
-- SIGINT and SIGTERM end the current step, write a checkpoint and summary.json (status `interrupted`) and exit
-  128 + signal; further signals meanwhile only print a note; a signal during setup stops at once;
-- every run that started writes summary.json (first with status `running`, so even SIGKILL leaves one; a
-  resumed run keeps the earlier attempt's as summary.attempt<k>.json), and its last line says where the
-  results are, or, for a failure, what went wrong and what to do.
+  changes nothing; a directory whose run failed before its first step is reused (its summary is kept as
+  summary.failed<k>.json);
+- SIGINT, SIGTERM and SIGHUP end the current step, write a checkpoint and summary.json (status `interrupted`) and
+  exit 128 + signal; further signals meanwhile only print a note; a signal during setup stops at once; once every
+  step is done the run is finished (status ok, exit 0), whatever signal arrives while it writes its summary;
+- every run that started writes summary.json (first with status `running` and its pid and host, so after SIGKILL
+  or the out-of-memory killer the next start there says that run was killed; a resumed run keeps the earlier
+  attempt's as summary.attempt<k>.json), and its last line says where the results are, or, for a failure, what
+  went wrong and what to do.
 """
 from __future__ import annotations
 
+import os
 import signal
+import socket
 import sys
-import threading
 import time
 import traceback
 from dataclasses import asdict
@@ -29,61 +35,16 @@ from minigpt.checkpoint import (CheckpointError, UnsafeCheckpointError, list_che
                                 resume_candidates, step_of)
 from minigpt.config import ConfigError, TrainConfig
 from minigpt.data import DataError
-from minigpt.files import WriteError, remove_stale_temps
-from minigpt.loggers import Logger, MetricsHistory, NullLogger, build_logger
+from minigpt import runlock
+from minigpt.files import WriteError, process_alive, remove_stale_temps
+from minigpt.loggers import Logger, MetricsHistory, NullLogger, build_logger, read_history
 from minigpt.metrics import git_commit, peak_memory_gib, versions
 from minigpt.distributed.mesh import Mesh
 from minigpt.distributed.process import TorchrunProcess
 from minigpt.distributed.reductions import max_int, on_main
+from minigpt.signals import Interrupted, StopSignals
 from minigpt.summary import SUMMARY_FILE, ExitCode, RunSummary
 from minigpt.train import TrainingError, build, train_loop
-
-
-class Interrupted(Exception):
-    """A stop signal arrived before the training steps began."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"interrupted by {signal.Signals(signum).name}")
-        self.signum = signum
-
-
-class StopSignals:
-    """SIGINT and SIGTERM while a run is alive: the first one asks the loop to stop after its step (or, during
-    setup, stops at once by raising Interrupted); later ones only say that the run is already stopping."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self.immediate = True  # before the loop: nothing to finish, so stop now
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():  # Python only delivers signals there
-            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.signum is not None:  # the process is on its way out with 128 + signum: ignore later signals,
-            for s in self._previous:  # also during interpreter shutdown (which resets Python-level handlers)
-                signal.signal(s, signal.SIG_IGN)
-            return
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-
-    def requested(self) -> bool:
-        return self.signum is not None
-
-    def _handle(self, signum: int, frame: object) -> None:
-        name = signal.Signals(signum).name
-        if self.signum is not None:
-            print(f"\n{name} again: already stopping (checkpoint and summary.json are being written); please wait",
-                  file=sys.stderr, flush=True)
-            return
-        self.signum = signum
-        if self.immediate:
-            raise Interrupted(signum)
-        print(f"\n{name}: finishing this step, then writing a checkpoint and summary.json", file=sys.stderr, flush=True)
 
 
 class AgreedStop:
@@ -100,19 +61,55 @@ class AgreedStop:
         return bool(agreed)
 
 
+def _earlier_summary(run_dir: Path) -> RunSummary | None:
+    try:
+        return RunSummary.read(run_dir / SUMMARY_FILE)
+    except (OSError, ValueError):
+        return None
+
+
+def _steps_done(cfg: TrainConfig) -> int:
+    """The steps a run in cfg.run_dir did, by its newest checkpoint and its metrics.jsonl."""
+    steps = [step_of(p) for p in list_checkpoints(cfg.ckpt_dir)]
+    if (Path(cfg.run_dir) / MetricsHistory.FILE).is_file():
+        steps += [r["step"] for r in read_history(cfg.run_dir) if isinstance(r.get("step"), int)]
+    return max(steps, default=0)
+
+
+def killed_run(cfg: TrainConfig) -> str | None:
+    """If the summary in cfg.run_dir says `running` and its process is gone: what happened to it, else None."""
+    earlier = _earlier_summary(Path(cfg.run_dir))
+    if earlier is None or earlier.status != "running" or earlier.pid is None:
+        return None
+    if earlier.host == socket.gethostname() and (earlier.pid == os.getpid() or process_alive(earlier.pid)):
+        return None
+    return (f"its run (pid {earlier.pid} on {earlier.host}) was killed after step {_steps_done(cfg)} "
+            f"(SIGKILL, or the out-of-memory killer?)")
+
+
+def failed_before_first_step(cfg: TrainConfig) -> bool:
+    """The run in cfg.run_dir ended (or was killed) before its first step: nothing of it to keep but its summary."""
+    earlier = _earlier_summary(Path(cfg.run_dir))
+    return earlier is not None and earlier.status != "ok" and not list_checkpoints(cfg.ckpt_dir) and \
+        (earlier.status != "running" or killed_run(cfg) is not None) and _steps_done(cfg) == 0
+
+
 def claim_run_dir(cfg: TrainConfig) -> str | None:
     """Refuse (ConfigError) a directory that holds another run unless resuming it; returns a message when the
-    run to resume has already finished (nothing to do), else None."""
+    run to resume has already finished (nothing to do), else None. Reads only."""
     run_dir, ckpts = Path(cfg.run_dir), list_checkpoints(cfg.ckpt_dir)
     summary_path = run_dir / SUMMARY_FILE
+    killed = killed_run(cfg)
     if cfg.resume == "none":
         if ckpts:
+            inside = Path(cfg.ckpt_dir).absolute().is_relative_to(run_dir.absolute())  # else a new ckpt_dir will do
             raise ConfigError(f"ckpt_dir={cfg.ckpt_dir}: holds checkpoints of another run (newest: step "
-                              f"{step_of(ckpts[-1])}); continue it with resume=auto, or choose a new hydra.run.dir "
-                              f"(or ckpt_dir)")
-        if summary_path.exists():
-            raise ConfigError(f"hydra.run.dir={cfg.run_dir}: holds another run's {SUMMARY_FILE}; choose a new "
-                              f"hydra.run.dir, or continue that run with resume=auto")
+                              f"{step_of(ckpts[-1])}{'; ' + killed if killed else ''}); continue it with resume=auto, "
+                              f"or choose a new {'hydra.run.dir' if inside else 'ckpt_dir'}")
+        if summary_path.exists() and not failed_before_first_step(cfg):
+            raise ConfigError(f"hydra.run.dir={cfg.run_dir}: holds another run's {SUMMARY_FILE}"
+                              f"{' (' + killed + ')' if killed else ''}; choose a new hydra.run.dir, or continue that "
+                              f"run with resume=auto")
         return None
     if cfg.resume != "auto":
         return None
@@ -129,22 +126,55 @@ def claim_run_dir(cfg: TrainConfig) -> str | None:
             return (f"the run in {cfg.run_dir} already finished: its newest checkpoint is at step {newest} and "
                     f"max_steps={cfg.max_steps}; nothing changed (raise max_steps to train further)")
     if not candidates and summary_path.exists():
-        try:
-            earlier = RunSummary.read(summary_path)
-        except ValueError:
-            earlier = None
+        earlier = _earlier_summary(run_dir)
         if earlier is not None and earlier.status == "ok" and earlier.steps >= cfg.max_steps:
             return (f"the run in {cfg.run_dir} already finished ({earlier.steps} steps, max_steps={cfg.max_steps}); "
                     f"nothing changed (it kept no checkpoint to continue from)")
     return None
 
 
-def keep_earlier_summary(run_dir: Path) -> None:
-    """A resumed run's summary.json replaces the earlier attempt's: keep that one as summary.attempt<k>.json."""
-    path = run_dir / SUMMARY_FILE
-    if path.exists():
-        k = 1 + sum(1 for _ in run_dir.glob("summary.attempt*.json"))
-        path.rename(run_dir / f"summary.attempt{k}.json")
+def take_run_dir(cfg: TrainConfig) -> str | None:
+    """claim_run_dir, then cfg.run_dir's lock (minigpt/runlock.py), held until release_run_dir. A refused run
+    (ConfigError) writes nothing there. Returns claim_run_dir's message of a finished run (then no lock is held)."""
+    runlock.check_free(cfg.run_dir)  # a live run's directory is refused as such, before what is in it is judged
+    if finished := claim_run_dir(cfg):
+        return finished
+    runlock.lock(cfg.run_dir)
+    try:
+        finished = claim_run_dir(cfg)  # again under the lock: a run that ended between the look and the lock
+    except BaseException:
+        runlock.unlock(cfg.run_dir)
+        raise
+    if finished:
+        runlock.unlock(cfg.run_dir)
+    return finished
+
+
+def release_run_dir(cfg: TrainConfig) -> None:
+    runlock.unlock(cfg.run_dir)
+
+
+def keep_earlier_summary(cfg: TrainConfig) -> str | None:
+    """The earlier summary.json of cfg.run_dir is kept beside the new one: summary.attempt<k>.json for a resumed
+    run, summary.failed<k>.json for a run that failed before its first step. Returns the line that says what the
+    new run found (a killed run, a failed one), or None."""
+    run_dir = Path(cfg.run_dir)
+    path, killed = run_dir / SUMMARY_FILE, killed_run(cfg)
+    holder = runlock.reclaimed(run_dir)
+    if not path.exists():
+        return f"hydra.run.dir={cfg.run_dir}: reclaimed the lock of {holder}, which is gone" if holder else None
+    kind = "attempt" if cfg.resume != "none" else "failed"
+    k = 1 + sum(1 for _ in run_dir.glob(f"summary.{kind}*.json"))
+    kept = run_dir / f"summary.{kind}{k}.json"
+    earlier = _earlier_summary(run_dir)
+    path.rename(kept)
+    if killed:
+        return f"hydra.run.dir={cfg.run_dir}: {killed}; its summary is kept as {kept.name}"
+    if kind == "failed":
+        why = f" ({earlier.status}: {earlier.error})" if earlier and earlier.error else ""
+        return f"hydra.run.dir={cfg.run_dir}: its earlier run failed before its first step{why}; its summary is " \
+               f"kept as {kept.name}"
+    return None
 
 
 def new_summary(cfg: TrainConfig) -> RunSummary:
@@ -152,7 +182,7 @@ def new_summary(cfg: TrainConfig) -> RunSummary:
         status="running", max_steps=cfg.max_steps, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
         grad_accum=cfg.grad_accum, attention=cfg.attention.name, attention_options=cfg.attention.options(),
         levers=cfg.model.levers(), compile=cfg.compile_enabled(), model=cfg.model.name, n_layer=cfg.model.n_layer,
-        commit=git_commit(), run_dir=str(cfg.run_dir), **versions())
+        commit=git_commit(), run_dir=str(cfg.run_dir), pid=os.getpid(), host=socket.gethostname(), **versions())
 
 
 def _oom_line(cfg: TrainConfig, alloc: float) -> str:
@@ -195,17 +225,23 @@ def run(cfg: TrainConfig, logger: Logger | None = None, config_dict: dict[str, A
     process joins torchrun's process group (unless its caller did) and leaves it at the end, also on errors;
     rank 0 writes the files and the console lines, the other ranks print only their own errors.
     """
-    with TorchrunProcess() as process:
+    with TorchrunProcess() as process, StopSignals(again=AGAIN) as stop:
         mesh = Mesh.setup(cfg.parallel.context, cfg.torch_device().type)
-        code = _run(cfg, logger, config_dict, mesh)
+        code = _run(cfg, logger, config_dict, mesh, stop)
         process.ok = code == ExitCode.OK
         return code
 
 
-def _run(cfg: TrainConfig, logger: Logger | None, config_dict: dict[str, Any] | None, mesh: Mesh) -> int:
+AGAIN = "already stopping (checkpoint and summary.json are being written); please wait"
+STEP_NOTE = "finishing this step, then writing a checkpoint and summary.json"
+DONE_NOTE = "the training steps are done: the run is complete; writing its summary"
+
+
+def _run(cfg: TrainConfig, logger: Logger | None, config_dict: dict[str, Any] | None, mesh: Mesh,
+         stop: StopSignals) -> int:
     config_dict = config_dict if config_dict is not None else asdict(cfg)
-    try:  # rank 0 looks at the directory and tells the others
-        finished = on_main(mesh, lambda: claim_run_dir(cfg))
+    try:  # rank 0 looks at the directory, takes its lock and tells the others
+        finished = on_main(mesh, lambda: take_run_dir(cfg))
     except ConfigError as e:  # nothing of this run exists yet, and the other run's files stay untouched
         if mesh.is_main:
             print(f"error: {e}", file=sys.stderr)
@@ -214,50 +250,60 @@ def _run(cfg: TrainConfig, logger: Logger | None, config_dict: dict[str, Any] | 
         print(finished)
         return ExitCode.OK
 
-    if mesh.is_main:
-        keep_earlier_summary(Path(cfg.run_dir))
-        for directory in (cfg.run_dir, cfg.ckpt_dir):  # temp files of a killed run's writes
-            remove_stale_temps(directory)
     summary = new_summary(cfg)
     summary.world_size, summary.context_parallel = mesh.world, mesh.cp
-    summary_path = summary.write(cfg.run_dir) if mesh.is_main else Path(cfg.run_dir) / SUMMARY_FILE
+    summary_path = Path(cfg.run_dir) / SUMMARY_FILE
     t_start = time.perf_counter()
     code, line = ExitCode.OK, ""
-    with StopSignals() as stop:
-        stop_requested = AgreedStop(mesh, stop)  # under torchrun: a signal on any rank stops all at one step
+    stop.note = STEP_NOTE
+    stop_requested = AgreedStop(mesh, stop)  # under torchrun: a signal on any rank stops all at one step
+    try:
+        if mesh.is_main:
+            if found := keep_earlier_summary(cfg):
+                print(found)
+            for directory in (cfg.run_dir, cfg.ckpt_dir):  # temp files of a killed run's writes
+                remove_stale_temps(directory)
+            summary.write(cfg.run_dir)  # `running`, with this pid and host: even SIGKILL leaves a summary
+        logger = logger or (NullLogger() if not mesh.is_main else build_logger(
+            cfg.logger, f"{cfg.attention.name}-{cfg.model.name}-n{cfg.seq_len}", cfg.run_dir, config_dict))
+        summary.wandb = logger.location
+        if mesh.is_main:  # the curves also as metrics.jsonl in the run directory
+            logger = MetricsHistory(logger, cfg.run_dir)
+        training = build(cfg, config_dict, summary, mesh)
+        stop.immediate = False  # from here a signal ends the current step
+        train_loop(training, logger, summary, stop_requested)
+        signum = stop.signum or stop_requested.signum
+        if summary.steps >= cfg.max_steps:  # every step done: finished, whatever arrives now
+            stop.note, summary.status = DONE_NOTE, "ok"
+        elif signum is not None:
+            summary.status, code = "interrupted", ExitCode.SIGNAL_BASE + signum
+            line = (f"interrupted by {signal.Signals(signum).name} after step {summary.steps}"
+                    + (f"; checkpoint {summary.checkpoint}" if summary.checkpoint else "")
+                    + f"; continue with resume=auto hydra.run.dir={cfg.run_dir}")
+        else:
+            summary.status = "ok"
+    except BaseException as e:  # noqa: BLE001 - every failure must still produce a summary and one line
+        stop.immediate = False  # failure handling must not be cut short by a signal
+        code, line = _failure(e, cfg, summary)
+    finally:
+        stop.immediate = False
+        summary.exit_code, summary.wall_time_s = int(code), time.perf_counter() - t_start
         try:
-            logger = logger or (NullLogger() if not mesh.is_main else build_logger(
-                cfg.logger, f"{cfg.attention.name}-{cfg.model.name}-n{cfg.seq_len}", cfg.run_dir, config_dict))
-            summary.wandb = logger.location
-            if mesh.is_main:  # the curves also as metrics.jsonl in the run directory
-                logger = MetricsHistory(logger, cfg.run_dir)
-            training = build(cfg, config_dict, summary, mesh)
-            stop.immediate = False  # from here a signal ends the current step
-            train_loop(training, logger, summary, stop_requested)
-            signum = stop.signum or stop_requested.signum
-            if signum is not None:
-                summary.status, code = "interrupted", ExitCode.SIGNAL_BASE + signum
-                line = (f"interrupted by {signal.Signals(signum).name} after step {summary.steps}"
-                        + (f"; checkpoint {summary.checkpoint}" if summary.checkpoint else "")
-                        + f"; continue with resume=auto hydra.run.dir={cfg.run_dir}")
-            else:
-                summary.status = "ok"
-        except BaseException as e:  # noqa: BLE001 - every failure must still produce a summary and one line
-            stop.immediate = False  # failure handling must not be cut short by a signal
-            code, line = _failure(e, cfg, summary)
-        finally:
-            stop.immediate = False
-            summary.exit_code, summary.wall_time_s = int(code), time.perf_counter() - t_start
             if mesh.is_main:
                 summary.write(cfg.run_dir)
             logger = logger or NullLogger()
             logger.log({"status/ok": float(summary.status == "ok"), "status/oom": float(summary.status == "oom")},
                        step=summary.steps)
             logger.finish(asdict(summary), int(code))
+        finally:
+            if mesh.is_main:
+                release_run_dir(cfg)
     where = f"summary {summary_path}" + (f", checkpoint {summary.checkpoint}" if summary.checkpoint else "") + \
         (f", W&B {summary.wandb}" if summary.wandb else "")
     if code == ExitCode.OK:
-        print(f"done: {summary.steps} steps; {where}")
+        late = stop.signum or stop_requested.signum
+        print(f"done: {summary.steps} steps; {where}" +
+              (f" ({signal.Signals(late).name} arrived after the last step)" if late else ""))
     elif not mesh.is_main:  # its own failure (a setting refused on every rank is rank 0's line)
         if summary.status != "interrupted" and code != ExitCode.BAD_SETTING:
             print(f"error: rank {mesh.rank}: {line}", file=sys.stderr)

@@ -7,7 +7,8 @@ Every run that started writes a summary, whatever happens; its `status` and the 
     error         1              bad data, a bad checkpoint, a non-finite loss, anything unexpected
     error         2              a bad setting found once the run had started (the message names the key)
     oom           3              CUDA out of memory (the message says what to try)
-    interrupted   128 + signal   SIGINT (130) or SIGTERM (143): a checkpoint is written first
+    interrupted   128 + signal   SIGINT (130), SIGHUP (129) or SIGTERM (143): a checkpoint is written first
+    running       -              the run is alive, or was killed (SIGKILL, the OOM killer): see `pid` and `host`
 
 Readers load it with `RunSummary.read(path)`, which fails loudly on a missing or renamed field instead of
 handing back None.
@@ -82,6 +83,8 @@ class RunSummary:
     commit: str | None = None
     # where things are
     run_dir: str = ""
+    pid: int | None = None  # the process that wrote it, and its host: a `running` summary whose process is gone
+    host: str | None = None  # is a run that was killed (SIGKILL, the out-of-memory killer)
     checkpoint: str | None = None  # the newest checkpoint of this run, if any
     resumed_from: str | None = None
     wandb: str | None = None  # W&B run directory (offline) or URL (online)

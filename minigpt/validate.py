@@ -3,9 +3,13 @@
 config.py checks what a value allows by itself; here come the checks that ask the code and the machine:
 the attention registry (a backend's name, options and capabilities on this device, dtype and head_dim, e.g.
 that flash needs Triton and a GPU), the GPU itself, W&B credentials for an online run, and torchrun's world
-size. Each failure is a ConfigError of one line (exit code 2).
+size; and, for the CLI before Hydra writes anything, that the directories a run writes are writable. Each failure is
+a ConfigError of one line (exit code 2).
 """
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import torch
 
@@ -47,3 +51,22 @@ def check_attention_fits(cfg: TrainConfig) -> None:
         with_lse = [n for n, b in BACKENDS.items() if b.returns_lse]
         raise ConfigError(f"model.keep_attention=true: needs a backend that returns its log-sum-exp "
                           f"(attention={' or '.join(with_lse)}), not attention={name}")
+
+
+def unwritable(path: str | Path) -> str | None:
+    """Why a directory could not be created or written at `path` (its nearest existing ancestor decides), or None."""
+    path = Path(path).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists() or p == p.parent)
+    if not existing.is_dir():
+        return f"{existing} is a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):  # root passes, as it may write anywhere; a read-only mount not
+        read_only = os.statvfs(existing).f_flag & os.ST_RDONLY
+        return f"{existing} is {'on a read-only file system' if read_only else 'not writable (permission denied)'}"
+    return None
+
+
+def check_writable(places: list[tuple[str, str | Path]]) -> None:
+    """ConfigError naming the first (setting, directory) of `places` that cannot be written."""
+    for key, path in places:
+        if reason := unwritable(path):
+            raise ConfigError(f"{key}={path}: cannot write there: {reason}; point {key} at a writable directory")

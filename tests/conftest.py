@@ -87,6 +87,9 @@ FAST_TESTS = (
     "test_checkpoint.py::test_stale_temp_files_of_dead_writers_are_removed_at_the_next_start",
     "test_train.py::test_the_cli_trains_and_its_last_line_says_where_the_run_is",
     "test_sample.py::test_generate_greedy_crop_and_a_missing_path",
+    "test_lifecycle.py::test_a_live_runs_directory_is_refused_and_left_untouched",
+    "test_lifecycle.py::test_the_lock_counts_takes_and_reclaims_a_dead_owners_lock",
+    "test_lifecycle.py::test_an_unquoted_value_says_how_to_quote_it",
 )
 SLOW_IN_FAST_FILES = ("test_config.py::test_cli_bad_override_is_one_line_and_nonzero[attention",
                       "test_config.py::test_cli_bad_override_is_one_line_and_nonzero[batch_size")

@@ -242,12 +242,14 @@ def _check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> tu
     dtype = (torch.bfloat16 if device.type == "cuda" else torch.float32) if args.dtype == "auto" else getattr(torch, args.dtype)
     if device.type == "cpu" and dtype == torch.float16:
         p.error("argument --dtype: float16 is not for CPU; use auto (float32) or bfloat16")
-    if args.wandb:
-        from minigpt.loggers import has_wandb_credentials, wandb_mode
+    if args.wandb:  # online needs credentials and a server that answers (minigpt/loggers.py)
+        from minigpt.config import ConfigError, LoggerConfig
+        from minigpt.loggers import check_wandb
 
-        if wandb_mode("auto") == "online" and not has_wandb_credentials():
-            p.error("argument --wandb: WANDB_MODE=online without W&B credentials; set WANDB_API_KEY or run "
-                    "`wandb login`, or use WANDB_MODE=offline")
+        try:
+            check_wandb(LoggerConfig(name="wandb"), none="leave out --wandb")
+        except ConfigError as e:
+            p.error(f"argument --wandb: {e}")
     return device, dtype
 
 

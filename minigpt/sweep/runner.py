@@ -5,7 +5,9 @@ directory), or with `nproc` > 1 that under torchrun (`python -m torch.distribute
 --nproc_per_node N -m minigpt ... parallel.context=K`, whose exit code is 1 for any failed worker: the first
 failed worker's own code is read from torchrun's report), with its Hydra run dir at the absolute
 <out>/trials/<variant>-n<seq_len>, keeps the trainer's output there in trainer.log, and reads back its summary.json
-with `RunSummary.read`:
+with `RunSummary.read`. The trainer runs in a process group of its own, so that stopping it (at the time limit, or
+when the sweep itself gets SIGINT, SIGTERM or SIGHUP: the same signal is passed on) ends every process it started;
+on Linux the kernel also stops it (SIGTERM) if the sweep dies, even by SIGKILL (minigpt/signals.py):
 
     status    when
     ok        exit code 0 and the summary says ok
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -30,6 +33,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from minigpt.signals import Interrupted, own_group, stop_group
 from minigpt.sweep.search import Trial, variant_overrides
 from minigpt.summary import SUMMARY_FILE, ExitCode, RunSummary
 
@@ -81,7 +85,7 @@ class SubprocessRunner:
         t0 = time.perf_counter()
         with open(run_dir / LOG_FILE, "w") as log:
             proc = subprocess.Popen(self.command(variant, seq_len), stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT)
+                                    stderr=subprocess.STDOUT, **own_group())
             returncode = _wait(proc, self.time_limit_s)
         output = (run_dir / LOG_FILE).read_text(errors="replace")
         if self.nproc > 1:
@@ -95,16 +99,10 @@ def _wait(proc: subprocess.Popen, limit_s: float) -> int | None:
     try:
         return proc.wait(timeout=limit_s)
     except subprocess.TimeoutExpired:
-        proc.terminate()
-        try:
-            proc.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_group(proc, signal.SIGTERM, STOP_GRACE_S)
         return None
-    except BaseException:  # Ctrl-C reached the trainer too; the sweep stops without recording this trial
-        proc.kill()
-        proc.wait()
+    except BaseException as e:  # the sweep is stopping: so does the trial, without being recorded
+        stop_group(proc, e.signum if isinstance(e, Interrupted) else signal.SIGTERM, STOP_GRACE_S)
         raise
 
 

@@ -21,11 +21,14 @@ resumes: ok and oom trials are reused, a timeout is reused unless --trial-time-l
 run again.
 
 Exit code: 0 when every requested variant has a result (a longest length, or "none fits"), 1 when a variant
-had only error trials or the budget ran out before it ran, 2 for bad arguments, 130 when interrupted.
+had only error trials or the budget ran out before it ran, 2 for bad arguments, 128 + signal when interrupted
+(SIGINT, SIGTERM, SIGHUP: the running trial gets the same signal and, after a grace period, SIGKILL; the report
+of the trials that finished is written; the same command resumes).
 """
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -39,6 +42,7 @@ from minigpt.sweep.runner import TRIALS_FILE, SubprocessRunner, TrialStore
 from minigpt.sweep.search import (LEVERS, Trial, TrialRunner, best, is_probe, probe_variant, search_max_seq_len,
                                         variant_overrides)
 from minigpt.files import WriteError
+from minigpt.signals import Interrupted, StopSignals
 
 # Each backend eager and compiled, so the table shows what compile alone buys in context length.
 DEFAULT_VARIANTS = [v for name in attention_names() for v in (name, f"{name}+compile")]
@@ -77,10 +81,11 @@ class SweepConfig:
 class SweepResult:
     report: Path  # results.md
     no_result: list[str]  # requested variants with only error trials, or none run before the budget ran out
+    signum: int | None = None  # the signal that stopped the sweep
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.no_result else 0
+        return 128 + self.signum if self.signum else 1 if self.no_result else 0
 
 
 def trial_line(t: Trial, reused: bool = False) -> str:
@@ -132,14 +137,20 @@ def run_sweep(cfg: SweepConfig, runner: TrialRunner | None = None, log: Callable
         return time.perf_counter() > deadline
 
     ran: dict[str, list[Trial]] = {v: [] for v in cfg.variants}
-    for variant in cfg.variants if cfg.search else []:
-        start = cfg.start.get(variant, cfg.default_start)
-        log(f"{variant}: searching from {start:,}")
-        ran[variant] += search_max_seq_len(run, variant, start, cfg.granularity, cfg.max_seq_len, out_of_time)
-        log(_outcome(variant, ran[variant]))
-    for n in cfg.probe_seq_lens:
-        for variant in cfg.variants:
-            ran[variant] += [run(probe_variant(variant, layers), n) for layers in cfg.probe_layers if not out_of_time()]
+    signum = None
+    try:
+        for variant in cfg.variants if cfg.search else []:
+            start = cfg.start.get(variant, cfg.default_start)
+            log(f"{variant}: searching from {start:,}")
+            ran[variant] += search_max_seq_len(run, variant, start, cfg.granularity, cfg.max_seq_len, out_of_time)
+            log(_outcome(variant, ran[variant]))
+        for n in cfg.probe_seq_lens:
+            for variant in cfg.variants:
+                ran[variant] += [run(probe_variant(variant, layers), n) for layers in cfg.probe_layers
+                                 if not out_of_time()]
+    except Interrupted as e:  # the running trial was stopped with the same signal (runner.py); report what ran
+        signum = e.signum
+        log(f"{signal.Signals(signum).name}: the running trial was stopped; reporting the trials that finished")
     if out_of_time():
         log(f"sweep budget of {cfg.budget_s:.0f} s spent; reporting what ran")
 
@@ -155,7 +166,7 @@ def run_sweep(cfg: SweepConfig, runner: TrialRunner | None = None, log: Callable
               f"overrides (of the latest run) {' '.join(cfg.base_overrides)}. Peak = torch.cuda.max_memory_allocated.")
     plots = plot(by_variant(trials), out_dir, derived)
     md = write_reports(trials, derived, out_dir, header)
-    result = SweepResult(md, no_result)
+    result = SweepResult(md, no_result, signum)
     if cfg.logger == "wandb":
         log_summary_to_wandb(trials, derived, plots, sweep_id, cfg.project, out_dir, result.exit_code)
     return result
@@ -301,7 +312,7 @@ def sweep_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> S
         from minigpt.loggers import check_wandb
 
         try:
-            check_wandb(LoggerConfig(name="wandb"))
+            check_wandb(LoggerConfig(name="wandb"), none="--logger none")
         except ConfigError as e:
             parser.error(f"argument --logger: {e}")
     if not args.allow_cpu and (why := gpu_sized_on_cpu(defaults["base"] + args.set, variants, start,
@@ -327,6 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     """The sweep's command line; returns the exit code (0 results, 1 a variant without one, 2 bad arguments)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    with StopSignals(again="already stopping (the running trial, then the report); please wait"):
+        return _main(parser, args)
+
+
+def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         if args.combine:
             missing = [str(d) for d in args.combine if not (d / "results.json").is_file()]
@@ -337,13 +353,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"results: {md}")
             return 0
         result = run_sweep(sweep_config(parser, args), log=_progress)
-    except KeyboardInterrupt:
-        print("interrupted: the finished trials are in trials.jsonl; the same command resumes", file=sys.stderr)
-        return 130
+    except Interrupted as e:  # before the trials, or while reporting them
+        print(f"{e}: the finished trials are in trials.jsonl; the same command resumes", file=sys.stderr)
+        return 128 + e.signum
     except WriteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(result.report.read_text())
+    if result.signum:
+        print(f"interrupted by {signal.Signals(result.signum).name}: the running trial was stopped; the finished "
+              f"trials are in trials.jsonl, the report in {result.report}; the same command resumes", file=sys.stderr,
+              flush=True)
+        return result.exit_code
     if result.no_result:
         print(f"no result for {', '.join(result.no_result)}: see its lines above and results.md", file=sys.stderr,
               flush=True)
