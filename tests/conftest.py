@@ -52,6 +52,22 @@ def tiny_config(tmp_path):
     return make
 
 
+@pytest.fixture
+def poison_outputs(monkeypatch):
+    """Every float tensor torch.empty / empty_like allocates starts as NaN (the kernel test files use this), so an
+    element the kernels or their launchers fail to write fails the test."""
+    import torch
+
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    monkeypatch.setattr(torch, "empty_like",
+                        lambda t, **kw: nan_empty(t.shape, dtype=kw.get("dtype", t.dtype), device=t.device))
+
+
 class RecordingLogger:
     """A logger that keeps what it is given, so tests can look at the metrics of a run."""
 
