@@ -471,8 +471,6 @@ def _save_array(path: Path, a: np.ndarray) -> None:
 def load_pycode(cfg: DataConfig, seq_len: int, seed: int) -> TokenData:
     """The pycode corpus: a BPE trained on its training documents (cached like text), each split tokenized through
     `datasets` into one stream with EOT after every document; the token streams and the manifest cached together."""
-    import datasets
-
     from minigpt.pycode import build_corpus
 
     corpus = build_corpus(cfg.subset, cfg.packages, cfg.stdlib, cfg.site_dirs, cfg.min_heldout_docs)
@@ -491,6 +489,8 @@ def load_pycode(cfg: DataConfig, seq_len: int, seed: int) -> TokenData:
         if path.exists():
             streams[split] = np.load(path)
         else:
+            import datasets
+
             ds = datasets.Dataset.from_dict({"text": [d.text for d in docs]})
             streams[split] = _token_stream(ds, "text", tokenizer)
             _save_array(path, streams[split])

@@ -200,7 +200,7 @@ def build_corpus(subset: str | None = None, packages: list[str] | tuple[str, ...
         root, top = where
         docs += reader.tree(root, top)
         taken.add(name)
-        found[name] = _version(name)
+        found[name] = _version(name) if site_dirs is None else None  # a given site dir: not this interpreter's
     train, val, moved = split(docs, min_docs, sub.guarantee_bytes)
     h = hashlib.sha256()
     for d in docs:
