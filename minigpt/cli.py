@@ -137,7 +137,7 @@ def _places(cfg, run_dir: str | None, argv: list[str]) -> list[tuple[str, str]]:
     places = [("hydra.run.dir", run_dir or "outputs")]
     if run_dir or any(_key(a) == "ckpt_dir" for a in argv):  # else it is the new run directory's checkpoints/
         places.append(("ckpt_dir", cfg.ckpt_dir))
-    if cfg.data.name in ("text", "hf"):
+    if cfg.data.name in ("text", "hf", "pycode"):
         places.append(("data.cache_dir", cfg.data.cache_dir))
     if cfg.logger.name == "wandb" and os.environ.get("WANDB_DIR"):
         places.append(("WANDB_DIR", os.environ["WANDB_DIR"]))

@@ -22,7 +22,11 @@ from omegaconf import MISSING
 
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-DATA_NAMES = ("passkey", "text", "hf")
+DATA_NAMES = ("passkey", "text", "hf", "pycode")
+PYCODE_SUBSETS = ("quickstart",)
+# pycode: the installed packages read beside the stdlib, the imports minigpt's dependencies guarantee (pyproject.toml)
+PYCODE_PACKAGES = ("torch", "numpy", "datasets", "huggingface_hub", "fsspec", "pyarrow", "pandas", "hydra",
+                   "omegaconf", "wandb", "tqdm", "matplotlib", "triton")
 LOGGER_NAMES = ("wandb", "none")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 # A run with no GPU and no model chosen gets these instead of gpt2-small (a 3-hour CPU run otherwise).
@@ -123,7 +127,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "passkey"  # passkey | text | hf
+    name: str = "passkey"  # passkey | text | hf | pycode
     # text: a file, a directory or a glob of text files (each file is one document)
     path: Optional[str] = None
     # tokenizer for text/hf: a tokenizer.json to load, or None to train a byte-level BPE on the data
@@ -138,6 +142,14 @@ class DataConfig:
     text_column: str = "text"  # hf: the column holding the documents
     streaming: bool = False  # hf: stream the dataset instead of downloading it whole (needs max_docs)
     max_docs: Optional[int] = None  # read at most this many documents (required with streaming)
+    # pycode (minigpt/pycode.py): Python source of the stdlib and these installed packages; a missing one is skipped
+    packages: list[str] = field(default_factory=lambda: list(PYCODE_PACKAGES))
+    subset: Optional[str] = None  # pycode: None (the full corpus) | quickstart (a few stdlib packages, ~1.8 MB)
+    stdlib: Optional[str] = None  # pycode: the stdlib directory to read; None: this interpreter's (tests: a fake one)
+    site_dirs: Optional[list[str]] = None  # pycode: where packages are looked up; None: this interpreter's imports
+    # pycode: held-out documents at least seq_len tokens long (bytes/4) a run needs; None: 20 (quickstart: 4)
+    min_heldout_docs: Optional[int] = None
+    document_mask: bool = False  # attend within documents only (recorded; pycode sets it; the masks land later)
 
     def validate(self) -> None:
         one_of("data", self.name, DATA_NAMES)
@@ -152,6 +164,10 @@ class DataConfig:
             raise ConfigError("data.max_docs=null: data.streaming=true needs data.max_docs (how many documents to read)")
         if self.max_docs is not None:
             at_least("data.max_docs", self.max_docs)
+        if self.subset is not None:
+            one_of("data.subset", self.subset, PYCODE_SUBSETS)
+        if self.min_heldout_docs is not None:
+            at_least("data.min_heldout_docs", self.min_heldout_docs)
         if self.tokenizer is not None and not Path(os.path.expanduser(self.tokenizer)).is_file():
             raise ConfigError(f"data.tokenizer={self.tokenizer}: no such tokenizer.json file")
 

@@ -1,4 +1,4 @@
-"""Training data: the embedded passkey task, local text files, and any `datasets` dataset.
+"""Training data: the embedded passkey task, local text files, any `datasets` dataset, and the pycode corpus.
 
 Every source exposes `batch(split, index, batch_size) -> (x, y)`: int64 CPU tensors of shape
 (batch_size, seq_len), y = x shifted by one token. A batch is a pure function of (seed, split,
@@ -11,6 +11,7 @@ import codecs
 import contextlib
 import glob
 import hashlib
+import json
 import os
 import socket
 import urllib.parse
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from minigpt.config import DataConfig
+from minigpt.config import ConfigError, DataConfig
 from minigpt.files import atomic_write_text
 
 EOT = "<|endoftext|>"
@@ -111,6 +112,7 @@ class TokenData:
     vocab_size: int
     answer: slice | None = None  # no retrieval task on free text
     tokenizer_json: str | None = None  # the tokenizer (`tokenizers` JSON), saved into the run directory
+    manifest: dict | None = None  # what the corpus is (pycode), saved into the run directory as corpus.json
 
     def __post_init__(self):
         for split, tokens in (("train", self.train), ("val", self.val)):
@@ -442,10 +444,68 @@ def load_hf(cfg: DataConfig, seq_len: int, seed: int) -> TokenData:
 
 
 # --------------------------------------------------------------------------------------------
-# the run's tokenizer, kept with the run (minigpt/sample.py reads it back)
+# pycode: Python source already on this machine (minigpt/pycode.py builds the corpus and its split)
+# --------------------------------------------------------------------------------------------
+BYTES_PER_TOKEN = 4  # how the held-out check turns seq_len into bytes (BPE on code gives fewer: it is conservative)
+
+
+def _check_heldout(manifest: dict, val_sizes: list[int], seq_len: int) -> None:
+    """Refuse (ConfigError, exit 2) when fewer than min_heldout_docs held-out documents reach seq_len tokens."""
+    need = BYTES_PER_TOKEN * (seq_len + 1)
+    have, want = sum(n >= need for n in val_sizes), manifest["min_heldout_docs"]
+    if have < want:
+        raise ConfigError(
+            f"data.min_heldout_docs={want}: data=pycode holds out {have} documents of at least seq_len={seq_len} "
+            f"tokens (~{need} bytes at {BYTES_PER_TOKEN} bytes a token); lower seq_len, read the full corpus "
+            f"(data.subset=null), or lower data.min_heldout_docs"
+        )
+
+
+def _save_array(path: Path, a: np.ndarray) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "wb") as fh:
+        np.save(fh, a)
+    os.replace(tmp, path)
+
+
+def load_pycode(cfg: DataConfig, seq_len: int, seed: int) -> TokenData:
+    """The pycode corpus: a BPE trained on its training documents (cached like text), each split tokenized through
+    `datasets` into one stream with EOT after every document; the token streams and the manifest cached together."""
+    from minigpt.pycode import build_corpus
+
+    corpus = build_corpus(cfg.subset, cfg.packages, cfg.stdlib, cfg.site_dirs, cfg.min_heldout_docs)
+    manifest = corpus.manifest
+    if not corpus.train:
+        raise DataError(f"data=pycode: no training documents (data.stdlib={cfg.stdlib}, data.packages={cfg.packages})")
+    _check_heldout(manifest, [d.nbytes for d in corpus.val], seq_len)
+    key = hashlib.sha256(f"{manifest['corpus_hash']}|{manifest['min_heldout_docs']}".encode()).hexdigest()[:16]
+    tokenizer = load_tokenizer(cfg, (d.text for d in corpus.train), key)
+    tok_key = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()[:16]
+    folder = Path(_cache_dir(cfg)) / "pycode" / f"{key}-{tok_key}"
+    folder.mkdir(parents=True, exist_ok=True)
+    streams = {}
+    for split, docs in (("train", corpus.train), ("val", corpus.val)):
+        path = folder / f"{split}.npy"
+        if path.exists():
+            streams[split] = np.load(path)
+        else:
+            import datasets
+
+            ds = datasets.Dataset.from_dict({"text": [d.text for d in docs]})
+            streams[split] = _token_stream(ds, "text", tokenizer)
+            _save_array(path, streams[split])
+    manifest = {**manifest, "tokens": {s: int(len(t)) for s, t in streams.items()}, "vocab_size": tokenizer.get_vocab_size()}
+    atomic_write_text(folder / MANIFEST_FILE, json.dumps(manifest, indent=1))
+    return TokenData(streams["train"], streams["val"], seq_len, seed, tokenizer.get_vocab_size(),
+                     tokenizer_json=tokenizer.to_str(), manifest=manifest)
+
+
+# --------------------------------------------------------------------------------------------
+# the run's tokenizer (and corpus manifest), kept with the run (minigpt/sample.py reads it back)
 # --------------------------------------------------------------------------------------------
 TOKENIZER_FILE = "tokenizer.json"
 BYTES = "bytes"  # what a run of byte tokens (passkey) records as its tokenizer
+MANIFEST_FILE = "corpus.json"
 
 
 def save_tokenizer(data: PasskeyData | TokenData, run_dir: str | Path, write: bool = True) -> str:
@@ -459,6 +519,13 @@ def save_tokenizer(data: PasskeyData | TokenData, run_dir: str | Path, write: bo
     return str(path)
 
 
+def save_manifest(data: PasskeyData | TokenData, run_dir: str | Path, write: bool = True) -> None:
+    """Write the data's corpus manifest (pycode) into run_dir/corpus.json; nothing for the other sources."""
+    manifest = getattr(data, "manifest", None)
+    if manifest is not None and write:
+        atomic_write_text(Path(run_dir) / MANIFEST_FILE, json.dumps(manifest, indent=1))
+
+
 def build_data(cfg: DataConfig, seq_len: int, seed: int) -> PasskeyData | TokenData:
     """The data source named by cfg.name."""
     if cfg.name == "passkey":
@@ -467,4 +534,6 @@ def build_data(cfg: DataConfig, seq_len: int, seed: int) -> PasskeyData | TokenD
         return load_text(cfg, seq_len, seed)
     if cfg.name == "hf":
         return load_hf(cfg, seq_len, seed)
-    raise DataError(f"data.name={cfg.name}: choose one of passkey, text, hf")
+    if cfg.name == "pycode":
+        return load_pycode(cfg, seq_len, seed)
+    raise DataError(f"data.name={cfg.name}: choose one of passkey, text, hf, pycode")

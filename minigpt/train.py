@@ -21,7 +21,7 @@ from tqdm import tqdm
 from minigpt.attention import get_attention
 from minigpt.checkpoint import CheckpointError, find_and_load, restore, save_checkpoint
 from minigpt.config import ConfigError, TrainConfig
-from minigpt.data import PasskeyData, build_data, save_tokenizer
+from minigpt.data import PasskeyData, build_data, save_manifest, save_tokenizer
 from minigpt.distributed.data_parallel import TrainingForward
 from minigpt.distributed.mesh import Mesh
 from minigpt.distributed.reductions import agree, mean
@@ -98,6 +98,7 @@ def build(cfg: TrainConfig, config_dict: dict[str, Any], summary: RunSummary, me
     # the tokenizer goes into the run directory, and checkpoints name it (minigpt/sample.py reads it from there)
     config_dict = {**config_dict, "tokenizer": save_tokenizer(data, cfg.run_dir,
                                                               write=mesh.is_main and cfg.save_checkpoints)}
+    save_manifest(data, cfg.run_dir, write=mesh.is_main)
     vocab_size = cfg.model.vocab_size or data.vocab_size
     if data.vocab_size > vocab_size:
         raise ConfigError(f"model.vocab_size={vocab_size}: smaller than the tokenizer's {data.vocab_size}")

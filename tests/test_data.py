@@ -232,3 +232,82 @@ def test_bad_tokenizer_file(tmp_path):
         cfg = DataConfig(name="text", path=str(corpus), tokenizer=str(tmp_path / name), cache_dir=str(tmp_path / "c"))
         with pytest.raises(DataError, match=rf"data.tokenizer=.*{name}: not a tokenizer JSON file .*unset data"):
             build_data(cfg, 32, 0)
+
+
+# --------------------------------------------------------------------------------------------
+# pycode, on a fake stdlib and site root the test writes (minigpt/pycode.py)
+# --------------------------------------------------------------------------------------------
+def write_site(tmp_path):
+    """A fake stdlib (json/, top-level modules, a non-UTF-8 file) and site root (pkga with a sub-package, pkgb
+    holding a vendored copy of a pkga file and a file over 1 MB)."""
+    std, site = tmp_path / "std", tmp_path / "site"
+    (std / "json").mkdir(parents=True)
+    (std / "json" / "b.py").write_text("def b():\n    return 2\n")
+    (std / "json" / "a.py").write_text("def a():\n    return 1")  # no final newline
+    (std / "os.py").write_text("import sys\n")
+    (std / "latin.py").write_bytes(b"x = '\xe9'\n")
+    (std / "site-packages" / "skipped").mkdir(parents=True)
+    (std / "site-packages" / "skipped" / "s.py").write_text("never = 1\n")
+    (site / "pkga" / "sub").mkdir(parents=True)
+    (site / "pkga" / "__init__.py").write_text("from .core import f\n")
+    (site / "pkga" / "core.py").write_text("def f(x):\n    return x * 2\n" * 50)
+    (site / "pkga" / "sub" / "m.py").write_text("M = 3\n")
+    (site / "pkga" / "data.txt").write_text("not python\n")
+    (site / "pkgb" / "_vendor").mkdir(parents=True)
+    (site / "pkgb" / "_vendor" / "core.py").write_text("def f(x):\n    return x * 2\n" * 50)  # a duplicate
+    (site / "pkgb" / "big.py").write_text("# " + "x" * 1_000_001 + "\n")
+    (site / "pkgb" / "small.py").write_text("S = 1\n")
+    return std, site
+
+
+def test_pycode_documents_headers_dedup_and_cuts(tmp_path):
+    from minigpt.pycode import build_corpus
+
+    std, site = write_site(tmp_path)
+    notes = []
+    c = build_corpus(None, ["pkga", "pkgb", "nopkg"], str(std), [str(site)], min_heldout_docs=0, log=notes.append)
+    docs = {d.path: d for d in c.train + c.val}
+    assert set(docs) == {".", "json", "pkga", "pkga/sub", "pkgb"}  # one per directory with .py files
+    order = [d.path for d in c.train] + [d.path for d in c.val]
+    assert sorted(order) == sorted(docs) and [p for p in order if p in {d.path for d in c.train}] == \
+        [p for p in [".", "json", "pkga", "pkga/sub", "pkgb"] if p in {d.path for d in c.train}]  # corpus order
+    assert docs["json"].text == "# file: json/a.py\ndef a():\n    return 1\n# file: json/b.py\ndef b():\n    return 2\n"
+    assert docs["."].text == "# file: os.py\nimport sys\n"  # latin.py is not UTF-8; site-packages/ is not read
+    assert docs["pkga"].text.startswith("# file: pkga/__init__.py\nfrom .core import f\n# file: pkga/core.py\n")
+    assert docs["pkgb"].text == "# file: pkgb/small.py\nS = 1\n"  # the vendored copy and the > 1 MB file are out
+    assert "pkgb/_vendor" not in docs
+    m = c.manifest
+    assert m["dropped_files"] == {"duplicate": 1, "over_1mb": 1, "not_utf8": 1}
+    assert m["missing_packages"] == ["nopkg"] and any("nopkg" in n for n in notes)
+    assert m["documents"]["train"] + m["documents"]["val"] == 5 and m["files"] == 7
+    assert set(m) >= {"python", "packages", "bytes", "corpus_hash", "moved_to_val", "heldout_rule"}
+    again = build_corpus(None, ["pkga", "pkgb", "nopkg"], str(std), [str(site)], min_heldout_docs=0, log=notes.append)
+    assert again.manifest == m and [d.path for d in again.val] == [d.path for d in c.val]
+
+
+def test_pycode_split_is_by_path_hash_and_the_guarantee_moves_the_smallest_long_documents():
+    from minigpt.pycode import Document, is_heldout, split
+
+    paths = [f"pkg/d{i}" for i in range(200)]
+    docs = [Document(p, "x" * (100 + 10 * i), []) for i, p in enumerate(paths)]
+    train, val, moved = split(docs, min_docs=0, guarantee_bytes=1000)
+    assert moved == [] and [d.path for d in val] == [p for p in paths if is_heldout(p)]
+    assert 2 <= len(val) <= 25 and len(train) + len(val) == 200
+    n_long = sum(d.nbytes >= 1000 for d in val)
+    train, val, moved = split(docs, min_docs=n_long + 3, guarantee_bytes=1000)
+    # the three smallest training documents of >= 1000 bytes moved (d90 has 1000 bytes)
+    expected = [d.path for d in sorted(docs, key=lambda d: d.nbytes) if d.nbytes >= 1000 and not is_heldout(d.path)][:3]
+    assert moved == expected and sum(d.nbytes >= 1000 for d in val) == n_long + 3
+    assert not {d.path for d in train} & {d.path for d in val}
+
+
+def test_pycode_refuses_a_heldout_set_too_short_for_seq_len(tmp_path):
+    from minigpt.config import ConfigError
+
+    std, site = write_site(tmp_path)
+    cfg = DataConfig(name="pycode", stdlib=str(std), site_dirs=[str(site)], packages=["pkga", "pkgb"],
+                     min_heldout_docs=1, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ConfigError) as e:
+        build_data(cfg, seq_len=4096, seed=0)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("data.min_heldout_docs=1:") and "seq_len=4096" in line
