@@ -97,7 +97,6 @@ FAST_FILES = {"test_config.py", "test_data.py", "test_dispatch.py", "test_figure
 FAST_TESTS = (
     "test_flash_attention.py::test_matches_float64_reference[n130-d32-float16-causal]",
     "test_train.py::test_resume_gives_the_same_losses",
-    "test_checkpoint.py::test_a_checkpoint_loads_with_weights_only_and_restores_the_rng_states",
     "test_checkpoint.py::test_resume_through_the_python_api_refuses_a_planted_checkpoint",
     "test_train.py::test_the_cli_trains_and_its_last_line_says_where_the_run_is",
     "test_sample.py::test_generate_greedy_crop_and_a_missing_path",
@@ -105,7 +104,8 @@ FAST_TESTS = (
     "test_lifecycle.py::test_the_lock_counts_takes_and_reclaims_a_dead_owners_lock",
     "test_lifecycle.py::test_an_unquoted_value_says_how_to_quote_it",
 )
-SLOW_IN_FAST_FILES = ("test_config.py::test_cli_bad_override_is_one_line_and_nonzero[attention",
+SLOW_IN_FAST_FILES = ("test_figures.py::test_cli_writes_three_pictures_and_their_readme",
+                      "test_config.py::test_cli_bad_override_is_one_line_and_nonzero[attention",
                       "test_config.py::test_cli_bad_override_is_one_line_and_nonzero[batch_size")
 
 
