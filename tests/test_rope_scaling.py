@@ -193,3 +193,17 @@ def test_resume_extend_still_refuses_another_architecture_key(tiny_config, tmp_p
     assert run(cfg) == ExitCode.BAD_SETTING
     err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
     assert len(err) == 1 and "model.n_layer=" in err[0] and "rope" not in err[0]
+
+
+def test_the_passkey_eval_takes_a_length_extension_of_its_own(tiny_config, tmp_path, first_stage, capsys):
+    from minigpt.eval.passkey_eval import FILES, main
+    out = tmp_path / "grid"
+    args = ["--checkpoint", first_stage.ckpt_dir, "--lengths", "256", "--depths", "0.5", "--keys-per-cell", "1",
+            "--device", "cpu", "--out", str(out)]
+    assert main([*args, "--rope-scaling", "yarn", "--rope-factor", "2", "--rope-original-len", "128"]) == 0
+    run_info = json.loads((out / FILES[0]).read_text())["run"]
+    assert (run_info["rope_scaling"], run_info["rope_factor"], run_info["rope_original_len"]) == ("yarn", 2.0, 128)
+    assert "rope=yarn×2" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:  # yarn needs the original length: a bad argument
+        main([*args, "--rope-scaling", "yarn", "--rope-factor", "2"])
+    assert e.value.code == 2 and "model.rope_original_len" in capsys.readouterr().err
