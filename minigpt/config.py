@@ -90,11 +90,11 @@ class ModelConfig:
     n_embd: int = MISSING  # width of the residual stream
     vocab_size: Optional[int] = None  # None: the tokenizer's size; GPT-2 presets pad to 50304
     rope_base: float = 10000.0  # RoPE's base θ
-    # RoPE length extension (docs/long-context.md): none | linear (position interpolation: every frequency / factor)
-    # | yarn (NTK-by-parts frequencies + attention temperature); factor s >= 1: how many times the trained context
-    rope_scaling: str = "none"
-    rope_factor: float = 1.0
-    rope_original_len: Optional[int] = None  # the context the scaling extends from (required for yarn)
+    # RoPE length extension (docs/long-context.md): linear = position interpolation (every frequency / factor);
+    # yarn = NTK-by-parts frequencies + attention temperature √t = 0.1·ln(factor) + 1 on q and k
+    rope_scaling: str = "none"  # RoPE length extension: none | linear | yarn
+    rope_factor: float = 1.0  # RoPE scaling factor s >= 1: how many times the trained context
+    rope_original_len: Optional[int] = None  # the context the RoPE scaling extends from (required for yarn)
     # Memory levers (minigpt/levers.py; README "Memory levers" says what each saves and costs).
     recompute_every: int = 0  # keep only every k-th block's input, recompute the block in the backward; 0 = off
     recompute_dtype: str = "float32"  # float32 | bfloat16: dtype of those stored block inputs
@@ -220,8 +220,7 @@ class TrainConfig:
     dtype: str = "auto"  # autocast dtype; auto = bfloat16 on CUDA, float32 on CPU
     compile: Optional[bool] = None  # regional torch.compile; null = on with CUDA, off on CPU
     resume: str = "none"  # none | auto (latest intact checkpoint in ckpt_dir) | path to a checkpoint file or dir
-    # a length-extension stage: the resumed run may change model.rope_* and seq_len (logged, and in the summary)
-    resume_extend: bool = False
+    resume_extend: bool = False  # a length-extension stage: this resume may change model.rope_* and seq_len
 
     lr: float = 6e-4  # peak learning rate (AdamW)
     min_lr: float = 6e-5  # learning rate at the end of the cosine decay
