@@ -9,6 +9,8 @@ batch 4 in gpt2-small took 2.47 ms per layer (forward and backward) against 3.4 
 Here the forward reads qkv once and writes q, k, v once; the backward reads their gradients once and writes the
 qkv gradient once. The rotation is orthogonal, so its backward is the rotation by the opposite angle:
     dx1 = g1 cos + g2 sin,   dx2 = g2 cos - g1 sin.
+(With YaRN the model's tables carry its temperature, cos² + sin² = t; these formulas are still the transpose of the
+forward's, so the gradient stays exact: tests/test_rope_scaling.py.)
 Both compute in fp32 and round once to the input dtype, as minigpt.model.apply_rotary does.
 """
 from __future__ import annotations

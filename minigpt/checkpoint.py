@@ -40,13 +40,15 @@ from typing import Any, BinaryIO, Callable, TypedDict
 import numpy as np
 import torch
 
-from minigpt.config import ConfigError
+from minigpt.config import ROPE_KEYS, ConfigError
 from minigpt.files import WriteError, atomic_write, atomic_write_text, remove_stale_temps
 from minigpt.summary import SUMMARY_FILE
 
 FORMAT = 2  # 1 (no "format" key): minigpt up to e668b53, RNG states pickled as numpy/Python objects
 _NAME = re.compile(r"^ckpt_(\d+)\.pt$")
-ARCHITECTURE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "rope_base")
+ARCHITECTURE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", *ROPE_KEYS)
+# a checkpoint written before these keys existed had these values (plain RoPE)
+ROPE_DEFAULTS = {"rope_scaling": "none", "rope_factor": 1.0, "rope_original_len": None}
 UPGRADE = "python -m minigpt.checkpoint upgrade {path} --trust"
 
 
@@ -344,19 +346,40 @@ def find_and_load(resume: str, ckpt_dir: str | Path, warn: Callable[[str], None]
     return newest_intact(found, warn)
 
 
+def _saved_model(state: CheckpointState) -> dict[str, Any]:
+    saved = (state.get("config") or {}).get("model") or {}
+    return {**ROPE_DEFAULTS, **saved} if "rope_base" in saved else saved
+
+
+def extension(state: CheckpointState, config: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
+    """The RoPE settings and seq_len that differ between the checkpoint's config and this run's (`config`, the
+    resolved config dict), as {"from": {...}, "to": {...}} with keys model.rope_* and seq_len; None when none do."""
+    saved_config = state.get("config") or {}
+    saved, now = _saved_model(state), config.get("model") or {}
+    keys = [(f"model.{k}", saved.get(k), now.get(k)) for k in ROPE_KEYS if k in saved]
+    if "seq_len" in saved_config:
+        keys.append(("seq_len", saved_config["seq_len"], config.get("seq_len")))
+    changed = [(k, a, b) for k, a, b in keys if a != b]
+    return {"from": {k: a for k, a, _ in changed}, "to": {k: b for k, _, b in changed}} if changed else None
+
+
 def restore(state: CheckpointState, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-            model_config: dict[str, Any]) -> int:
+            model_config: dict[str, Any], extend: bool = False) -> int:
     """Put the checkpoint's model, optimizer and RNG states in place; returns the step to continue from.
 
-    A checkpoint of another model size is a bad setting (ConfigError naming the keys that differ).
+    A checkpoint of another model size or RoPE is a bad setting (ConfigError naming the keys that differ); with
+    `extend` (resume_extend=true, a length-extension stage) the RoPE settings (config.ROPE_KEYS) may differ.
     """
-    saved = (state.get("config") or {}).get("model") or {}
-    differ = [k for k in ARCHITECTURE_KEYS if k in saved and saved[k] != model_config.get(k)]
+    saved = _saved_model(state)
+    keys = [k for k in ARCHITECTURE_KEYS if not (extend and k in ROPE_KEYS)]
+    differ = [k for k in keys if k in saved and saved[k] != model_config.get(k)]
     if differ:
         was = ", ".join(f"model.{k}={saved[k]}" for k in differ)
         now = ", ".join(f"model.{k}={model_config.get(k)}" for k in differ)
+        hint = "" if extend or not set(differ) <= set(ROPE_KEYS) else \
+            " (or resume_extend=true for a length-extension stage)"
         raise ConfigError(f"resume: {path} was written with {was}, this run has {now}; resume with the same model "
-                          f"settings, or start a new run (resume=none in a new directory)")
+                          f"settings{hint}, or start a new run (resume=none in a new directory)")
     try:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])

@@ -28,6 +28,9 @@ PYCODE_SUBSETS = ("quickstart",)
 PYCODE_PACKAGES = ("torch", "numpy", "datasets", "huggingface_hub", "fsspec", "pyarrow", "pandas", "hydra",
                    "omegaconf", "wandb", "tqdm", "matplotlib", "triton")
 LOGGER_NAMES = ("wandb", "none")
+ROPE_SCALINGS = ("none", "linear", "yarn")  # RoPE length extension (minigpt/model.py: rope_inv_freq)
+# What a resume with resume_extend=true may change (a length-extension stage): the model keys, and seq_len
+ROPE_KEYS = ("rope_base", "rope_scaling", "rope_factor", "rope_original_len")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 # A run with no GPU and no model chosen gets these instead of gpt2-small (a 3-hour CPU run otherwise).
 CPU_DEFAULTS = ("model=tiny", "seq_len=256", "batch_size=8", "max_steps=300")
@@ -91,6 +94,11 @@ class ModelConfig:
     n_embd: int = MISSING  # width of the residual stream
     vocab_size: Optional[int] = None  # None: the tokenizer's size; GPT-2 presets pad to 50304
     rope_base: float = 10000.0  # RoPE's base θ
+    # RoPE length extension (docs/long-context.md): linear = position interpolation (every frequency / factor);
+    # yarn = NTK-by-parts frequencies + attention temperature √t = 0.1·ln(factor) + 1 on q and k
+    rope_scaling: str = "none"  # RoPE length extension: none | linear | yarn
+    rope_factor: float = 1.0  # RoPE scaling factor s >= 1: how many times the trained context
+    rope_original_len: Optional[int] = None  # the context the RoPE scaling extends from (required for yarn)
     # Memory levers (minigpt/levers.py; README "Memory levers" says what each saves and costs).
     recompute_every: int = 0  # keep only every k-th block's input, recompute the block in the backward; 0 = off
     recompute_dtype: str = "float32"  # float32 | bfloat16: dtype of those stored block inputs
@@ -117,6 +125,14 @@ class ModelConfig:
             raise ConfigError(f"model.n_embd/n_head={self.head_dim}: head_dim must be even for rotary embeddings")
         if self.vocab_size is not None:
             at_least("model.vocab_size", self.vocab_size)
+        one_of("model.rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+        if not self.rope_factor >= 1.0:
+            raise ConfigError(f"model.rope_factor={self.rope_factor}: must be >= 1 (how many times the trained context)")
+        if self.rope_original_len is not None:
+            at_least("model.rope_original_len", self.rope_original_len)
+        if self.rope_scaling == "yarn" and self.rope_original_len is None:
+            raise ConfigError("model.rope_original_len=null: model.rope_scaling=yarn needs it (the trained context "
+                              "it extends from, e.g. model.rope_original_len=1024)")
         for key in ("recompute_every", "mlp_chunk", "loss_chunk"):
             at_least(f"model.{key}", getattr(self, key), low=0)
         one_of("model.recompute_dtype", self.recompute_dtype, ("float32", "bfloat16"))
@@ -220,6 +236,7 @@ class TrainConfig:
     dtype: str = "auto"  # autocast dtype; auto = bfloat16 on CUDA, float32 on CPU
     compile: Optional[bool] = None  # regional torch.compile; null = on with CUDA, off on CPU
     resume: str = "none"  # none | auto (latest intact checkpoint in ckpt_dir) | path to a checkpoint file or dir
+    resume_extend: bool = False  # a length-extension stage: this resume may change model.rope_* and seq_len
 
     lr: float = 6e-4  # peak learning rate (AdamW)
     min_lr: float = 6e-5  # learning rate at the end of the cosine decay

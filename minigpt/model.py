@@ -21,21 +21,59 @@ from minigpt.config import ModelConfig
 from minigpt.levers import BlockRecompute, chunked, chunked_sum
 
 
-class Rotary(nn.Module):
-    """Rotary position embedding (RoFormer): rotate each (x_i, x_{i+d/2}) pair of q and k by angle pos·θ_i."""
+# YaRN's ramp ends (Peng et al. 2023, "YaRN", section 3.2): a dimension whose wavelength fits fewer than BETA_SLOW
+# times in the trained context is interpolated fully (frequency / s), more than BETA_FAST times kept as it is
+YARN_BETA_SLOW, YARN_BETA_FAST = 1.0, 32.0
 
-    def __init__(self, head_dim: int, base: float = 10000.0):
+
+def rope_inv_freq(head_dim: int, base: float = 10000.0, scaling: str = "none", factor: float = 1.0,
+                  original_len: int | None = None) -> Tensor:
+    """RoPE's inverse frequencies θ_d = base^(−2d/D), fp32, (D/2,), with the length extension applied:
+    none: as they are; linear (position interpolation): θ_d / s; yarn (NTK-by-parts): with r_d = original_len / λ_d
+    the number of wavelengths λ_d = 2π/θ_d in the trained context and γ the ramp from 0 (r_d < β_slow) to 1
+    (r_d > β_fast), θ_d · ((1 − γ)/s + γ): long wavelengths interpolated, short ones kept. The scaling is done in
+    float64 on the fp32 base frequencies and rounded once, so factor 1 gives plain RoPE's frequencies."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling == "none":
+        return inv_freq
+    theta = inv_freq.double()
+    if scaling == "linear":
+        return (theta / factor).float()
+    if scaling != "yarn":
+        raise ValueError(f"rope scaling {scaling!r}: must be none, linear or yarn")
+    r = original_len * theta / (2 * math.pi)
+    gamma = ((r - YARN_BETA_SLOW) / (YARN_BETA_FAST - YARN_BETA_SLOW)).clamp(0.0, 1.0)
+    return (theta * ((1.0 - gamma) / factor + gamma)).float()
+
+
+def rope_attention_factor(scaling: str = "none", factor: float = 1.0) -> float:
+    """What q and k are each multiplied by: YaRN's √t = 0.1·ln(s) + 1 (the logits scaled by t), 1 otherwise. The
+    model folds it into its cos and sin tables, so every path that rotates q and k with them (PyTorch, the fused
+    Triton RoPE, flash_attention_qkv, ring attention) scales the logits alike, whatever softmax scale the backend uses."""
+    return 0.1 * math.log(factor) + 1.0 if scaling == "yarn" else 1.0
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (RoFormer): rotate each (x_i, x_{i+d/2}) pair of q and k by angle pos·θ_i; with a
+    length extension (model.rope_scaling) the θ_i of rope_inv_freq and the tables times rope_attention_factor."""
+
+    def __init__(self, head_dim: int, base: float = 10000.0, scaling: str = "none", factor: float = 1.0,
+                 original_len: int | None = None):
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, base, scaling, factor, original_len), persistent=False)
+        self.attention_factor = rope_attention_factor(scaling, factor)
 
     def forward(self, seq_len: int, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """cos and sin tables of shape (seq_len, 1, head_dim/2), made once per model forward; `positions` (seq_len,)
-        are the tokens' global positions when a rank holds only part of the sequence (context parallelism)."""
+        are the tokens' global positions when a rank holds only part of the sequence (context parallelism).
+        With YaRN both are multiplied by √t (rope_attention_factor): q and k come out scaled by it."""
         pos = (torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32) if positions is None
                else positions.to(self.inv_freq.device, torch.float32))
         angles = torch.outer(pos, self.inv_freq)
-        return angles.cos()[:, None, :], angles.sin()[:, None, :]
+        cos, sin = angles.cos(), angles.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos[:, None, :], sin[:, None, :]
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -174,7 +212,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg, self.vocab_size = cfg, vocab_size
         self.wte = nn.Embedding(vocab_size, cfg.n_embd)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_base)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_base, cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_len)
         self.blocks = nn.ModuleList(Block(cfg, attention) for _ in range(cfg.n_layer))
         self.recompute = BlockRecompute(cfg, attention)  # which blocks keep only their input (memory lever)
         self.ln_f = nn.LayerNorm(cfg.n_embd)

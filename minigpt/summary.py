@@ -35,6 +35,10 @@ class ExitCode(IntEnum):
     SIGNAL_BASE = 128  # interrupted by signal s: 128 + s
 
 
+# fields added after summaries were first kept in results/: a summary without them reads as their default
+ADDED_LATER = {"resume_extend"}
+
+
 @dataclass
 class RunSummary:
     # outcome
@@ -87,6 +91,8 @@ class RunSummary:
     host: str | None = None  # is a run that was killed (SIGKILL, the out-of-memory killer)
     checkpoint: str | None = None  # the newest checkpoint of this run, if any
     resumed_from: str | None = None
+    # a resume with resume_extend=true that changed the RoPE settings or seq_len: {"from": {key: old}, "to": {key: new}}
+    resume_extend: dict[str, Any] | None = None
     wandb: str | None = None  # W&B run directory (offline) or URL (online)
 
     def write(self, run_dir: str | Path) -> Path:
@@ -100,7 +106,7 @@ class RunSummary:
         """Load a summary.json; a missing or unknown field raises ValueError naming it."""
         data = json.loads(Path(path).read_text())
         names = {f.name for f in fields(cls)}
-        unknown, missing = set(data) - names, names - set(data)
+        unknown, missing = set(data) - names, names - set(data) - ADDED_LATER
         if unknown or missing:
             raise ValueError(f"{path}: not a summary of this minigpt version "
                              f"(unknown fields {sorted(unknown)}, missing {sorted(missing)})")

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from minigpt.attention import get_attention
-from minigpt.checkpoint import CheckpointError, find_and_load, restore, save_checkpoint
+from minigpt.checkpoint import CheckpointError, extension, find_and_load, restore, save_checkpoint
 from minigpt.config import ConfigError, TrainConfig
 from minigpt.data import PasskeyData, build_data, save_manifest, save_tokenizer
 from minigpt.distributed.data_parallel import TrainingForward
@@ -113,7 +113,11 @@ def build(cfg: TrainConfig, config_dict: dict[str, Any], summary: RunSummary, me
     found = find_and_load(cfg.resume, cfg.ckpt_dir, run_dir=cfg.run_dir)
     if found is not None:
         path, state = found
-        start = restore(state, path, model, optimizer, config_dict.get("model", {}))
+        start = restore(state, path, model, optimizer, config_dict.get("model", {}), extend=cfg.resume_extend)
+        changed = extension(state, config_dict) if cfg.resume_extend else None
+        if changed:  # a length-extension stage: new RoPE settings and/or seq_len from here on
+            summary.resume_extend = changed
+            print("resume_extend: " + ", ".join(f"{k}={changed['from'][k]} -> {changed['to'][k]}" for k in changed["to"]))
         summary.resumed_from = summary.checkpoint = str(path)
         summary.steps = start
         elsewhere = cfg.resume == "auto" and Path(path).parent.resolve() != Path(cfg.ckpt_dir).resolve()

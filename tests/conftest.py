@@ -103,6 +103,9 @@ FAST_TESTS = (
     "test_lifecycle.py::test_a_live_runs_directory_is_refused_and_left_untouched",
     "test_lifecycle.py::test_the_lock_counts_takes_and_reclaims_a_dead_owners_lock",
     "test_lifecycle.py::test_an_unquoted_value_says_how_to_quote_it",
+    "test_rope_scaling.py::test_yarn_interpolates_long_wavelengths_keeps_short_ones_and_ramps_between",
+    "test_rope_scaling.py::test_factor_one_is_plain_rope",
+    "test_rope_scaling.py::test_resume_extend_continues_with_new_rope_and_seq_len",
 )
 SLOW_IN_FAST_FILES = ("test_figures.py::test_cli_writes_three_pictures_and_their_readme",
                       "test_config.py::test_cli_bad_override_is_one_line_and_nonzero[attention",

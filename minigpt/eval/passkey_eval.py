@@ -18,7 +18,7 @@ import datetime as dt
 import json
 import os
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ import torch
 
 from minigpt.attention import AttentionBackend, attention_names, get_attention
 from minigpt.checkpoint import CheckpointError, UnsafeCheckpointError, find_and_load, list_checkpoints
-from minigpt.config import AttentionConfig, ConfigError, ModelConfig
+from minigpt.config import ROPE_SCALINGS, AttentionConfig, ConfigError, ModelConfig
 from minigpt.data import DataError, PasskeyData
 from minigpt.files import WriteError, atomic_write_text, markdown_table
 from minigpt.eval.retrieval import DEFAULT_DEPTHS, DEFAULT_KEYS_PER_CELL, passkey_grid
@@ -169,10 +169,11 @@ def find_checkpoint(path: Path) -> tuple[Path, dict[str, Any]]:
     return found
 
 
-def model_from_checkpoint(state: dict[str, Any], attention: str | None, path: Path
-                          ) -> tuple[torch.nn.Module, AttentionBackend]:
+def model_from_checkpoint(state: dict[str, Any], attention: str | None, path: Path,
+                          rope: dict[str, Any] | None = None) -> tuple[torch.nn.Module, AttentionBackend]:
     """The GPT of the checkpoint's config and weights (on CPU) with the named attention backend (default: the
-    checkpoint's, with its options); vocab from the weights. Returns (model, backend)."""
+    checkpoint's, with its options); vocab from the weights. `rope`: model.rope_* keys to evaluate with instead of
+    the checkpoint's (a length extension at evaluation; ConfigError if they make no sense). Returns (model, backend)."""
     from minigpt.model import GPT
 
     config = state.get("config") or {}
@@ -183,6 +184,9 @@ def model_from_checkpoint(state: dict[str, Any], attention: str | None, path: Pa
         vocab = state["model"]["wte.weight"].shape[0]
     except (TypeError, KeyError, ConfigError, AttributeError) as e:
         raise CheckpointError(f"{path}: its model config or weights are incomplete ({type(e).__name__}: {e})") from e
+    if rope:
+        cfg = replace(cfg, **rope)
+        cfg.validate()
     saved_attention = AttentionConfig(**(config.get("attention") or {}))
     name = attention or saved_attention.name
     backend = get_attention(name, **(saved_attention.options() if name == saved_attention.name else {}))
@@ -214,6 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                    help="autocast dtype (auto: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--attention", choices=attention_names(), help="attention backend (default: the checkpoint's)")
+    p.add_argument("--rope-scaling", choices=ROPE_SCALINGS, help="evaluate with this RoPE length extension "
+                   "(model.rope_scaling; default: the checkpoint's)")
+    p.add_argument("--rope-factor", type=float, help="model.rope_factor for --rope-scaling (default: the checkpoint's)")
+    p.add_argument("--rope-original-len", type=int, help="model.rope_original_len for --rope-scaling yarn "
+                   "(default: the checkpoint's)")
     p.add_argument("--trained-length", type=int, help="marked in the table and heatmap (default: the run's seq_len)")
     p.add_argument("--out", type=Path, help="output directory (default: passkey/ in the checkpoint's run directory)")
     p.add_argument("--wandb", action="store_true", help="also log the grid (Table) and heatmap into a W&B run "
@@ -253,6 +262,13 @@ def _check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> tu
     return device, dtype
 
 
+def rope_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The model.rope_* keys given on the command line (--rope-scaling, --rope-factor, --rope-original-len)."""
+    given = {"rope_scaling": args.rope_scaling, "rope_factor": args.rope_factor,
+             "rope_original_len": args.rope_original_len}
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def _too_short(n: int) -> str | None:
     """Why a length cannot hold the passkey task (PasskeyData's own check), or None."""
     try:
@@ -276,7 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     device, dtype = _check_arguments(p, args)
     try:
         path, state = find_checkpoint(args.checkpoint)
-        model, backend = model_from_checkpoint(state, args.attention, path)
+        model, backend = model_from_checkpoint(state, args.attention, path, rope_overrides(args))
+    except ConfigError as e:
+        p.error(f"argument --rope-*: {e}")
     except UnsafeCheckpointError as e:  # a file that would run code: refused as a bad setting, never loaded
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -295,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
 
     step = int(state["step"])
     title = f"{model.cfg.name} step {step:,}, attention={attention}"
+    if model.cfg.rope_scaling != "none":
+        title += f", rope={model.cfg.rope_scaling}×{model.cfg.rope_factor:g}"
     print(f"{path}: {title}, {model.num_params() / 1e6:.2f}M parameters; lengths {lengths}, "
           f"{len(args.depths)} depths, {args.keys_per_cell} keys per cell, device={device.type}, "
           f"dtype={str(dtype).removeprefix('torch.')}")
@@ -304,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                                                             f"{100 * c['accuracy']:5.1f}%", flush=True))
     # the checkpoint relative to the working directory: results name no machine paths
     result["run"] = {"checkpoint": os.path.relpath(path), "step": step, "model": model.cfg.name, "attention": attention,
+                     **{k: getattr(model.cfg, k) for k in ("rope_scaling", "rope_factor", "rope_original_len")},
                      "device": device.type, "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
                      "date": dt.datetime.now().isoformat(timespec="seconds")}
     out = args.out or default_out(path)
