@@ -247,6 +247,7 @@ def _hydra_app(argv: list[str], multirun: bool, stop) -> int:
     from omegaconf import OmegaConf
 
     from minigpt.run import run
+    from minigpt.validate import check_writable
 
     register_schema()
     codes: list[int] = []
@@ -257,6 +258,8 @@ def _hydra_app(argv: list[str], multirun: bool, stop) -> int:
             return
         try:
             cfg = to_train_config(dict_cfg)
+            if multirun:  # a job's own directories, unchecked before Hydra ran (a single run's are: _places)
+                check_writable(_places(cfg, cfg.run_dir, []))
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             codes.append(ExitCode.BAD_SETTING)

@@ -522,5 +522,8 @@ def test_a_multirun_is_checked_before_hydra_writes(tmp_path):
     one_line_error(cli(tmp_path, *args, "data.path=x", f"hydra.sweep.dir={bad}"), 2,
                    "point hydra.sweep.dir at a writable directory")
     assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()  # nothing written
+    proc = cli(tmp_path, *args, "data.path=x", f"ckpt_dir={bad}", "hydra.sweep.dir=s")  # a job's: checked per job
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "point ckpt_dir at a writable directory" in proc.stderr and "0 of 2 jobs ok" in proc.stderr
     proc = cli(tmp_path, *args, 'data.path="a b/c.txt"', f"hydra.sweep.dir={tmp_path / 'sweep'}")
     assert proc.returncode == 0 and "2 of 2 jobs ok" in proc.stdout, proc.stderr[-2000:]
