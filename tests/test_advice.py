@@ -25,6 +25,7 @@ from minigpt.run import _oom_line
 from minigpt.summary import RunSummary
 from test_faults import TINY, _start_and_signal, cli, finished_once, finished_run, one_line_error  # noqa: F401
 from test_lifecycle import UNREACHABLE, _unwritable
+from test_passkey_eval import run_dir  # noqa: F401 - the module's tiny checkpoint (minigpt-eval-passkey's advice)
 
 slow = pytest.mark.slow
 WANDB = [a for a in TINY if a != "logger=none"]
@@ -445,19 +446,6 @@ def test_the_converters_backup_exists_advice(tiny_config, tmp_path, monkeypatch)
 # ------------------------------------------------------------------------------------------------
 # minigpt-eval-passkey's argument lines, followed on a tiny checkpoint
 # ------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def passkey_run(tmp_path_factory) -> Path:
-    """A 1-step tiny run (seq_len 128) and its checkpoint, once for this module."""
-    from minigpt.run import run
-
-    tmp = tmp_path_factory.mktemp("passkey")
-    cfg = compose(["model=tiny", "seq_len=128", "batch_size=2", "max_steps=1", "eval_batches=0", "logger=none",
-                   "device=cpu", f"data.cache_dir={tmp / 'cache'}"])
-    cfg.run_dir, cfg.ckpt_dir = str(tmp / "run"), str(tmp / "run" / "checkpoints")
-    assert run(cfg) == 0
-    return tmp / "run"
-
-
 def passkey(*argv: str) -> tuple[int, str]:
     """minigpt-eval-passkey ARGV in a subprocess, on a tiny grid: (exit code, stderr's last line)."""
     proc = subprocess.run([sys.executable, "-c", "import sys; from minigpt.cli import eval_passkey_main; "
@@ -472,10 +460,10 @@ def passkey(*argv: str) -> tuple[int, str]:
     (["--device", "cuda"], "use --device cpu", [["--device", "cpu"]]),
     (["--dtype", "float16"], "use auto (float32) or bfloat16", [["--dtype", "auto"], ["--dtype", "bfloat16"]]),
 ], ids=["device-cuda", "float16-on-cpu"])
-def test_passkey_argument_advice(passkey_run, tmp_path, refused, needle, followed):
+def test_passkey_argument_advice(run_dir, tmp_path, refused, needle, followed):
     if torch.cuda.is_available():
         pytest.skip("a visible GPU: cuda and float16 are no error here")
-    args = ["--checkpoint", str(passkey_run), "--lengths", "128"]
+    args = ["--checkpoint", str(run_dir), "--lengths", "128"]
     code, line = passkey(*args, *refused, "--out", str(tmp_path / "refused"))
     assert code == 2 and needle in line, line
     for i, fix in enumerate(followed):
@@ -484,11 +472,11 @@ def test_passkey_argument_advice(passkey_run, tmp_path, refused, needle, followe
 
 
 @slow
-def test_passkey_give_lengths_advice(passkey_run, tmp_path):
+def test_passkey_give_lengths_advice(run_dir, tmp_path):
     """A checkpoint that does not say its seq_len: `give --lengths`."""
     from minigpt import checkpoint
 
-    state = checkpoint.load_checkpoint(next((passkey_run / "checkpoints").glob("ckpt_*.pt")))
+    state = checkpoint.load_checkpoint(next((run_dir / "checkpoints").glob("ckpt_*.pt")))
     del state["config"]["seq_len"]
     ckpt = checkpoint._write(tmp_path / "ckpt_00000001.pt", state)
     code, line = passkey("--checkpoint", str(ckpt), "--out", str(tmp_path / "o"))
@@ -498,13 +486,13 @@ def test_passkey_give_lengths_advice(passkey_run, tmp_path):
 
 @slow
 @pytest.mark.parametrize("given", ["a checkpoint", "a run directory", "its checkpoints/"])
-def test_passkey_no_checkpoint_there_advice(passkey_run, tmp_path, given):
+def test_passkey_no_checkpoint_there_advice(run_dir, tmp_path, given):
     (tmp_path / "empty").mkdir()
     code, line = passkey("--checkpoint", str(tmp_path / "empty"), "--lengths", "128", "--out", str(tmp_path / "o"))
     assert code == 1
     assert "no ckpt_*.pt there (give a checkpoint, a run directory or its checkpoints/)" in line, line
-    path = {"a checkpoint": next((passkey_run / "checkpoints").glob("ckpt_*.pt")), "a run directory": passkey_run,
-            "its checkpoints/": passkey_run / "checkpoints"}[given]
+    path = {"a checkpoint": next((run_dir / "checkpoints").glob("ckpt_*.pt")), "a run directory": run_dir,
+            "its checkpoints/": run_dir / "checkpoints"}[given]
     assert passkey("--checkpoint", str(path), "--lengths", "128", "--out", str(tmp_path / "o"))[0] == 0
 
 
