@@ -10,7 +10,8 @@
 - `--help` lists the config groups and every setting (minigpt/usage.py), and `--cfg job` prints the config as it
   will run on this machine (CPU defaults, device, dtype and compile resolved); Hydra's own help is `--hydra-help`;
 - before Hydra writes anything: an override it cannot parse is refused with the quoting that works, the
-  directories the run writes must be writable, and the run directory's lock is taken (minigpt/runlock.py);
+  directories the run writes must be writable, and the run directory's lock is taken (minigpt/runlock.py); under
+  `-m` only the overrides' parsing and the sweep directory are checked up front (each job checks the rest);
 - SIGINT, SIGTERM, SIGHUP before the run started end it with one line and 128 + signal.
 A multirun (`-m`) exits with the first failing job's code.
 
@@ -204,8 +205,12 @@ def _train_hydra(argv: list[str] | None, stop) -> int:
             if env_rank() == 0:  # every rank finds the same bad setting; one line is enough
                 print(f"error: {e}", file=sys.stderr)
             return ExitCode.BAD_SETTING
-    elif multirun and not any(_key(a) == "hydra.sweep.dir" for a in argv):
-        argv.append(f"hydra.sweep.dir={reserve_dir('multirun', time.strftime('%Y-%m-%d_%H-%M-%S'))}")
+    elif multirun:
+        try:
+            argv = _multirun_checks(argv)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return ExitCode.BAD_SETTING
     try:
         return _hydra_app(argv, multirun, stop)
     finally:
@@ -213,11 +218,36 @@ def _train_hydra(argv: list[str] | None, stop) -> int:
             release_run_dir(locked)
 
 
+def _multirun_checks(argv: list[str]) -> list[str]:
+    """`-m`: the overrides parse (value lists are sweeps) and the sweep directory is writable, before Hydra writes
+    (ConfigError); with no hydra.sweep.dir, multirun/<date>_<time> is reserved and appended. Only when -m/--multirun
+    is the one flag (another flag may take a value that is no override); the jobs' own settings are checked by each
+    job, and no run directory is locked."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from minigpt.compose import check_overrides
+    from minigpt.validate import check_writable
+
+    only_m = all(a in ("-m", "--multirun") for a in argv if a.startswith("-"))
+    if only_m:
+        check_overrides([a for a in argv if not a.startswith("-")], multirun=True)
+    given = next((a for a in reversed(argv) if _key(a) == "hydra.sweep.dir"), None)  # the last one, as Hydra takes it
+    if given is None:
+        if only_m:
+            check_writable([("hydra.sweep.dir", "multirun")])
+        return [*argv, f"hydra.sweep.dir={reserve_dir('multirun', time.strftime('%Y-%m-%d_%H-%M-%S'))}"]
+    sweep_dir = str(OverridesParser.create().parse_override(given).value()) if only_m else "${"
+    if "${" not in sweep_dir:  # an interpolation is Hydra's to resolve
+        check_writable([("hydra.sweep.dir", sweep_dir)])
+    return argv
+
+
 def _hydra_app(argv: list[str], multirun: bool, stop) -> int:
     import hydra
     from omegaconf import OmegaConf
 
     from minigpt.run import run
+    from minigpt.validate import check_writable
 
     register_schema()
     codes: list[int] = []
@@ -228,6 +258,8 @@ def _hydra_app(argv: list[str], multirun: bool, stop) -> int:
             return
         try:
             cfg = to_train_config(dict_cfg)
+            if multirun:  # a job's own directories, unchecked before Hydra ran (a single run's are: _places)
+                check_writable(_places(cfg, cfg.run_dir, []))
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             codes.append(ExitCode.BAD_SETTING)

@@ -73,9 +73,10 @@ def _quoted(key: str, value: str) -> str:
     return f"""'{key}="{value}"'"""
 
 
-def check_overrides(overrides: list[str]) -> None:
+def check_overrides(overrides: list[str], multirun: bool = False) -> None:
     """Each override as Hydra's parser reads it; one it cannot parse, a value list outside a multirun (a `,` in a
-    value) and words the shell split off a value with spaces are refused with the quoting that works."""
+    value) and words the shell split off a value with spaces are refused with the quoting that works. In a
+    multirun (`multirun=True`) a value list is a sweep, as Hydra reads it."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException  # OverrideParseException, and the lexer's own
 
@@ -93,7 +94,7 @@ def check_overrides(overrides: list[str]) -> None:
             sweep = parser.parse_override(text).is_sweep_override()
         except HydraException:
             sweep = None
-        if sweep is None or sweep:
+        if sweep is None or (sweep and not multirun):
             raise ConfigError(f"{text}: cannot parse this value{' (a `,` makes a list)' if sweep else ''}; quote it for "
                               f"Hydra inside the shell's quotes: {_quoted(key, value)}")
 

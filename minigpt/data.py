@@ -302,7 +302,7 @@ def load_text(cfg: DataConfig, seq_len: int, seed: int) -> TokenData:
 
 
 # --------------------------------------------------------------------------------------------
-# hf: a hub dataset, a local dataset directory or data files, or a `save_to_disk` directory
+# hf: a hub dataset, a local directory of data files, or a `save_to_disk` directory
 # --------------------------------------------------------------------------------------------
 OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
 
@@ -399,7 +399,7 @@ def _open_hf(cfg: DataConfig):
             raise DataError(
                 f"data.dataset={cfg.dataset}: not a local path, the Hugging Face Hub cannot be used ({offline}) and no "
                 f"cached copy is in data.cache_dir={cfg.cache_dir} ({_first_line(e)}); run once with network access, "
-                f"or point data.dataset at a local dataset directory, a save_to_disk directory or data files"
+                f"or point data.dataset at a local dataset directory (of data files, or one save_to_disk wrote)"
             ) from e
         raise DataError(
             f"data.dataset={cfg.dataset}: cannot load it ({_first_line(e)}); "

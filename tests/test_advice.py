@@ -25,6 +25,7 @@ from minigpt.run import _oom_line
 from minigpt.summary import RunSummary
 from test_faults import TINY, _start_and_signal, cli, finished_once, finished_run, one_line_error  # noqa: F401
 from test_lifecycle import UNREACHABLE, _unwritable
+from test_passkey_eval import run_dir  # noqa: F401 - the module's tiny checkpoint (minigpt-eval-passkey's advice)
 
 slow = pytest.mark.slow
 WANDB = [a for a in TINY if a != "logger=none"]
@@ -321,3 +322,196 @@ def test_out_of_memory_advice_names_settings_that_exist(tiny_config):
     suggested = ["attention=flash", "model.recompute_every=1", "model.loss_chunk=4096"]
     assert all(s in line for s in suggested)
     compose(["model=tiny", "device=cpu", "logger=none", *suggested[1:]])  # each is a setting that composes
+
+
+# ------------------------------------------------------------------------------------------------
+# Data (the trainer's data=text / data=hf lines, followed through the CLI)
+# ------------------------------------------------------------------------------------------------
+STORY = "The quick brown fox jumps over the lazy dog. Once upon a time there was a model. "
+
+
+def data_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    """Exit 1, no traceback, and the last line of stderr holds each needle (`datasets` may print progress first)."""
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, (proc.stdout[-2000:], proc.stderr[-2000:])
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and all(n in last for n in needles), last
+
+
+def text_args(tmp_path: Path) -> list[str]:
+    return [*TINY, "data=text", "data.vocab_size=300", f"data.cache_dir={tmp_path / 'cache'}", "max_steps=1"]
+
+
+@slow
+@pytest.mark.parametrize("way", ["a-tokenizer-json", "unset"])
+def test_not_a_tokenizer_file_advice(tmp_path, way):
+    (tmp_path / "corpus.txt").write_text(STORY * 200)
+    (tmp_path / "tok.json").write_text('{"vocab": [1, 2]}')
+    args = [*text_args(tmp_path), "data.path=corpus.txt"]
+    data_error(cli(tmp_path, *args, "data.tokenizer=tok.json", "hydra.run.dir=refused"), "not a tokenizer JSON file",
+               "give a tokenizer.json saved by", "or unset data.tokenizer")
+    if way == "unset":  # data.tokenizer left out: a BPE is trained on the data
+        ok(cli(tmp_path, *args, "hydra.run.dir=run"), tmp_path / "run")
+        return
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator([STORY] * 50, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.save(str(tmp_path / "tokenizer.json"))  # saved by `tokenizers` (with <|endoftext|>, which it needs)
+    ok(cli(tmp_path, *args, "data.tokenizer=tokenizer.json", "hydra.run.dir=run"), tmp_path / "run")
+
+
+@slow
+@pytest.mark.parametrize("given", ["corpus.txt", "corpus.txt.gz"], ids=["plain", "compressed"])
+def test_cannot_read_the_files_advice(tmp_path, given):
+    import gzip
+
+    (tmp_path / "latin.txt.gz").write_bytes(gzip.compress((STORY.replace("fox", "f\u00f6x") * 200).encode("latin-1")))
+    args = text_args(tmp_path)
+    data_error(cli(tmp_path, *args, "data.path=latin.txt.gz", "hydra.run.dir=refused"), "cannot read the files",
+               "give UTF-8 text, plain or compressed")
+    utf8 = (STORY.replace("fox", "f\u00f6x") * 200).encode()  # the same text, as UTF-8
+    (tmp_path / given).write_bytes(gzip.compress(utf8) if given.endswith(".gz") else utf8)
+    ok(cli(tmp_path, *args, f"data.path={given}", "hydra.run.dir=run"), tmp_path / "run")
+
+
+def stories(root: Path, n: int = 40) -> tuple[Path, Path]:
+    """A local dataset directory of data files (root/files/train.jsonl) and a save_to_disk one (root/saved) with a
+    string column `text` and an integer column `n`."""
+    import datasets
+
+    rows = [{"text": f"story {i}: " + STORY * 4, "n": i} for i in range(n)]
+    (root / "files").mkdir(parents=True)
+    (root / "files" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    datasets.Dataset.from_list(rows).save_to_disk(str(root / "saved"))
+    return root / "files", root / "saved"
+
+
+def hf_args(tmp_path: Path) -> list[str]:
+    return [*TINY, "seq_len=64", "data=hf", "data.vocab_size=300", f"data.cache_dir={tmp_path / 'cache'}", "max_steps=1"]
+
+
+@slow
+@pytest.mark.parametrize("local", ["files", "saved"], ids=["data-files-directory", "save-to-disk-directory"])
+def test_the_hub_cannot_be_used_advice(tmp_path, local):
+    """Offline, a hub name is refused; the advice's local ways train. Its other way, `run once with network
+    access`, needs the network: not followed here (test_data covers a hub dataset read from the cache)."""
+    stories(tmp_path)
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    data_error(cli(tmp_path, *hf_args(tmp_path), "data.dataset=someone/stories", "hydra.run.dir=refused", env=env),
+               "the Hugging Face Hub cannot be used",
+               "point data.dataset at a local dataset directory (of data files, or one save_to_disk wrote)")
+    ok(cli(tmp_path, *hf_args(tmp_path), f"data.dataset={tmp_path / local}", "hydra.run.dir=run", env=env),
+       tmp_path / "run")
+
+
+@slow
+def test_not_a_text_column_advice(tmp_path):
+    _, saved = stories(tmp_path)
+    args = [*hf_args(tmp_path), f"data.dataset={saved}"]
+    data_error(cli(tmp_path, *args, "data.text_column=n", "hydra.run.dir=refused"), "data.text_column=n",
+               "not text; choose a string column of", "(text)")
+    ok(cli(tmp_path, *args, "data.text_column=text", "hydra.run.dir=run"), tmp_path / "run")
+
+
+# ------------------------------------------------------------------------------------------------
+# The checkpoint converter
+# ------------------------------------------------------------------------------------------------
+@slow
+def test_the_converters_backup_exists_advice(tiny_config, tmp_path, monkeypatch):
+    from minigpt import checkpoint
+    from minigpt.run import run
+    from test_checkpoint import old_format_state, upgrade_cli
+
+    cfg = tiny_config("max_steps=2")
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "_state", old_format_state)  # a checkpoint of an earlier minigpt
+        assert run(cfg) == 0
+    old = Path(cfg.ckpt_dir) / "ckpt_00000002.pt"
+    backup = old.with_name(old.name + ".bak")
+    backup.write_bytes(b"an earlier upgrade's backup")
+    original = old.read_bytes()
+    refused = upgrade_cli(str(old), "--trust")
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert refused.stderr.strip().splitlines() == [f"error: {backup} exists (an earlier upgrade's?); move it aside, "
+                                                   f"then run the upgrade again"]
+    assert old.read_bytes() == original and backup.read_bytes() == b"an earlier upgrade's backup"
+    backup.rename(tmp_path / "aside.bak")  # moved aside
+    done = upgrade_cli(str(old), "--trust")  # run again
+    assert done.returncode == 0 and f"upgraded {old}" in done.stdout, done.stderr
+    assert backup.read_bytes() == original and torch.load(old, weights_only=True)["format"] == checkpoint.FORMAT
+
+
+# ------------------------------------------------------------------------------------------------
+# minigpt-eval-passkey's argument lines, followed on a tiny checkpoint
+# ------------------------------------------------------------------------------------------------
+def passkey(*argv: str) -> tuple[int, str]:
+    """minigpt-eval-passkey ARGV in a subprocess, on a tiny grid: (exit code, stderr's last line)."""
+    proc = subprocess.run([sys.executable, "-c", "import sys; from minigpt.cli import eval_passkey_main; "
+                           "sys.exit(eval_passkey_main())", *argv, "--depths", "0", "--keys-per-cell", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc.returncode, (proc.stderr.strip().splitlines() or [""])[-1]
+
+
+@slow
+@pytest.mark.parametrize("refused, needle, followed", [
+    (["--device", "cuda"], "use --device cpu", [["--device", "cpu"]]),
+    (["--dtype", "float16"], "use auto (float32) or bfloat16", [["--dtype", "auto"], ["--dtype", "bfloat16"]]),
+], ids=["device-cuda", "float16-on-cpu"])
+def test_passkey_argument_advice(run_dir, tmp_path, refused, needle, followed):
+    if torch.cuda.is_available():
+        pytest.skip("a visible GPU: cuda and float16 are no error here")
+    args = ["--checkpoint", str(run_dir), "--lengths", "128"]
+    code, line = passkey(*args, *refused, "--out", str(tmp_path / "refused"))
+    assert code == 2 and needle in line, line
+    for i, fix in enumerate(followed):
+        assert passkey(*args, *fix, "--out", str(tmp_path / f"o{i}"))[0] == 0
+        assert (tmp_path / f"o{i}" / "passkey_grid.json").exists()
+
+
+@slow
+def test_passkey_give_lengths_advice(run_dir, tmp_path):
+    """A checkpoint that does not say its seq_len: `give --lengths`."""
+    from minigpt import checkpoint
+
+    state = checkpoint.load_checkpoint(next((run_dir / "checkpoints").glob("ckpt_*.pt")))
+    del state["config"]["seq_len"]
+    ckpt = checkpoint._write(tmp_path / "ckpt_00000001.pt", state)
+    code, line = passkey("--checkpoint", str(ckpt), "--out", str(tmp_path / "o"))
+    assert code == 2 and "the checkpoint does not say its seq_len; give --lengths" in line, line
+    assert passkey("--checkpoint", str(ckpt), "--lengths", "128", "--out", str(tmp_path / "o"))[0] == 0
+
+
+@slow
+@pytest.mark.parametrize("given", ["a checkpoint", "a run directory", "its checkpoints/"])
+def test_passkey_no_checkpoint_there_advice(run_dir, tmp_path, given):
+    (tmp_path / "empty").mkdir()
+    code, line = passkey("--checkpoint", str(tmp_path / "empty"), "--lengths", "128", "--out", str(tmp_path / "o"))
+    assert code == 1
+    assert "no ckpt_*.pt there (give a checkpoint, a run directory or its checkpoints/)" in line, line
+    path = {"a checkpoint": next((run_dir / "checkpoints").glob("ckpt_*.pt")), "a run directory": run_dir,
+            "its checkpoints/": run_dir / "checkpoints"}[given]
+    assert passkey("--checkpoint", str(path), "--lengths", "128", "--out", str(tmp_path / "o"))[0] == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# A multirun (-m): the overrides parse and the sweep directory is writable before Hydra writes
+# ------------------------------------------------------------------------------------------------
+@slow
+def test_a_multirun_is_checked_before_hydra_writes(tmp_path):
+    (tmp_path / "a b").mkdir()
+    (tmp_path / "a b" / "c.txt").write_text(STORY * 200)
+    args = ["-m", *text_args(tmp_path), "seed=1,2"]  # a value list is a sweep under -m, not refused
+    one_line_error(cli(tmp_path, *args, "data.path=a", "b/c.txt"), 2, """quote the whole override""",
+                   """'data.path="a b/c.txt"'""")
+    bad = _unwritable(tmp_path, "under-a-file")
+    one_line_error(cli(tmp_path, *args, "data.path=x", f"hydra.sweep.dir={bad}"), 2,
+                   "point hydra.sweep.dir at a writable directory")
+    assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()  # nothing written
+    proc = cli(tmp_path, *args, "data.path=x", f"ckpt_dir={bad}", "hydra.sweep.dir=s")  # a job's: checked per job
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "point ckpt_dir at a writable directory" in proc.stderr and "0 of 2 jobs ok" in proc.stderr
+    proc = cli(tmp_path, *args, 'data.path="a b/c.txt"', f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert proc.returncode == 0 and "2 of 2 jobs ok" in proc.stdout, proc.stderr[-2000:]
