@@ -1,9 +1,15 @@
 import os
+import signal
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# The stop signals start with their default action in the processes the tests start, also where this pytest was started
+# with them ignored (nohup, some CI runners): the lifecycle and sweep tests send them and expect them to arrive.
+for _name in ("SIGHUP", "SIGTERM"):
+    if hasattr(signal, _name) and signal.getsignal(getattr(signal, _name)) == signal.SIG_IGN:
+        signal.signal(getattr(signal, _name), signal.SIG_DFL)
 os.environ.setdefault("WANDB_SILENT", "true")
 # Without a GPU, Triton kernels run in Triton's CPU interpreter. It must be set before triton.jit runs.
 try:
