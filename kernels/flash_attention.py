@@ -16,7 +16,7 @@ from minigpt_kernels.device import INTERPRET
 from minigpt_kernels.dispatch import (  # noqa: F401 (re-exported)
     PATH_ENV, PATHS, VIA_DS_MAX_BYTES, Plan, TileConfig, ds_head_elements, fused_backward_config, plan, tile_config)
 from minigpt_kernels.launch import (  # noqa: F401 (re-exported)
-    FUSED_DQ_ACC_BYTES, empty_in_layout_of, launch_backward, launch_backward_delta, launch_backward_dkdv,
+    FUSED_DQ_ACC_BYTES, check_doc_ids, empty_in_layout_of, launch_backward, launch_backward_delta, launch_backward_dkdv,
     launch_backward_dq, launch_backward_fused, launch_backward_via_ds, launch_forward, specialized_ready,
     via_ds_chosen)
 from minigpt_kernels.triton_kernels import LOG2E  # noqa: F401 (re-exported)
@@ -58,16 +58,8 @@ def check_masks(q: Tensor, window: int | None, document_ids: Tensor | None) -> N
     decrease."""
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"flash_attention: window must be an int >= 1 (or None), got {window!r}")
-    if document_ids is None:
-        return
-    B, N = q.shape[0], q.shape[2]
-    if not isinstance(document_ids, Tensor) or document_ids.shape != (B, N):
-        raise ValueError(f"flash_attention: document_ids must be a (batch, seq) = ({B}, {N}) tensor, got "
-                         f"{tuple(document_ids.shape) if isinstance(document_ids, Tensor) else type(document_ids).__name__}")
-    if document_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"flash_attention: document_ids must be int32 or int64, got {document_ids.dtype}")
-    if document_ids.device != q.device:
-        raise ValueError(f"flash_attention: document_ids must be on q's device {q.device}, got {document_ids.device}")
+    if document_ids is not None:
+        check_doc_ids("document_ids", document_ids, q, q.shape[2])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -140,9 +140,9 @@ def count_tiles():
         _tile_counts = None
 
 
-def _check_doc_ids(name: str, ids: Tensor, q: Tensor, n: int) -> Tensor:
-    """A (B, n) int32/int64 tensor of document ids on q's device, with contiguous rows; checked non-decreasing when
-    MINIGPT_CHECK_MASKS=1."""
+def check_doc_ids(name: str, ids: Tensor, q: Tensor, n: int) -> None:
+    """ValueError unless `ids` is a (B, n) int32/int64 tensor on q's device. Its values are not looked at (that
+    would sync with the GPU and break a compiled graph); the launchers check them under MINIGPT_CHECK_MASKS=1."""
     if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.shape != (q.shape[0], n):
         raise ValueError(f"flash_attention: {name} must be a (batch, seq) = ({q.shape[0]}, {n}) tensor, got "
                          f"{tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__}")
@@ -150,11 +150,14 @@ def _check_doc_ids(name: str, ids: Tensor, q: Tensor, n: int) -> Tensor:
         raise ValueError(f"flash_attention: {name} must be int32 or int64, got {ids.dtype}")
     if ids.device != q.device:
         raise ValueError(f"flash_attention: {name} must be on q's device {q.device}, got {ids.device}")
+
+
+def _checked_doc_ids(name: str, ids: Tensor, q: Tensor, n: int) -> Tensor:
+    """check_doc_ids; non-decreasing when MINIGPT_CHECK_MASKS=1; rows made contiguous for the kernels."""
+    check_doc_ids(name, ids, q, n)
     if os.environ.get(CHECK_MASKS_ENV) == "1" and n > 1 and bool((ids[:, 1:] < ids[:, :-1]).any()):
         raise ValueError(f"flash_attention: {name} must be non-decreasing along the sequence (packed documents)")
     return ids if ids.stride(1) == 1 or n == 1 else ids.contiguous()
-
-
 def _mask_args(q: Tensor, k: Tensor, causal: bool, window: int | None, q_doc_ids: Tensor | None,
                k_doc_ids: Tensor | None, q_offset: int | None, k_offset: int | None, kernel: str,
                blocks: tuple[int, int]) -> tuple[tuple, dict]:
@@ -173,8 +176,8 @@ def _mask_args(q: Tensor, k: Tensor, causal: bool, window: int | None, q_doc_ids
         raise ValueError("flash_attention: q_doc_ids and k_doc_ids go together (both or neither)")
     docs = q_doc_ids is not None
     if docs:
-        q_doc_ids = _check_doc_ids("q_doc_ids", q_doc_ids, q, N_Q)
-        k_doc_ids = _check_doc_ids("k_doc_ids", k_doc_ids, q, N_K)
+        q_doc_ids = _checked_doc_ids("q_doc_ids", q_doc_ids, q, N_Q)
+        k_doc_ids = _checked_doc_ids("k_doc_ids", k_doc_ids, q, N_K)
     shift = (q_offset or 0) - (k_offset or 0)  # query i sits at key index i + shift
     if window is not None and window > max(abs(N_Q - 1 + shift), abs(shift - (N_K - 1))):
         window = None  # wider than any query-key distance of these blocks: leaves nothing out
