@@ -281,19 +281,22 @@ UNREACHABLE = {"WANDB_API_KEY": "x" * 40, "WANDB_MODE": "online", "WANDB_BASE_UR
 def test_an_unreachable_wandb_server_is_refused_quickly(monkeypatch):
     for key, value in UNREACHABLE.items():
         monkeypatch.setenv(key, value)
-    t0 = time.perf_counter()
+    loggers._unreachable.cache_clear()  # asked once per process: ask again here
+    tried = []
+    real = loggers.socket.create_connection
+    monkeypatch.setattr(loggers.socket, "create_connection",
+                        lambda address, timeout=None, **kw: tried.append((address, timeout)) or real(address, timeout, **kw))
     with pytest.raises(ConfigError, match="cannot reach the W&B server http://127.0.0.1:9.*WANDB_MODE=offline"):
         loggers.check_wandb(LoggerConfig(name="wandb"))
-    assert time.perf_counter() - t0 < loggers.WANDB_CONNECT_TIMEOUT_S
+    assert tried == [(("127.0.0.1", 9), loggers.WANDB_CONNECT_TIMEOUT_S)]  # one try, bounded: no W&B retry loop
 
 
 @slow
 def test_wandb_online_without_its_server_is_one_line_exit_2(tmp_path):
-    t0 = time.perf_counter()
     proc = cli(tmp_path, *[a for a in TINY if a != "logger=none"], "logger=wandb", "max_steps=1", "hydra.run.dir=run",
                env=UNREACHABLE)
     one_line_error(proc, 2, "cannot reach the W&B server", "WANDB_MODE=offline")
-    assert time.perf_counter() - t0 < 60 and not (tmp_path / "run").exists()
+    assert not (tmp_path / "run").exists()
 
 
 @slow
