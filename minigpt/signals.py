@@ -7,7 +7,9 @@
                                          when this process dies, even by SIGKILL (PR_SET_PDEATHSIG)
     stop_group(proc, signum, grace_s)    signum to that group, SIGKILL after grace_s: the child and all of its own
 
-A SIGHUP that the parent ignores (`nohup`) stays ignored. Interrupted is a BaseException, like KeyboardInterrupt,
+A SIGHUP that the parent ignores (`nohup`) stays ignored. A stop signal that the parent blocked (some CI runners and
+process supervisors start their children so) is unblocked where it is handled and in the children started with
+own_group(): otherwise it would wait, pending, for ever, and a stopped run would only end by SIGKILL, with no summary. Interrupted is a BaseException, like KeyboardInterrupt,
 so no `except Exception` (Hydra's, a library's) swallows it on its way to the code that says what happened.
 """
 from __future__ import annotations
@@ -51,6 +53,7 @@ class StopSignals:
                 if s == signal.SIGHUP and previous == signal.SIG_IGN:  # nohup: the user asked to outlive the terminal
                     continue
                 self._previous[s] = signal.signal(s, self._handle)
+            unblock(self._previous)
         self._outer = self._active[-1] if self._active else None
         self._active.append(self)
         return self
@@ -80,8 +83,16 @@ class StopSignals:
         print(f"\n{name}: {self.note}", file=sys.stderr, flush=True)
 
 
+def unblock(signals: Any) -> None:
+    """Let these signals arrive in this thread (and in the processes it starts), if something above us blocked them."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(signals))
+
+
 def _die_with_parent(prctl: Any, parent: int) -> None:
-    """In the child, before exec: SIGTERM when the parent dies (also if it already has)."""
+    """In the child, before exec: the stop signals unblocked, and SIGTERM when the parent dies (also if it already
+    has)."""
+    unblock(StopSignals.SIGNALS)
     prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
     if os.getppid() != parent:
         os.kill(os.getpid(), signal.SIGTERM)

@@ -5,11 +5,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# The stop signals start with their default action in the processes the tests start, also where this pytest was started
-# with them ignored (nohup, some CI runners): the lifecycle and sweep tests send them and expect them to arrive.
-for _name in ("SIGHUP", "SIGTERM"):
-    if hasattr(signal, _name) and signal.getsignal(getattr(signal, _name)) == signal.SIG_IGN:
-        signal.signal(getattr(signal, _name), signal.SIG_DFL)
+# The stop signals start with their default action, unblocked, in the processes the tests start, also where this pytest
+# was started with them ignored (nohup) or blocked (some CI runners): the lifecycle and sweep tests send them and
+# expect them to arrive. The header of the test report says how they were found.
+STOP_SIGNALS = [getattr(signal, name) for name in ("SIGINT", "SIGHUP", "SIGTERM") if hasattr(signal, name)]
+FOUND_BLOCKED = sorted(s.name for s in signal.pthread_sigmask(signal.SIG_BLOCK, []) if s in STOP_SIGNALS) \
+    if hasattr(signal, "pthread_sigmask") else []
+FOUND_IGNORED = sorted(s.name for s in STOP_SIGNALS if signal.getsignal(s) == signal.SIG_IGN)
+for _sig in STOP_SIGNALS:
+    if _sig != signal.SIGINT and signal.getsignal(_sig) == signal.SIG_IGN:
+        signal.signal(_sig, signal.SIG_DFL)
+if FOUND_BLOCKED:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 os.environ.setdefault("WANDB_SILENT", "true")
 # Without a GPU, Triton kernels run in Triton's CPU interpreter. It must be set before triton.jit runs.
 try:
@@ -35,6 +42,11 @@ class NeedsTriton(pytest.Module):
 
     def collect(self):
         raise pytest.skip.Exception(NO_TRITON, allow_module_level=True)
+
+
+def pytest_report_header(config):
+    return (f"stop signals found blocked: {', '.join(FOUND_BLOCKED) or 'none'}; "
+            f"found ignored: {', '.join(FOUND_IGNORED) or 'none'} (both undone for the tests)")
 
 
 def pytest_pycollect_makemodule(module_path, parent):
@@ -109,6 +121,7 @@ FAST_TESTS = (
     "test_lifecycle.py::test_a_live_runs_directory_is_refused_and_left_untouched",
     "test_lifecycle.py::test_the_lock_counts_takes_and_reclaims_a_dead_owners_lock",
     "test_lifecycle.py::test_an_unquoted_value_says_how_to_quote_it",
+    "test_lifecycle.py::test_blocked_stop_signals_are_unblocked_where_handled_and_in_started_children",
     "test_rope_scaling.py::test_yarn_interpolates_long_wavelengths_keeps_short_ones_and_ramps_between",
     "test_rope_scaling.py::test_factor_one_is_plain_rope",
     "test_rope_scaling.py::test_resume_extend_continues_with_new_rope_and_seq_len",
