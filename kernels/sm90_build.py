@@ -57,19 +57,19 @@ def table_variants() -> list[Variant]:
         if kind == "fwd":
             consumers = cfg.block_m // 64
             c = dict(HEAD_DIM=d, NUM_CONSUMERS=consumers, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
-                     CONSUMER_REGS=common.CONSUMER_REGS[consumers], PRODUCER_REGS=common.PRODUCER_REGS)
-            if cfg.persistent:
-                c["SKIP"] = fwd.consumers_can_stop_early(consumers, cfg.block_n)
-            kernel = fwd.persistent_fwd_kernel if cfg.persistent else fwd.pingpong_fwd_kernel
+                     CONSUMER_REGS=common.CONSUMER_REGS[consumers], PRODUCER_REGS=common.PRODUCER_REGS,
+                     SKIP=cfg.persistent and fwd.consumers_can_stop_early(consumers, cfg.block_n),
+                     PERSISTENT=cfg.persistent)
+            kernel = fwd.pingpong_fwd_kernel  # one kernel; plain and persistent differ in their work lists
             out.append(Variant(f"fwd {mode} D{d} C{consumers}", kernel, c))
             if consumers == 3:
                 out.append(Variant(f"fwd {mode} D{d} C{consumers} fp16", kernel, c, "fp16"))
         elif kind == "dkdvdq":
             c = dict(HEAD_DIM=d, BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, PRODUCER_REGS=common.PRODUCER_REGS,
                      REDUCER_REGS=bwd.REDUCER_REGS,
-                     CONSUMER_REGS=bwd.SPLIT_CONSUMER_REGS if d > 64 else bwd.FUSED_CONSUMER_REGS)
-            kernel = bwd.dkdvdq_persistent_kernel if cfg.persistent else bwd.dkdvdq_kernel
-            out.append(Variant(f"dkdvdq {mode} D{d} s{cfg.num_stages}", kernel, c))
+                     CONSUMER_REGS=bwd.SPLIT_CONSUMER_REGS if d > 64 else bwd.FUSED_CONSUMER_REGS,
+                     KV_BUFS=2 if cfg.persistent and d == 64 else 1, PERSISTENT=cfg.persistent)  # as the launchers
+            out.append(Variant(f"dkdvdq {mode} D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel, c))
         else:  # "dq": the head_dim-128 dQ kernel of the deterministic backward
             c = dict(HEAD_DIM=d, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, PRODUCER_REGS=common.PRODUCER_REGS,
                      CONSUMER_REGS=common.CONSUMER_REGS[bwd.CONSUMERS.value])

@@ -15,13 +15,15 @@ Two kernels, each splitting its warps by role (`gl.warp_specialize`) like the pi
   consumers' dSᵀ_t transposed, computes dQ_t = dS_t K over the 128 keys and adds it into an fp32 accumulator with a
   TMA reduce-add; the caller zeroes the accumulator and casts it to dq. So no kernel recomputes QKᵀ and dO·Vᵀ for dQ,
   at the price of an fp32 accumulator and a dQ whose summation order varies from run to run (not deterministic).
-  Its persistent variant (NOTES.md T; below 16K tokens) runs one program per SM over a host-made list of key blocks
-  (schedule.py), with K and V double-buffered so that a block's loads overlap the last one's tail.
+  Each program walks a list of key blocks: one per program as a plain grid (`launch_dkdv_dq`), or, persistent
+  (`launch_dkdv_dq_persistent`, NOTES.md T; below 16K tokens), one program per SM over a host-made list (schedule.py),
+  with K and V double-buffered so that a block's loads overlap the last one's tail.
 - **dK/dV/dQ at head_dim 128** (NOTES.md V, W): there dK and dV take 128 registers per consumer, and a dQ warpgroup
   does not fit beside them. So, as in FlashAttention-3, each consumer computes half of dQ's columns itself from both
   consumers' dS (dS_t K[:, its half]) and reduce-adds them. It does so one tile behind: step t computes Sᵀ_t, dPᵀ_t,
   Pᵀ_t, dSᵀ_t, then issues dQ_{t−1} (both consumers stored dSᵀ_{t−1} by then) with dV_t and dK_t, so the consumers
-  need not meet at every tile. Its persistent variant (below 8K tokens) has one K/V buffer, for shared memory.
+  need not meet at every tile. The same kernel, with one K/V buffer (for shared memory) also when persistent (below
+  8K tokens).
 - **dQ** (head_dim 128, the seven-matmul backward's dQ half, deterministic): one program owns 128 query rows (two
   consumers of 64), keeps Q and dO, streams K_j, V_j; per tile S_j, dP_j and the previous tile's dQ matmul are
   issued and dS_j is computed while the dQ matmul runs. Each consumer also writes its rows' delta for the Triton
@@ -49,8 +51,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from minigpt_kernels.device import strides3
-from minigpt_kernels.gluon.common import CONSUMER_REGS, PRODUCER_REGS, head_rows, mma_layout, tma_load
-from minigpt_kernels.gluon.schedule import device_schedule, sm_count
+from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, head_rows, mma_layout, program_items,
+                                          tma_load)
+from minigpt_kernels.gluon.schedule import device_one_each, device_schedule, sm_count
 
 TILE = gl.constexpr(64)  # keys (dK/dV) or query rows (dQ) per consumer warpgroup: the M of one wgmma
 CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program (the warp_specialize lists below name two)
@@ -189,165 +192,12 @@ def _reduce_add_dq(staging, dq, dq_desc, row, col, sm_scale, PENDING: gl.constex
 
 
 @gluon.jit
-def _dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """Consumer warpgroup ME: dK, dV of keys start_n + 64·ME ... + 63 over query tiles 0 .. num_tiles−1 (tile t holds
-    queries start_n + t·BLOCK_M ...), handing each tile's dSᵀ to the dQ warpgroup."""
-    (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty, ds_smem, ds_ready, ds_free,
-     DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-     N, start_n, num_tiles, qk_scale, sm_scale) = shared
-    s_layout: gl.constexpr = mma_layout(BLOCK_M, 4)   # Sᵀ, dPᵀ: 64 keys × BLOCK_M queries
-    d_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)  # dK, dV: 64 keys × HEAD_DIM
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)  # Pᵀ, dSᵀ in registers
-    # query tiles (counted from the program's first key) that reach below this consumer's last key get the mask
-    MASKED_TILES: gl.constexpr = (TILE * (ME + 1) + BLOCK_M - 1) // BLOCK_M
-    key0 = start_n + ME * TILE
-    keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
-    cols = start_n + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-    zero_s = gl.zeros([TILE, BLOCK_M], gl.float32, layout=s_layout)
-    dk = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
-    dv = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
-    k = k_smem.index(ME)
-    v = v_smem.index(ME)
-    mbarrier.wait(kv_ready.index(ME), 0)
-    pT16, dsT16 = _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, 0, ME,
-                              STAGES, zero_s, keys, cols, 0 < MASKED_TILES, qk_scale, a_layout)
-    for t in range(1, num_tiles):
-        dv, dk, pT16, dsT16 = _dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready,
-                                         ds_free, t, ME, STAGES, zero_s, dv, dk, pT16, dsT16, keys, cols + t * BLOCK_M,
-                                         t < MASKED_TILES, qk_scale, a_layout)
-    dv, dk = _dkdv_last(q_smem, do_smem, num_tiles - 1, STAGES, dv, dk, pT16, dsT16)
-    _write_dkdv(dk, dv, DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0,
-                sm_scale, HEAD_DIM)
-
-
-@gluon.jit
-def _dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
-    """The dQ warpgroup: per query tile t, dQ_t = scale · dS_t K over the program's 128 keys (both consumers' dSᵀ_t,
-    read transposed from shared memory), staged in fp32 shared memory and added into the accumulator's rows by a TMA
-    reduce-add, which runs while the next tile's matmul does."""
-    (k_smem, ds_smem, dq_smem, kv_ready, ds_ready, ds_free, dq_desc, start_n, num_tiles, sm_scale) = dqs
-    dq_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)  # dQ_t: BLOCK_M (= 64) queries × HEAD_DIM
-    zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
-    for c in gl.static_range(CONSUMERS):
-        mbarrier.wait(kv_ready.index(c), 0)
-    for t in range(num_tiles):
-        _dq_tile(k_smem.index(0), k_smem.index(1), ds_smem, dq_smem, ds_ready, ds_free, dq_desc, t,
-                 start_n + t * BLOCK_M, 0, zero, sm_scale)  # rows past N are clipped by TMA
-    tma.store_wait(0)
-
-
-@gluon.jit
-def _dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """The producer warp: each consumer's K and V rows once, then query tile t (Q, dO, LSE, delta) into buffer
-    t % STAGES as soon as both consumers have released what it held (tile t − STAGES). Rows past N read as 0."""
-    (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     kv_ready, ready, empty, start_n, num_tiles) = loads
-    dtype: gl.constexpr = q_smem.dtype
-    kv_bytes: gl.constexpr = 2 * TILE * HEAD_DIM * dtype.primitive_bitwidth // 8
-    # TMA counts a whole box, rows past N (zero-filled) included
-    tile_bytes: gl.constexpr = 2 * BLOCK_M * HEAD_DIM * dtype.primitive_bitwidth // 8 + 2 * BLOCK_M * 4
-    for c in gl.static_range(CONSUMERS):
-        mbarrier.expect(kv_ready.index(c), kv_bytes)
-        tma_load(k_desc, [start_n + c * TILE, 0], kv_ready.index(c), k_smem.index(c))
-        tma_load(v_desc, [start_n + c * TILE, 0], kv_ready.index(c), v_smem.index(c))
-    for t in range(num_tiles):
-        stage = t % STAGES
-        row = start_n + t * BLOCK_M
-        # round r = t // STAGES of this buffer waits for round r − 1's release; a fresh barrier passes parity 1
-        mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)
-        bar = ready.index(stage)
-        mbarrier.expect(bar, tile_bytes)
-        tma_load(q_desc, [row, 0], bar, q_smem.index(stage))
-        tma_load(do_desc, [row, 0], bar, do_smem.index(stage))
-        tma_load(lse_desc, [row], bar, lse_smem.index(stage))
-        tma_load(delta_desc, [row], bar, delta_smem.index(stage))
-
-
-@gluon.jit
 def _init_hand_over(ds_ready, ds_free, SPLIT_DQ: gl.constexpr):
     """The dSᵀ hand-over's two buffers: ready once both consumers stored theirs; free once their reader is done with
     them, the dQ warpgroup, or at head_dim 128 (SPLIT_DQ) both consumers, which compute dQ themselves."""
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=CONSUMERS)
         mbarrier.init(ds_free.index(i), count=CONSUMERS if SPLIT_DQ else 1)
-
-
-@gluon.jit
-def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
-                   stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                   stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
-                   stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                   stride_accb, stride_acch, stride_accn, stride_lse, stride_delta, H, N, qk_scale, sm_scale,
-                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, REDUCER_REGS: gl.constexpr):
-    """dK, dV of one block of 128 keys of one (batch, head), causal, over the queries from the block's first key on,
-    and this block's share of dQ for those queries, added into DQ_ACC. Program 0 holds the first keys (most queries),
-    so the longest programs start first. At head_dim 128 a dQ warpgroup does not fit the register file beside two
-    consumers holding dK and dV (128 registers each): each consumer computes half of dQ's columns itself (NOTES.md V;
-    REDUCER_REGS unused)."""
-    dtype: gl.constexpr = Q.dtype.element_ty
-    SPLIT_DQ: gl.constexpr = HEAD_DIM > 64
-    DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_DQ else HEAD_DIM  # columns per dQ reduce-add
-    start_n = gl.program_id(0) * (CONSUMERS * TILE)
-    bh = gl.program_id(1)
-    b = (bh // H).to(gl.int64)
-    h = (bh % H).to(gl.int64)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], dtype)
-    qd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, BLOCK_M], dtype)
-    acc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
-    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    k_desc = head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, TILE, HEAD_DIM, kv_layout)
-    v_desc = head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, TILE, HEAD_DIM, kv_layout)
-    q_desc = head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, BLOCK_M, HEAD_DIM, qd_layout)
-    do_desc = head_rows(DO, b, h, stride_dob, stride_doh, stride_don, N, BLOCK_M, HEAD_DIM, qd_layout)
-    dq_desc = tma.make_tensor_descriptor(DQ_ACC + b * stride_accb + h * stride_acch, shape=[N, HEAD_DIM],
-                                         strides=[stride_accn, 1], block_shape=[BLOCK_M, DQ_COLS], layout=acc_layout)
-    lse_desc = tma.make_tensor_descriptor(LSE + bh.to(gl.int64) * stride_lse, shape=[N], strides=[1],
-                                          block_shape=[BLOCK_M], layout=row_layout)
-    delta_desc = tma.make_tensor_descriptor(DELTA + bh.to(gl.int64) * stride_delta, shape=[N], strides=[1],
-                                            block_shape=[BLOCK_M], layout=row_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, TILE, HEAD_DIM], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, TILE, HEAD_DIM], kv_layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qd_layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qd_layout)
-    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, TILE, BLOCK_M], ds_layout)  # dSᵀ: 2 tiles in flight
-    # dQ staging for the reduce: two tiles in flight, or one per consumer (SPLIT_DQ)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_COLS], acc_layout)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(CONSUMERS):
-        mbarrier.init(kv_ready.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=CONSUMERS)
-    _init_hand_over(ds_ready, ds_free, SPLIT_DQ)
-    fence_async_shared()
-    num_tiles = gl.cdiv(N - start_n, BLOCK_M)  # query tiles from the block's first key to the end
-
-    shared = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty, ds_smem, ds_ready, ds_free,
-              DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-              N, start_n, num_tiles, qk_scale, sm_scale)
-    loads = (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
-             delta_smem, kv_ready, ready, empty, start_n, num_tiles)
-    dqs = (k_smem, ds_smem, dq_smem, kv_ready, ds_ready, ds_free, dq_desc, start_n, num_tiles, sm_scale)
-    # the first consumer is the default partition; the lists are literals for the compiler
-    if SPLIT_DQ:
-        gl.warp_specialize([(_dkdv_dq_split_consumer, (shared, dqs, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES)),
-                            (_dkdv_dq_split_consumer, (shared, dqs, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES)),
-                            (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES))],
-                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    else:
-        gl.warp_specialize([(_dkdv_consumer, (shared, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES)),
-                            (_dkdv_consumer, (shared, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES)),
-                            (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES)),
-                            (_dq_reducer, (dqs, HEAD_DIM, BLOCK_M))],
-                           [4, 1, 4], [CONSUMER_REGS, PRODUCER_REGS, REDUCER_REGS])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -411,43 +261,8 @@ def _split_key_block(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready,
     return dv, dk
 
 
-@gluon.jit
-def _dkdv_dq_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                            STAGES: gl.constexpr):
-    """Consumer warpgroup ME of the head_dim-128 kernel: dK, dV of keys start_n + 64·ME ... + 63, and columns 64·ME ...
-    of each query tile's dQ, over query tiles 0 .. num_tiles−1."""
-    (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty, ds_smem, ds_ready, ds_free,
-     DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-     N, start_n, num_tiles, qk_scale, sm_scale) = shared
-    dq_smem, dq_desc = dqs[2], dqs[6]
-    HALF: gl.constexpr = HEAD_DIM // 2
-    s_layout: gl.constexpr = mma_layout(BLOCK_M, 4)   # Sᵀ, dPᵀ: 64 keys × BLOCK_M queries
-    d_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)  # dK, dV: 64 keys × HEAD_DIM
-    q_layout: gl.constexpr = mma_layout(HALF, 4)      # dQ's columns: BLOCK_M queries × HEAD_DIM/2
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)  # Pᵀ, dSᵀ in registers
-    key0 = start_n + ME * TILE
-    keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
-    cols = start_n + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-    zero_s = gl.zeros([TILE, BLOCK_M], gl.float32, layout=s_layout)
-    zero_q = gl.zeros([BLOCK_M, HALF], gl.float32, layout=q_layout)
-    dk = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
-    dv = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
-    k = k_smem.index(ME)
-    v = v_smem.index(ME)
-    k0 = k_smem.index(0).slice(ME * HALF, HALF, dim=1)  # this consumer's dQ columns, of both consumers' keys
-    k1 = k_smem.index(1).slice(ME * HALF, HALF, dim=1)
-    for c in gl.static_range(CONSUMERS):  # dQ reads the other consumer's keys too
-        mbarrier.wait(kv_ready.index(c), 0)
-    dv, dk = _split_key_block(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready,
-                              ds_free, dq_smem, dq_desc, 0, num_tiles, start_n, ME * HALF, ME, STAGES, zero_s, zero_q,
-                              dv, dk, keys, cols, qk_scale, sm_scale, a_layout, BLOCK_M)
-    tma.store_wait(0)
-    _write_dkdv(dk, dv, DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0,
-                sm_scale, HEAD_DIM)
-
-
 # ------------------------------------------------------------------------------------------------
-# The persistent dK/dV/dQ kernel: one program per SM walking a host-made list of (batch·head, 128-key block) items
+# The dK/dV/dQ kernel: each program walks a list of (batch·head, 128-key block) items, one (a plain grid) or many
 # ------------------------------------------------------------------------------------------------
 @gluon.jit
 def _key_block(WORK, index, n_kblocks, N, BLOCK_M: gl.constexpr):
@@ -458,23 +273,28 @@ def _key_block(WORK, index, n_kblocks, N, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _persistent_dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                              STAGES: gl.constexpr):
-    """_dkdv_consumer over this program's items. The ring and hand-over counters run on across items (g: the query
-    tiles of the items before); K and V alternate between two buffers, released to the producer (kv_free) after the
-    item's last matmul that reads them."""
+def _dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                              STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Consumer warpgroup ME (head_dim 64): for each of this program's items, dK, dV of keys start_n + 64·ME ... + 63
+    over the query tiles from the block's first key on (tile t holds queries start_n + t·BLOCK_M ...), handing each
+    tile's dSᵀ to the dQ warpgroup. The ring and hand-over counters run on across items (g: the query tiles of the
+    items before); K and V take turns in KV_BUFS buffers (2 where a program has many items), each released to the
+    producer (kv_free) after the item's last matmul that reads it."""
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty, ds_smem, ds_ready,
      ds_free, DK, DV, H, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-     N, qk_scale, sm_scale, WORK, first, count, n_kblocks) = shared
+     N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks) = shared
+    first, count = program_items(WORK_START, PERSISTENT)
     s_layout: gl.constexpr = mma_layout(BLOCK_M, 4)
     d_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
+    # query tiles (counted from the block's first key) that reach below this consumer's last key get the mask
     MASKED_TILES: gl.constexpr = (TILE * (ME + 1) + BLOCK_M - 1) // BLOCK_M
+    KV_BUFS: gl.constexpr = k_smem.shape[0] // CONSUMERS
     zero_s = gl.zeros([TILE, BLOCK_M], gl.float32, layout=s_layout)
     g = 0
     for i in range(count):
         bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M)
-        buf = i % 2
+        buf = i % KV_BUFS
         key0 = start_n + ME * TILE
         keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
         cols = start_n + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
@@ -482,7 +302,7 @@ def _persistent_dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, 
         dv = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
         k = k_smem.index(buf * CONSUMERS + ME)
         v = v_smem.index(buf * CONSUMERS + ME)
-        mbarrier.wait(kv_ready.index(buf * CONSUMERS + ME), (i // 2) & 1)
+        mbarrier.wait(kv_ready.index(buf * CONSUMERS + ME), (i // KV_BUFS) & 1)
 
         pT16, dsT16 = _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, g,
                                   ME, STAGES, zero_s, keys, cols, 0 < MASKED_TILES, qk_scale, a_layout)
@@ -499,14 +319,16 @@ def _persistent_dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, 
 
 
 @gluon.jit
-def _persistent_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                               STAGES: gl.constexpr):
-    """_dkdv_dq_split_consumer over this program's items (head_dim 128). The ring and hand-over counters run on across
-    items (g); K and V have one buffer (shared memory holds no second one beside the dQ staging), released to the
-    producer (kv_free) after the item's last dQ matmul, the last that reads them."""
+def _dkdv_dq_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                               STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Consumer warpgroup ME of the head_dim-128 kernel: for each of this program's items, dK, dV of keys start_n +
+    64·ME ... + 63, and columns 64·ME ... of each query tile's dQ. The ring and hand-over counters run on across items
+    (g); K and V have one buffer (shared memory holds no second one beside the dQ staging), released to the producer
+    (kv_free) after the item's last dQ matmul, the last that reads them."""
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty, ds_smem, ds_ready,
      ds_free, DK, DV, H, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-     N, qk_scale, sm_scale, WORK, first, count, n_kblocks) = shared
+     N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks) = shared
+    first, count = program_items(WORK_START, PERSISTENT)
     dq_smem, dq_desc, acc_rows_b, acc_rows_h, acc_cols_h = dqs[2], dqs[7], dqs[10], dqs[11], dqs[12]
     HALF: gl.constexpr = HEAD_DIM // 2
     s_layout: gl.constexpr = mma_layout(BLOCK_M, 4)
@@ -542,21 +364,25 @@ def _persistent_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.const
 
 
 @gluon.jit
-def _persistent_dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
-    """_dq_reducer over this program's items. The accumulator is one 2-D array (rows of one head's queries, see
-    dkdvdq_persistent_kernel), so its descriptor is made once; a key block's last query tile may reach past its
-    head's N rows into the next head's or batch's first ones, where it adds exact zeros (queries past N have dS = 0; a
-    non-finite K would make those rows NaN, as it does its own)."""
+def _dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The dQ warpgroup (head_dim 64): per query tile t of each item, dQ_t = scale · dS_t K over the item's 128 keys
+    (both consumers' dSᵀ_t, read transposed from shared memory), staged in fp32 shared memory and added into the
+    accumulator's rows by a TMA reduce-add, which runs while the next tile's matmul does. The accumulator is one 2-D
+    array (rows of one head's queries, see dkdvdq_kernel), so its descriptor is made once; a key block's last query
+    tile may reach past its head's N rows into the next head's or batch's first ones, where it adds exact zeros
+    (queries past N have dS = 0; a non-finite K would make those rows NaN, as it does its own)."""
     (k_smem, ds_smem, dq_smem, kv_ready, kv_free, ds_ready, ds_free, dq_desc, N, H, acc_rows_b, acc_rows_h,
-     acc_cols_h, sm_scale, WORK, first, count, n_kblocks) = dqs
+     acc_cols_h, sm_scale, WORK, WORK_START, n_kblocks) = dqs
+    first, count = program_items(WORK_START, PERSISTENT)
     dq_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)
+    KV_BUFS: gl.constexpr = k_smem.shape[0] // CONSUMERS
     zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
     g = 0
     for i in range(count):
         bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M)
-        buf = i % 2
+        buf = i % KV_BUFS
         for c in gl.static_range(CONSUMERS):
-            mbarrier.wait(kv_ready.index(buf * CONSUMERS + c), (i // 2) & 1)
+            mbarrier.wait(kv_ready.index(buf * CONSUMERS + c), (i // KV_BUFS) & 1)
         row0 = (bh // H) * acc_rows_b + (bh % H) * acc_rows_h + start_n
         col = (bh % H) * acc_cols_h
         for t in range(num_tiles):
@@ -568,14 +394,17 @@ def _persistent_dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _persistent_dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """_dkdvdq_producer over this program's items: the next item's K, V into the other buffer once its last users
-    released it (kv_free), then its query tiles into the ring. The per-head descriptors are rewritten in place once
-    every copy through them has landed."""
+def _dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                     PERSISTENT: gl.constexpr):
+    """The producer warp, over this program's items: the item's K and V rows into buffer i % KV_BUFS once their last
+    users released it (kv_free), then query tile t (Q, dO, LSE, delta) into ring buffer t % STAGES as soon as both
+    consumers have released what it held (tile t − STAGES); rows past N read as 0. The per-head descriptors are
+    rewritten in place once every copy through them has landed."""
     (Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
      stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_lse, stride_delta, H, N,
      k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty,
-     WORK, first, count, n_kblocks) = loads
+     WORK, WORK_START, n_kblocks) = loads
+    first, count = program_items(WORK_START, PERSISTENT)
     dtype: gl.constexpr = q_smem.dtype
     KV_BUFS: gl.constexpr = k_smem.shape[0] // CONSUMERS  # 2, or 1 at head_dim 128
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], dtype)
@@ -624,25 +453,27 @@ def _persistent_dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.const
 
 
 @gluon.jit
-def dkdvdq_persistent_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
+def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
                               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
                               stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                               stride_lse, stride_delta, H, N, n_kblocks, acc_rows, acc_cols, acc_rows_b, acc_rows_h,
                               acc_cols_h, qk_scale, sm_scale,
                               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, REDUCER_REGS: gl.constexpr):
-    """dkdvdq_kernel's work, program p taking items WORK[WORK_START[p] : WORK_START[p+1]] (item = bh · n_kblocks +
-    key block). DQ_ACC: fp32, one 2-D (acc_rows, acc_cols) array in which head h of batch b adds its query n into row
-    b·acc_rows_b + h·acc_rows_h + n at columns h·acc_cols_h ...: (B·H·N, HEAD_DIM) with (H·N, N, 0) for (B, H, N, D)
-    memory, (B·N, H·HEAD_DIM) with (N, 0, HEAD_DIM) for (B, N, H, D) rows (the model's layout). At head_dim 128 the
-    consumers compute dQ themselves, as in dkdvdq_kernel, and K, V have one buffer (REDUCER_REGS unused)."""
+                              KV_BUFS: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                              PRODUCER_REGS: gl.constexpr, REDUCER_REGS: gl.constexpr):
+    """dK, dV of blocks of 128 keys of one (batch, head), causal, over the queries from the block's first key on, and
+    each block's share of dQ for those queries, added into DQ_ACC; program p takes items WORK[WORK_START[p] :
+    WORK_START[p+1]] (item = bh · n_kblocks + key block). DQ_ACC: fp32, one 2-D (acc_rows, acc_cols) array in which
+    head h of batch b adds its query n into row b·acc_rows_b + h·acc_rows_h + n at columns h·acc_cols_h ...: (B·H·N,
+    HEAD_DIM) with (H·N, N, 0) for (B, H, N, D) memory, (B·N, H·HEAD_DIM) with (N, 0, HEAD_DIM) for (B, N, H, D) rows
+    (the model's layout). At head_dim 128 the consumers compute dQ themselves (a dQ warpgroup does not fit the
+    register file beside two consumers holding dK and dV, 128 registers each; NOTES.md V) and REDUCER_REGS is unused.
+    KV_BUFS: K/V buffers, 2 to load an item's keys during the last one's tail (head_dim 64 with many items per
+    program), else 1."""
     dtype: gl.constexpr = Q.dtype.element_ty
     SPLIT_DQ: gl.constexpr = HEAD_DIM > 64
     DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_DQ else HEAD_DIM  # columns per dQ reduce-add
-    KV_BUFS: gl.constexpr = 1 if SPLIT_DQ else 2  # two would not fit beside the split's dQ staging
-    first = gl.load(WORK_START + gl.program_id(0))
-    count = gl.load(WORK_START + gl.program_id(0) + 1) - first
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], dtype)
     qd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, BLOCK_M], dtype)
@@ -679,23 +510,25 @@ def dkdvdq_persistent_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK
 
     shared = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty, ds_smem,
               ds_ready, ds_free, DK, DV, H, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-              N, qk_scale, sm_scale, WORK, first, count, n_kblocks)
+              N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks)
     loads = (Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
              stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_lse, stride_delta, H, N,
              k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty,
-             WORK, first, count, n_kblocks)
+             WORK, WORK_START, n_kblocks)
     dqs = (k_smem, ds_smem, dq_smem, kv_ready, kv_free, ds_ready, ds_free, dq_desc, N, H, acc_rows_b, acc_rows_h,
-           acc_cols_h, sm_scale, WORK, first, count, n_kblocks)
+           acc_cols_h, sm_scale, WORK, WORK_START, n_kblocks)
     if SPLIT_DQ:
-        gl.warp_specialize([(_persistent_split_consumer, (shared, dqs, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES)),
-                            (_persistent_split_consumer, (shared, dqs, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES)),
-                            (_persistent_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES))],
+        gl.warp_specialize([(_dkdv_dq_split_consumer, (shared, dqs, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES,
+                                                       PERSISTENT)),
+                            (_dkdv_dq_split_consumer, (shared, dqs, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES,
+                                                       PERSISTENT)),
+                            (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([(_persistent_dkdv_consumer, (shared, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES)),
-                            (_persistent_dkdv_consumer, (shared, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES)),
-                            (_persistent_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES)),
-                            (_persistent_dq_reducer, (dqs, HEAD_DIM, BLOCK_M))],
+        gl.warp_specialize([(_dkdv_consumer, (shared, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES, PERSISTENT)),
+                            (_dkdv_consumer, (shared, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES, PERSISTENT)),
+                            (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES, PERSISTENT)),
+                            (_dq_reducer, (dqs, HEAD_DIM, BLOCK_M, PERSISTENT))],
                            [4, 1, 4], [CONSUMER_REGS, PRODUCER_REGS, REDUCER_REGS])
 
 
@@ -852,52 +685,60 @@ def dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ,
 # ------------------------------------------------------------------------------------------------
 # Launchers (the caller checks the scope and sets Triton's scratch allocator for the device-side TMA descriptors)
 # ------------------------------------------------------------------------------------------------
-def launch_dkdv_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
-                   stride_delta: int, dk: Tensor, dv: Tensor, dq_acc: Tensor, sm_scale: float, qk_scale: float,
-                   block_m: int, stages: int) -> None:
-    """Write the causal dK, dV of q, k, v, do (B, H, N, D) into dk, dv (k's shape, contiguous last dimension) and add
-    dQ into dq_acc (fp32, q's shape, zeroed by the caller, 16-byte aligned rows). lse, delta: fp32 rows at
-    t + (b·H + h)·stride with 16-byte aligned starts (1-D TMA). qk_scale = sm_scale·log2(e). block_m: queries per
-    streamed tile (64: the M of the dQ matmul). At head_dim 128 the consumers compute dQ themselves (no dQ warpgroup),
-    with more registers each."""
-    B, H, N, D = q.shape
-    grid = (-(-N // (CONSUMERS.value * TILE.value)), B * H)
-    dkdvdq_kernel[grid](q, k, v, do, lse, delta, dk, dv, dq_acc, *strides3(q), *strides3(k), *strides3(v),
-                         *strides3(do), *strides3(dk), *strides3(dv), *strides3(dq_acc), stride_lse, stride_delta,
-                         H, N, qk_scale, sm_scale, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
-                         CONSUMER_REGS=SPLIT_CONSUMER_REGS if D > 64 else FUSED_CONSUMER_REGS,
-                         PRODUCER_REGS=PRODUCER_REGS, REDUCER_REGS=REDUCER_REGS, num_warps=4)
-
-
 @functools.lru_cache(maxsize=64)
 def key_block_costs(n: int, keys: int, block_m: int) -> tuple[float, ...]:
     """Each block of `keys` keys' work in the causal backward: its query tiles, from the block's first key on."""
     return tuple(float(-(-(n - kb * keys) // block_m)) for kb in range(-(-n // keys)))
 
 
-def launch_dkdv_dq_persistent(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int,
-                              delta: Tensor, stride_delta: int, dk: Tensor, dv: Tensor, dq_acc: Tensor, sm_scale: float,
-                              qk_scale: float, block_m: int, stages: int, programs: int | None = None) -> None:
-    """launch_dkdv_dq's contract with dq_acc dense in (B, H, N, D) or (B, N, H, D) memory, on one program per SM (or
-    `programs`) walking a schedule of (batch·head, 128-key block) items (schedule.py), an item costing its
-    query tiles."""
+def _launch_dkdvdq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
+                   stride_delta: int, dk: Tensor, dv: Tensor, dq_acc: Tensor, sm_scale: float, qk_scale: float,
+                   block_m: int, stages: int, work: Tensor, work_start: Tensor, persistent: bool) -> None:
     B, H, N, D = q.shape
     if dq_acc.is_contiguous():  # (B·H·N, D) rows
         acc_shape, acc_steps = (B * H * N, D), (H * N, N, 0)
     elif dq_acc.transpose(1, 2).is_contiguous():  # (B·N, H·D) rows
         acc_shape, acc_steps = (B * N, H * D), (N, 0, D)
     else:
-        raise ValueError("launch_dkdv_dq_persistent: dq_acc must be dense (B, H, N, D) or (B, N, H, D) memory")
-    keys = CONSUMERS.value * TILE.value
-    n_kblocks = -(-N // keys)
-    programs = min(programs or sm_count(q.device), B * H * n_kblocks)
-    work, work_start = device_schedule(B * H, key_block_costs(N, keys, block_m), programs, q.device)
-    dkdvdq_persistent_kernel[(programs,)](
+        raise ValueError("the dK/dV/dQ kernel: dq_acc must be dense (B, H, N, D) or (B, N, H, D) memory")
+    n_kblocks = -(-N // (CONSUMERS.value * TILE.value))
+    dkdvdq_kernel[(work_start.numel() - 1,)](
         q, k, v, do, lse, delta, dk, dv, dq_acc, work, work_start, *strides3(q), *strides3(k), *strides3(v),
         *strides3(do), *strides3(dk), *strides3(dv), stride_lse, stride_delta, H, N, n_kblocks, *acc_shape,
         *acc_steps, qk_scale, sm_scale, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
+        KV_BUFS=2 if persistent and D == 64 else 1, PERSISTENT=persistent,
         CONSUMER_REGS=SPLIT_CONSUMER_REGS if D > 64 else FUSED_CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, REDUCER_REGS=REDUCER_REGS, num_warps=4)
+
+
+def launch_dkdv_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
+                   stride_delta: int, dk: Tensor, dv: Tensor, dq_acc: Tensor, sm_scale: float, qk_scale: float,
+                   block_m: int, stages: int) -> None:
+    """Write the causal dK, dV of q, k, v, do (B, H, N, D) into dk, dv (k's shape, contiguous last dimension) and add
+    dQ into dq_acc (fp32, zeroed by the caller, dense in (B, H, N, D) or (B, N, H, D) memory). lse, delta: fp32 rows
+    at t + (b·H + h)·stride with 16-byte aligned starts (1-D TMA). qk_scale = sm_scale·log2(e). block_m: queries per
+    streamed tile (64: the M of the dQ matmul). One program per 128-key block, as a plain grid: within each head the
+    first keys (most queries) first. At head_dim 128 the consumers compute dQ themselves (no dQ warpgroup)."""
+    B, H, N, _ = q.shape
+    n_kblocks = -(-N // (CONSUMERS.value * TILE.value))
+    work, work_start = device_one_each(B * H, tuple(range(n_kblocks)), q.device)
+    _launch_dkdvdq(do, q, k, v, lse, stride_lse, delta, stride_delta, dk, dv, dq_acc, sm_scale, qk_scale, block_m,
+                   stages, work, work_start, persistent=False)
+
+
+def launch_dkdv_dq_persistent(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int,
+                              delta: Tensor, stride_delta: int, dk: Tensor, dv: Tensor, dq_acc: Tensor, sm_scale: float,
+                              qk_scale: float, block_m: int, stages: int, programs: int | None = None) -> None:
+    """launch_dkdv_dq's contract on one program per SM (or `programs`) walking a schedule of (batch·head, 128-key
+    block) items (schedule.py), an item costing its query tiles. At head_dim 64 K and V are double-buffered, so that
+    an item's loads overlap the last one's tail (two would not fit beside head_dim 128's dQ staging)."""
+    B, H, N, D = q.shape
+    keys = CONSUMERS.value * TILE.value
+    costs = key_block_costs(N, keys, block_m)
+    programs = min(programs or sm_count(q.device), B * H * len(costs))
+    work, work_start = device_schedule(B * H, costs, programs, q.device)
+    _launch_dkdvdq(do, q, k, v, lse, stride_lse, delta, stride_delta, dk, dv, dq_acc, sm_scale, qk_scale, block_m,
+                   stages, work, work_start, persistent=True)
 
 
 def launch_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,

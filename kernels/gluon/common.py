@@ -32,3 +32,17 @@ def head_rows(X, b, h, stride_b, stride_h, stride_n, N, ROWS: gl.constexpr, HEAD
     return tma.make_tensor_descriptor(X + b * stride_b + h * stride_h, shape=[N, HEAD_DIM], strides=[stride_n, 1],
                                       block_shape=[ROWS, HEAD_DIM], layout=layout)
 
+
+
+@gluon.jit
+def program_items(WORK_START, PERSISTENT: gl.constexpr):
+    """(first, count): this program's items of the work list, WORK[first : first + count]. Persistent programs read
+    their share from WORK_START; a plain grid's program has one item, at its own index, and a count the compiler
+    knows, so it drops the loop over items and the counters that run on across them."""
+    if PERSISTENT:
+        first = gl.load(WORK_START + gl.program_id(0))
+        count = gl.load(WORK_START + gl.program_id(0) + 1) - first
+    else:
+        first = gl.program_id(0)
+        count: gl.constexpr = 1
+    return first, count

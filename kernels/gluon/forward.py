@@ -19,10 +19,12 @@ The register file is split by role (setmaxnreg): 24 registers per producer threa
 the Triton forward at 128K tokens (head_dim 64), slower below 8K tokens (each program pays its set-up for one query
 tile of little work); dispatch.py's table says where each variant runs.
 
-The persistent variant (`launch_forward_persistent`, NOTES.md S) runs one program per SM over a list of such tiles
-made on the host, so the set-up and pipeline fill of one tile overlap the last key tiles of the one before: the
-producer loads the next tile's Q and first K/V while the consumers finish. Shorter sequences, many tiles of little
-work each, gain most (4K tokens: 8% faster than the Triton forward at head_dim 64, 27% at 128).
+Each program walks a list of such query tiles (items), and both launchers run the same kernel: a plain grid
+(`launch_forward_pingpong`, one item per program, the last query tiles of each head first) or one program per SM
+(`launch_forward_persistent`, NOTES.md S) over a list made on the host (schedule.py), so the set-up and pipeline
+fill of one tile overlap the last key tiles of the one before: the producer loads the next tile's Q and first K/V
+while the consumers finish. Shorter sequences, many tiles of little work each, gain most (4K tokens: 8% faster than
+the Triton forward at head_dim 64, 27% at 128).
 
 Scope: causal, fp16/bf16, head_dim 64 or 128, one length for queries and keys, TMA-aligned inputs, contiguous LSE,
 sm_90 (wgmma). dispatch.py picks them by sequence length; launch.py falls back to the Triton forward otherwise.
@@ -37,8 +39,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
-from minigpt_kernels.gluon.common import CONSUMER_REGS, PRODUCER_REGS, head_rows, mma_layout, tma_load
-from minigpt_kernels.gluon.schedule import device_schedule, sm_count
+from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, head_rows, mma_layout, program_items,
+                                          tma_load)
+from minigpt_kernels.gluon.schedule import device_one_each, device_schedule, sm_count
 
 ROWS_PER_CONSUMER = gl.constexpr(64)  # query rows per consumer warpgroup: the M of one wgmma
 
@@ -142,134 +145,8 @@ def _write_rows(acc, m_i, l_i, O, LSE, b, h, bh, stride_ob, stride_oh, stride_on
     gl.store(O + offs, o.to(O.dtype.element_ty), mask=gl.expand_dims(out_rows < N, 1))
 
 
-@gluon.jit
-def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr):
-    """Consumer warpgroup ME: attention of query rows start_m + 64·ME ... + 63 over key tiles 0 .. num_tiles−1.
-    `shared`: what every consumer gets alike (buffers, barriers, output pointers, the tile's position)."""
-    (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn,
-     O, LSE, b, h, bh, stride_ob, stride_oh, stride_on, N, start_m, num_tiles, qk_scale) = shared
-    s_layout: gl.constexpr = mma_layout(BLOCK_N, 4)
-    o_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P from registers
-    PACK_P: gl.constexpr = NUM_CONSUMERS == 3  # see _p_operand
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    NEXT: gl.constexpr = (ME + 1) % NUM_CONSUMERS
-    row0 = start_m + ME * ROWS_PER_CONSUMER
-    rows = row0 + gl.arange(0, ROWS_PER_CONSUMER, layout=gl.SliceLayout(1, s_layout))
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    full_tiles = row0 // BLOCK_N  # key tiles wholly at or before this consumer's first row need no mask
-    no_scores = gl.zeros([ROWS_PER_CONSUMER, BLOCK_N], gl.float32, layout=s_layout)
-    m_i = gl.full([ROWS_PER_CONSUMER], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([ROWS_PER_CONSUMER], gl.float32, layout=gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], gl.float32, layout=o_layout)
-    q = q_smem.index(ME)
-    mbarrier.wait(q_ready.index(ME), 0)
-    if ME == NUM_CONSUMERS - 1:  # the last consumer opens the first turn, so consumer 0 goes first
-        mbarrier.arrive(turn.index(0), count=1)
-
-    p16, m_i, l_i = _first_scores(q, k_smem, k_ready, turn, 0, 0, ME, NEXT, STAGES, no_scores, m_i, l_i, rows, cols,
-                                  0 >= full_tiles, qk_scale, p_layout, PACK_P)
-    for j in range(1, num_tiles):  # this consumer's (j+1)-th turn
-        acc, p16, m_i, l_i = _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, j, j & 1, ME, NEXT,
-                                            STAGES, no_scores, acc, p16, m_i, l_i, rows, cols, j * BLOCK_N,
-                                            j >= full_tiles, qk_scale, p_layout, row_o, PACK_P)
-    acc = _last_pv(v_smem, v_ready, turn, num_tiles - 1, num_tiles & 1, ME, NEXT, STAGES, acc, p16)
-    _write_rows(acc, m_i, l_i, O, LSE, b, h, bh, stride_ob, stride_oh, stride_on, N, row0, rows, HEAD_DIM, row_o)
-
-
-@gluon.jit
-def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """The producer warp: each consumer's Q rows once, then K_j, V_j into buffer j % STAGES as soon as every
-    consumer has released what the buffer held (tile j − STAGES). Rows past the end read as 0 (TMA)."""
-    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, start_m, num_tiles = loads
-    dtype: gl.constexpr = q_smem.dtype
-    q_bytes: gl.constexpr = ROWS_PER_CONSUMER * HEAD_DIM * dtype.primitive_bitwidth // 8
-    kv_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
-    for c in gl.static_range(NUM_CONSUMERS):
-        mbarrier.expect(q_ready.index(c), q_bytes)
-        tma_load(q_desc, [start_m + c * ROWS_PER_CONSUMER, 0], q_ready.index(c), q_smem.index(c))
-    for j in range(num_tiles):
-        stage = j % STAGES
-        # round r = j // STAGES of this buffer waits for round r − 1's release; a fresh barrier passes parity 1
-        mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)
-        mbarrier.expect(k_ready.index(stage), kv_bytes)
-        tma_load(k_desc, [j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
-        mbarrier.expect(v_ready.index(stage), kv_bytes)
-        tma_load(v_desc, [j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
-
-
-@gluon.jit
-def pingpong_fwd_kernel(Q, K, V, O, LSE,
-                         stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                         stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-                         H, N, qk_scale,
-                         HEAD_DIM: gl.constexpr, NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
-                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """One tile of 64·NUM_CONSUMERS query rows of one (batch, head), causal; the last query tiles (most keys) first."""
-    dtype: gl.constexpr = Q.dtype.element_ty
-    BLOCK_M: gl.constexpr = NUM_CONSUMERS * ROWS_PER_CONSUMER
-    start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
-    bh = gl.program_id(1)
-    b = (bh // H).to(gl.int64)
-    h = (bh % H).to(gl.int64)
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS_PER_CONSUMER, HEAD_DIM], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    q_desc = head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, ROWS_PER_CONSUMER, HEAD_DIM, q_layout)
-    k_desc = head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, BLOCK_N, HEAD_DIM, kv_layout)
-    v_desc = head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, BLOCK_N, HEAD_DIM, kv_layout)
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, ROWS_PER_CONSUMER, HEAD_DIM], q_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_CONSUMERS):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(turn.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=NUM_CONSUMERS)
-    fence_async_shared()
-    num_tiles = gl.cdiv(gl.minimum(start_m + BLOCK_M, N), BLOCK_N)  # key tiles up to the diagonal
-
-    shared = (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn,
-              O, LSE, b, h, bh, stride_ob, stride_oh, stride_on, N, start_m, num_tiles, qk_scale)
-    loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, start_m, num_tiles)
-    # the partition list is a literal for the compiler: one entry per consumer (the first is the default partition)
-    # and the producer
-    if NUM_CONSUMERS == 2:
-        gl.warp_specialize([(_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
-                            (_consumer, (shared, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
-                            (_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES))],
-                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    else:
-        gl.warp_specialize([(_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
-                            (_consumer, (shared, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
-                            (_consumer, (shared, gl.constexpr(2), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
-                            (_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES))],
-                           [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
-
-
-def launch_forward_pingpong(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float, consumers: int,
-                            block_n: int, stages: int) -> None:
-    """Write causal attention of q, k, v (B, H, N, D) into o (q's shape) and lse ((B, H, N) fp32, contiguous, base 2).
-    qk_scale = softmax scale · log2(e). The caller checks the scope (launch.specialized_ready) and has set
-    Triton's scratch allocator for the device-side TMA descriptors."""
-    B, H, N, D = q.shape
-    grid = (-(-N // (consumers * ROWS_PER_CONSUMER.value)), B * H)
-    pingpong_fwd_kernel[grid](
-        q, k, v, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), H, N, qk_scale,
-        HEAD_DIM=D, NUM_CONSUMERS=consumers, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
-        PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
-
-
 # ------------------------------------------------------------------------------------------------
-# The persistent variant: one program per SM, walking a list of (batch·head, query tile) items
+# The kernel: each program walks a list of (batch·head, query tile) items, one item (a plain grid) or many
 # ------------------------------------------------------------------------------------------------
 def consumers_can_stop_early(consumers: int, block_n: int) -> bool:
     """Whether some consumer's 64 rows of a query tile end a key tile earlier than the tile's last row does (then it
@@ -290,12 +167,15 @@ def _work_item(WORK, index, n_qtiles, BLOCK_M: gl.constexpr, N, BLOCK_N: gl.cons
 
 
 @gluon.jit
-def _persistent_consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SKIP: gl.constexpr):
-    """_consumer over this program's items in turn. The turn and ring counters run on across items (item i starts
-    at turn kv + i: each item before took one turn per key tile and one more), so no barrier is reset."""
+def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, SKIP: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Consumer warpgroup ME: for each of this program's items in turn, attention of query rows start_m + 64·ME ...
+    + 63 over key tiles 0 .. num_tiles−1. The turn and ring counters run on across items (item i starts at turn
+    kv + i: each item before took one turn per key tile and one more), so no barrier is reset. With SKIP, a consumer
+    whose rows end before the item's last key tile only takes its turns there."""
     (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-     O, LSE, H, stride_ob, stride_oh, stride_on, N, qk_scale, WORK, first, count, n_qtiles) = shared
+     O, LSE, H, stride_ob, stride_oh, stride_on, N, qk_scale, WORK, WORK_START, n_qtiles) = shared
+    first, count = program_items(WORK_START, PERSISTENT)
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * ROWS_PER_CONSUMER
     s_layout: gl.constexpr = mma_layout(BLOCK_N, 4)
     o_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)
@@ -344,13 +224,16 @@ def _persistent_consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, 
 
 
 @gluon.jit
-def _persistent_producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                         STAGES: gl.constexpr):
-    """_producer over this program's items. It makes each item's descriptors (another head's rows) once the
-    copies through the previous ones have landed, and loads each consumer's Q once that consumer's last S of the
-    previous item has retired (q_empty), so the next item's loads run while the consumers finish the last."""
+def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The producer warp, over this program's items: each consumer's Q rows, then K_j, V_j into buffer j % STAGES as
+    soon as every consumer has released what the buffer held (tile j − STAGES); rows past the end read as 0 (TMA). It
+    makes each item's descriptors (another head's rows) once the copies through the previous ones have landed, and
+    loads each consumer's Q once that consumer's last S of the previous item has retired (q_empty), so the next
+    item's loads run while the consumers finish the last."""
     (Q, K, V, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, H, N, WORK, first, count, n_qtiles) = loads
+     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, H, N, WORK, WORK_START, n_qtiles) = loads
+    first, count = program_items(WORK_START, PERSISTENT)
     dtype: gl.constexpr = q_smem.dtype
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * ROWS_PER_CONSUMER
     q_bytes: gl.constexpr = ROWS_PER_CONSUMER * HEAD_DIM * dtype.primitive_bitwidth // 8
@@ -388,17 +271,16 @@ def _persistent_producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.conste
 
 
 @gluon.jit
-def persistent_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
+def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
                            stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                            stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
                            H, N, n_qtiles, qk_scale,
                            HEAD_DIM: gl.constexpr, NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
                            STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                           SKIP: gl.constexpr):
-    """Program p computes items WORK[WORK_START[p] : WORK_START[p+1]] (item = bh · n_qtiles + query tile)."""
+                           SKIP: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Program p computes items WORK[WORK_START[p] : WORK_START[p+1]] (item = bh · n_qtiles + query tile): causal
+    attention of one tile of 64·NUM_CONSUMERS query rows of one (batch, head) each."""
     dtype: gl.constexpr = Q.dtype.element_ty
-    first = gl.load(WORK_START + gl.program_id(0))
-    count = gl.load(WORK_START + gl.program_id(0) + 1) - first
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS_PER_CONSUMER, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, ROWS_PER_CONSUMER, HEAD_DIM], q_layout)
@@ -421,21 +303,21 @@ def persistent_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
     fence_async_shared()
 
     shared = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-              O, LSE, H, stride_ob, stride_oh, stride_on, N, qk_scale, WORK, first, count, n_qtiles)
+              O, LSE, H, stride_ob, stride_oh, stride_on, N, qk_scale, WORK, WORK_START, n_qtiles)
     loads = (Q, K, V, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-             q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, H, N, WORK, first, count, n_qtiles)
+             q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, H, N, WORK, WORK_START, n_qtiles)
     if NUM_CONSUMERS == 2:
         gl.warp_specialize(
-            [(_persistent_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP)),
-             (_persistent_consumer, (shared, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP)),
-             (_persistent_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES))],
+            [(_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT)),
+             (_consumer, (shared, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT)),
+             (_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT))],
             [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize(
-            [(_persistent_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP)),
-             (_persistent_consumer, (shared, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP)),
-             (_persistent_consumer, (shared, gl.constexpr(2), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP)),
-             (_persistent_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES))],
+            [(_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT)),
+             (_consumer, (shared, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT)),
+             (_consumer, (shared, gl.constexpr(2), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT)),
+             (_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT))],
             [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -445,20 +327,38 @@ def query_tile_costs(n: int, block_m: int, block_n: int) -> tuple[float, ...]:
     return tuple(float(-(-min((t + 1) * block_m, n) // block_n)) for t in range(-(-n // block_m)))
 
 
+def _launch(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float, consumers: int, block_n: int,
+            stages: int, work: Tensor, work_start: Tensor, persistent: bool) -> None:
+    B, H, N, D = q.shape
+    skip = persistent and consumers_can_stop_early(consumers, block_n)
+    if skip and stages < 2:  # a consumer past its diagonal releases a ring buffer the others finished two tiles before
+        raise ValueError(f"the persistent forward with {consumers} consumers needs at least 2 stages, got {stages}")
+    pingpong_fwd_kernel[(work_start.numel() - 1,)](
+        q, k, v, o, lse, work, work_start, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), H, N,
+        -(-N // (consumers * ROWS_PER_CONSUMER.value)), qk_scale, HEAD_DIM=D, NUM_CONSUMERS=consumers,
+        BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS,
+        SKIP=skip, PERSISTENT=persistent, num_warps=4)
+
+
+def launch_forward_pingpong(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float, consumers: int,
+                            block_n: int, stages: int) -> None:
+    """Write causal attention of q, k, v (B, H, N, D) into o (q's shape) and lse ((B, H, N) fp32, contiguous, base 2),
+    one program per query tile, as a plain grid: within each head the last query tiles (most keys) first.
+    qk_scale = softmax scale · log2(e). The caller checks the scope (launch.specialized_ready) and has set
+    Triton's scratch allocator for the device-side TMA descriptors."""
+    B, H, N, _ = q.shape
+    n_qtiles = -(-N // (consumers * ROWS_PER_CONSUMER.value))
+    work, work_start = device_one_each(B * H, tuple(reversed(range(n_qtiles))), q.device)
+    _launch(q, k, v, o, lse, qk_scale, consumers, block_n, stages, work, work_start, persistent=False)
+
+
 def launch_forward_persistent(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float,
                               consumers: int, block_n: int, stages: int, programs: int | None = None) -> None:
     """launch_forward_pingpong's contract, on one program per SM (or `programs`) walking schedule.py's
     work list (an item costing its key tiles, query_tile_costs)."""
-    if stages < 2:  # a consumer past its diagonal releases a ring buffer the others finished two tiles before
-        raise ValueError(f"the persistent forward needs at least 2 stages, got {stages}")
-    B, H, N, D = q.shape
-    block_m = consumers * ROWS_PER_CONSUMER.value
-    n_qtiles = -(-N // block_m)
-    programs = min(programs or sm_count(q.device), B * H * n_qtiles)
-    work, work_start = device_schedule(B * H, query_tile_costs(N, block_m, block_n), programs, q.device)
-    persistent_fwd_kernel[(programs,)](
-        q, k, v, o, lse, work, work_start, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-        k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), H, N, n_qtiles,
-        qk_scale, HEAD_DIM=D, NUM_CONSUMERS=consumers, BLOCK_N=block_n, STAGES=stages,
-        CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS,
-        SKIP=consumers_can_stop_early(consumers, block_n), num_warps=4)
+    B, H, N, _ = q.shape
+    costs = query_tile_costs(N, consumers * ROWS_PER_CONSUMER.value, block_n)
+    programs = min(programs or sm_count(q.device), B * H * len(costs))
+    work, work_start = device_schedule(B * H, costs, programs, q.device)
+    _launch(q, k, v, o, lse, qk_scale, consumers, block_n, stages, work, work_start, persistent=True)
