@@ -35,7 +35,7 @@ from minigpt_kernels.gluon import forward as fwd
 
 SM90 = GPUTarget("cuda", 90, 32)
 FP32_POINTERS = {"LSE", "DELTA", "DQ_ACC"}
-INT32_POINTERS = {"WORK", "WORK_START"}
+INT32_POINTERS = {"WORK", "WORK_START", "IDS"}
 
 
 @dataclass(frozen=True)
@@ -59,11 +59,14 @@ def table_variants() -> list[Variant]:
             c = dict(HEAD_DIM=d, NUM_CONSUMERS=consumers, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
                      CONSUMER_REGS=common.CONSUMER_REGS[consumers], PRODUCER_REGS=common.PRODUCER_REGS,
                      SKIP=cfg.persistent and fwd.consumers_can_stop_early(consumers, cfg.block_n),
-                     PERSISTENT=cfg.persistent)
+                     PERSISTENT=cfg.persistent, GQA=False, WINDOWED=False, DOCS=False)
             kernel = fwd.pingpong_fwd_kernel  # one kernel; plain and persistent differ in their work lists
             out.append(Variant(f"fwd {mode} D{d} C{consumers}", kernel, c))
             if consumers == 3:
                 out.append(Variant(f"fwd {mode} D{d} C{consumers} fp16", kernel, c, "fp16"))
+            if not cfg.persistent or d == 128:  # the masked launch: a plain grid, GQA, windows and documents
+                masked = dict(c, SKIP=False, PERSISTENT=False, GQA=True, WINDOWED=True, DOCS=True)
+                out.append(Variant(f"fwd masked D{d} C{consumers}", kernel, masked))
         elif kind == "dkdvdq":
             c = dict(HEAD_DIM=d, BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, PRODUCER_REGS=common.PRODUCER_REGS,
                      REDUCER_REGS=bwd.REDUCER_REGS,

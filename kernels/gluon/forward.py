@@ -47,18 +47,29 @@ ROWS_PER_CONSUMER = gl.constexpr(64)  # query rows per consumer warpgroup: the M
 
 
 @gluon.jit
-def _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale):
+def _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale, mask, WINDOWED: gl.constexpr,
+                    DOCS: gl.constexpr):
     """Fold one tile of scores into the running row max m and row sum l (base 2). Returns (p, α, m_new, l_new):
     p = exp2(s·scale − m_new) are the tile's unnormalized probabilities, α = exp2(m_old − m_new) rescales what was
-    accumulated under the old max."""
-    if masked:  # the diagonal tile: keys after the row (and so keys past the end) get probability 0
+    accumulated under the old max. `mask` = (window, the rows' document ids, the sequence's ids, N) where WINDOWED
+    or DOCS; a masked tile may then leave a row with no key seen yet (its max stays −inf)."""
+    if masked:  # keys after the row (and so keys past the end), out of the window or of the row's document: p = 0
         keys = key0 + cols
-        s = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(keys, 0), s, float("-inf"))
+        visible = gl.expand_dims(rows, 1) >= gl.expand_dims(keys, 0)
+        if WINDOWED:  # keys i − window < j
+            visible = visible & (gl.expand_dims(rows, 1) - gl.expand_dims(keys, 0) < mask[0])
+        if DOCS:
+            key_doc = gl.load(mask[2] + keys, mask=keys < mask[3], other=-2)
+            visible = visible & (gl.expand_dims(mask[1], 1) == gl.expand_dims(key_doc, 0))
+        s = gl.where(visible, s, float("-inf"))
     # m_new = max(m_old, rowmax(s)·scale)
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_use = m_new
+    if WINDOWED or DOCS:  # a row that has seen no key yet: subtract 0, not −inf, so p = α = 0 instead of NaN
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     # p = exp2(s·scale − m_new), one fused multiply-add and one exponential per score
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
-    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+    alpha = gl.exp2(m_i - m_use)
     # l_new = α·l_old + rowsum(p)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
@@ -84,7 +95,8 @@ def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, PACK_BY_HAND: gl.
 
 @gluon.jit
 def _first_scores(q, k_smem, k_ready, turn, t, turn_phase, ME: gl.constexpr, NEXT: gl.constexpr, STAGES: gl.constexpr,
-                  no_scores, m_i, l_i, rows, cols, masked, qk_scale, p_layout: gl.constexpr, PACK_P: gl.constexpr):
+                  no_scores, m_i, l_i, rows, cols, key0, masked, qk_scale, p_layout: gl.constexpr, PACK_P: gl.constexpr,
+                  mask, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """A query tile's first key tile (ring position t), at this consumer's turn: S_0 = Q K_0ᵀ alone (there is no P V
     yet), then its softmax. Returns (P_0 in the input dtype as the next matmul's operand, m, l)."""
     mbarrier.wait(turn.index(ME), turn_phase)
@@ -92,14 +104,15 @@ def _first_scores(q, k_smem, k_ready, turn, t, turn_phase, ME: gl.constexpr, NEX
     s = warpgroup_mma(q, k_smem.index(t % STAGES).permute((1, 0)), no_scores, use_acc=False, is_async=True)
     mbarrier.arrive(turn.index(NEXT), count=1)
     s = warpgroup_mma_wait(0, deps=(s,))
-    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, rows, cols, 0, masked, qk_scale)
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale, mask, WINDOWED, DOCS)
     return _p_operand(p, q.dtype, p_layout, PACK_P), m_i, l_i
 
 
 @gluon.jit
 def _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, t, turn_phase, ME: gl.constexpr,
                    NEXT: gl.constexpr, STAGES: gl.constexpr, no_scores, acc, p16, m_i, l_i, rows, cols, key0, masked,
-                   qk_scale, p_layout: gl.constexpr, row_o: gl.constexpr, PACK_P: gl.constexpr):
+                   qk_scale, p_layout: gl.constexpr, row_o: gl.constexpr, PACK_P: gl.constexpr, mask,
+                   WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """One key tile at ring position t: at this consumer's turn issue S_j = Q K_jᵀ and O += P_{j-1} V_{j-1}; then the
     softmax of S_j while the other consumers' matmuls run. Both matmuls are retired within the step: ptxas serializes
     every wgmma of a loop whose in-flight results cross the back-edge (NOTES.md F). Returns (acc, P_j, m, l)."""
@@ -112,7 +125,7 @@ def _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, t, turn_
     acc = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
     mbarrier.arrive(turn.index(NEXT), count=1)
     s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
-    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale)
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale, mask, WINDOWED, DOCS)
     acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
     mbarrier.arrive(kv_empty.index(prev), count=1)  # K_{j-1} and V_{j-1} no longer read by this consumer
     # acc = α·acc: what P_{j-1} V_{j-1} added was under the old max, as was the rest
@@ -159,22 +172,104 @@ def consumers_can_stop_early(consumers: int, block_n: int) -> bool:
 
 
 @gluon.jit
-def _work_item(WORK, index, n_qtiles, BLOCK_M: gl.constexpr, N, BLOCK_N: gl.constexpr):
-    """Item `index` of the list: (batch·head, first query row, key tiles up to the tile's last row)."""
+def _search(ids, n, target, steps, AFTER: gl.constexpr):
+    """The first index j in [0, n) of the non-decreasing ids with ids[j] > target (AFTER) or ids[j] >= target (n if
+    none): a binary search of `steps` >= log2(n + 1) halvings, one scalar load each, on the device (no host sync)."""
+    lo = n * 0
+    hi = n
+    for _ in range(steps):
+        if lo < hi:
+            mid = (lo + hi) // 2
+            val = gl.load(ids + mid)
+            if AFTER:
+                right = val <= target
+            else:
+                right = val < target
+            if right:
+                lo = mid + 1
+            else:
+                hi = mid
+    return lo
+
+
+@gluon.jit
+def _key_span(first, last, mask, N, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
+    """The keys of causal query rows first..last under the masks: [lo, hi) holds every key one of them sees, [a, b)
+    the keys all of them see. Each row sees an interval of keys whose ends never decrease with the row (the window's
+    i − window < j, its document's first key, the diagonal), so the first row bounds the span from below and the last
+    from above, and the other way round for the keys all see. mask = (window, -, ids, steps)."""
+    lo = first * 0
+    hi = last + 1
+    a = lo
+    b = first + 1
+    if WINDOWED:  # keys i − window < j
+        lo = gl.maximum(lo, first - mask[0] + 1)
+        a = gl.maximum(a, last - mask[0] + 1)
+    if DOCS:  # from the first row's document's first key to the last row's document's last
+        ids = mask[2]
+        doc_first = gl.load(ids + first)
+        doc_last = gl.load(ids + last)
+        lo = gl.maximum(lo, _search(ids, N, doc_first, mask[3], False))
+        hi = gl.minimum(hi, _search(ids, N, doc_last, mask[3], True))
+        a = gl.maximum(a, _search(ids, N, doc_last, mask[3], False))
+        b = gl.minimum(b, _search(ids, N, doc_first, mask[3], True))
+    return lo, hi, a, b
+
+
+@gluon.jit
+def _batch_ids(mask, b, stride_ids, DOCS: gl.constexpr):
+    """`mask` with batch b's document ids."""
+    if DOCS:
+        mask = (mask[0], mask[1], mask[2] + b * stride_ids, mask[3])
+    return mask
+
+
+@gluon.jit
+def _row_ids(mask, rows, N, DOCS: gl.constexpr):
+    """`mask` with these query rows' document ids (−1 past N: no key's)."""
+    if DOCS:
+        mask = (mask[0], gl.load(mask[2] + rows, mask=rows < N, other=-1), mask[2], mask[3])
+    return mask
+
+
+@gluon.jit
+def _needs_mask(key0, full_lo, full_hi, BLOCK_N: gl.constexpr):
+    """Whether the key tile from key0 holds a key that some of the rows do not see (outside [full_lo, full_hi))."""
+    return (key0 < full_lo) | (key0 + BLOCK_N > full_hi)
+
+
+@gluon.jit
+def _work_item(WORK, index, n_qtiles, BLOCK_M: gl.constexpr, N, BLOCK_N: gl.constexpr, mask, H, stride_ids,
+               WINDOWED: gl.constexpr, DOCS: gl.constexpr):
+    """Item `index` of the list: (batch·head, first query row, first key tile, key tiles): without masks from the
+    first key to the tile's last row; with them the tiles of _key_span's [lo, hi)."""
     item = gl.load(WORK + index)
     start_m = (item % n_qtiles) * BLOCK_M
-    return item // n_qtiles, start_m, gl.cdiv(gl.minimum(start_m + BLOCK_M, N), BLOCK_N)
+    last = gl.minimum(start_m + BLOCK_M, N) - 1
+    if WINDOWED or DOCS:
+        batch_mask = _batch_ids(mask, (item // n_qtiles // H).to(gl.int64), stride_ids, DOCS)
+        lo, hi, a, b = _key_span(start_m, last, batch_mask, N, WINDOWED, DOCS)
+        first_tile = lo // BLOCK_N
+        num_tiles = gl.cdiv(hi, BLOCK_N) - first_tile
+    else:
+        first_tile = 0
+        num_tiles = gl.cdiv(last + 1, BLOCK_N)
+    return item // n_qtiles, start_m, first_tile, num_tiles
+
 
 
 @gluon.jit
 def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, SKIP: gl.constexpr, PERSISTENT: gl.constexpr):
+              STAGES: gl.constexpr, SKIP: gl.constexpr, PERSISTENT: gl.constexpr, WINDOWED: gl.constexpr,
+              DOCS: gl.constexpr):
     """Consumer warpgroup ME: for each of this program's items in turn, attention of query rows start_m + 64·ME ...
     + 63 over key tiles 0 .. num_tiles−1. The turn and ring counters run on across items (item i starts at turn
     kv + i: each item before took one turn per key tile and one more), so no barrier is reset. With SKIP, a consumer
-    whose rows end before the item's last key tile only takes its turns there."""
+    whose rows end before the item's last key tile only takes its turns there. With masks (WINDOWED, DOCS) the key
+    tiles run from the item's first one (_work_item) and each gets the mask unless all of this consumer's rows see
+    all of its keys."""
     (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-     O, LSE, H, stride_ob, stride_oh, stride_on, N, qk_scale, WORK, WORK_START, n_qtiles) = shared
+     O, LSE, H, stride_ob, stride_oh, stride_on, N, qk_scale, WORK, WORK_START, n_qtiles, mask, stride_ids) = shared
     first, count = program_items(WORK_START, PERSISTENT)
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * ROWS_PER_CONSUMER
     s_layout: gl.constexpr = mma_layout(BLOCK_N, 4)
@@ -190,11 +285,21 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
         mbarrier.arrive(turn.index(0), count=1)
     kv = 0  # key/value tiles of the items before: the ring position
     for i in range(count):
-        bh, start_m, num_tiles = _work_item(WORK, first + i, n_qtiles, BLOCK_M, N, BLOCK_N)
+        bh, start_m, first_tile, num_tiles = _work_item(WORK, first + i, n_qtiles, BLOCK_M, N, BLOCK_N, mask, H,
+                                                        stride_ids, WINDOWED, DOCS)
         turns = kv + i
         row0 = start_m + ME * ROWS_PER_CONSUMER
         rows = row0 + gl.arange(0, ROWS_PER_CONSUMER, layout=gl.SliceLayout(1, s_layout))
-        full_tiles = row0 // BLOCK_N
+        full_tiles = row0 // BLOCK_N  # without masks: key tiles wholly at or before the first row need none
+        if WINDOWED or DOCS:  # the keys all of this consumer's rows see (rows past N: the last row's)
+            row_mask = _row_ids(_batch_ids(mask, (bh // H).to(gl.int64), stride_ids, DOCS), rows, N, DOCS)
+            _lo, _hi, full_lo, full_hi = _key_span(gl.minimum(row0, N - 1),
+                                                   gl.minimum(row0 + ROWS_PER_CONSUMER, N) - 1, row_mask, N,
+                                                   WINDOWED, DOCS)
+            masked0 = _needs_mask(first_tile * BLOCK_N, full_lo, full_hi, BLOCK_N)
+        else:
+            row_mask = mask
+            masked0 = 0 >= full_tiles
         if SKIP:  # this consumer's own key tiles: up to its last row
             my_tiles = gl.cdiv(gl.minimum(row0 + ROWS_PER_CONSUMER, N), BLOCK_N)
         else:
@@ -205,11 +310,18 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
         mbarrier.wait(q_ready.index(ME), i & 1)
 
         p16, m_i, l_i = _first_scores(q, k_smem, k_ready, turn, kv, turns & 1, ME, NEXT, STAGES, no_scores, m_i, l_i,
-                                      rows, cols, 0 >= full_tiles, qk_scale, p_layout, PACK_P)
+                                      rows, cols, first_tile * BLOCK_N, masked0, qk_scale, p_layout, PACK_P, row_mask,
+                                      WINDOWED, DOCS)
         for j in range(1, my_tiles):  # this consumer's own key tiles
+            key0 = (first_tile + j) * BLOCK_N
+            if WINDOWED or DOCS:
+                masked = _needs_mask(key0, full_lo, full_hi, BLOCK_N)
+            else:
+                masked = j >= full_tiles
             acc, p16, m_i, l_i = _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, kv + j,
                                                 (turns + j) & 1, ME, NEXT, STAGES, no_scores, acc, p16, m_i, l_i, rows,
-                                                cols, j * BLOCK_N, j >= full_tiles, qk_scale, p_layout, row_o, PACK_P)
+                                                cols, key0, masked, qk_scale, p_layout, row_o, PACK_P, row_mask,
+                                                WINDOWED, DOCS)
         mbarrier.arrive(q_empty.index(ME), count=1)  # every S of this item has retired: the producer may reload Q
         acc = _last_pv(v_smem, v_ready, turn, kv + my_tiles - 1, (turns + my_tiles) & 1, ME, NEXT, STAGES, acc, p16)
         mbarrier.arrive(kv_empty.index((kv + my_tiles - 1) % STAGES), count=1)
@@ -225,14 +337,16 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
 
 @gluon.jit
 def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+              STAGES: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr, WINDOWED: gl.constexpr,
+              DOCS: gl.constexpr):
     """The producer warp, over this program's items: each consumer's Q rows, then K_j, V_j into buffer j % STAGES as
     soon as every consumer has released what the buffer held (tile j − STAGES); rows past the end read as 0 (TMA). It
     makes each item's descriptors (another head's rows) once the copies through the previous ones have landed, and
     loads each consumer's Q once that consumer's last S of the previous item has retired (q_empty), so the next
-    item's loads run while the consumers finish the last."""
+    item's loads run while the consumers finish the last. GQA: query head h reads K/V head h // group."""
     (Q, K, V, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, H, N, WORK, WORK_START, n_qtiles) = loads
+     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, H, N, WORK, WORK_START, n_qtiles,
+     mask, stride_ids, group) = loads
     first, count = program_items(WORK_START, PERSISTENT)
     dtype: gl.constexpr = q_smem.dtype
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * ROWS_PER_CONSUMER
@@ -242,9 +356,14 @@ def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     kv = 0
     for i in range(count):
-        bh, start_m, num_tiles = _work_item(WORK, first + i, n_qtiles, BLOCK_M, N, BLOCK_N)
+        bh, start_m, first_tile, num_tiles = _work_item(WORK, first + i, n_qtiles, BLOCK_M, N, BLOCK_N, mask, H,
+                                                        stride_ids, WINDOWED, DOCS)
         b = (bh // H).to(gl.int64)
         h = (bh % H).to(gl.int64)
+        if GQA:
+            h_kv = h // group
+        else:
+            h_kv = h
         if i > 0:  # the descriptors are rewritten in place: every copy through them must have landed, i.e. the
             # previous item's Q tiles and the K/V tiles still in the ring (older ones were consumed before reuse)
             for c in gl.static_range(NUM_CONSUMERS):
@@ -253,8 +372,8 @@ def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_
                 mbarrier.wait(k_ready.index(t % STAGES), (t // STAGES) & 1)
                 mbarrier.wait(v_ready.index(t % STAGES), (t // STAGES) & 1)
         q_desc = head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, ROWS_PER_CONSUMER, HEAD_DIM, q_layout)
-        k_desc = head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, BLOCK_N, HEAD_DIM, kv_layout)
-        v_desc = head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, BLOCK_N, HEAD_DIM, kv_layout)
+        k_desc = head_rows(K, b, h_kv, stride_kb, stride_kh, stride_kn, N, BLOCK_N, HEAD_DIM, kv_layout)
+        v_desc = head_rows(V, b, h_kv, stride_vb, stride_vh, stride_vn, N, BLOCK_N, HEAD_DIM, kv_layout)
         for c in gl.static_range(NUM_CONSUMERS):
             mbarrier.wait(q_empty.index(c), (i & 1) ^ 1)  # a fresh barrier passes parity 1
             mbarrier.expect(q_ready.index(c), q_bytes)
@@ -264,22 +383,25 @@ def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_
             stage = t % STAGES
             mbarrier.wait(kv_empty.index(stage), ((t // STAGES) & 1) ^ 1)
             mbarrier.expect(k_ready.index(stage), kv_bytes)
-            tma_load(k_desc, [j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+            tma_load(k_desc, [(first_tile + j) * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
             mbarrier.expect(v_ready.index(stage), kv_bytes)
-            tma_load(v_desc, [j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+            tma_load(v_desc, [(first_tile + j) * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
         kv += num_tiles
 
 
 @gluon.jit
 def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
-                           stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                           stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-                           H, N, n_qtiles, qk_scale,
-                           HEAD_DIM: gl.constexpr, NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
-                           STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                           SKIP: gl.constexpr, PERSISTENT: gl.constexpr):
+                        stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                        stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
+                        H, N, n_qtiles, qk_scale, group, IDS, stride_ids, window, steps,
+                        HEAD_DIM: gl.constexpr, NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
+                        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                        SKIP: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr, WINDOWED: gl.constexpr,
+                        DOCS: gl.constexpr):
     """Program p computes items WORK[WORK_START[p] : WORK_START[p+1]] (item = bh · n_qtiles + query tile): causal
-    attention of one tile of 64·NUM_CONSUMERS query rows of one (batch, head) each."""
+    attention of one tile of 64·NUM_CONSUMERS query rows of one (batch, head) each. H: query heads; GQA: K/V head
+    h // group. WINDOWED: keys i − window < j; DOCS: keys of the row's document, IDS (B, N) non-decreasing int32
+    rows stride_ids apart, searched in `steps` >= log2(N + 1) halvings. Without them the last five are unused."""
     dtype: gl.constexpr = Q.dtype.element_ty
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS_PER_CONSUMER, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -301,23 +423,30 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=NUM_CONSUMERS)
     fence_async_shared()
+    mask = (window, 0, IDS, steps)  # the rows' own document ids (the 0) are filled in per item by the consumers
 
     shared = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-              O, LSE, H, stride_ob, stride_oh, stride_on, N, qk_scale, WORK, WORK_START, n_qtiles)
+              O, LSE, H, stride_ob, stride_oh, stride_on, N, qk_scale, WORK, WORK_START, n_qtiles, mask, stride_ids)
     loads = (Q, K, V, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-             q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, H, N, WORK, WORK_START, n_qtiles)
+             q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, H, N, WORK, WORK_START, n_qtiles,
+             mask, stride_ids, group)
     if NUM_CONSUMERS == 2:
         gl.warp_specialize(
-            [(_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT)),
-             (_consumer, (shared, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT)),
-             (_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT))],
+            [(_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
+                          WINDOWED, DOCS)),
+             (_consumer, (shared, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
+                          WINDOWED, DOCS)),
+             (_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT, GQA, WINDOWED, DOCS))],
             [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize(
-            [(_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT)),
-             (_consumer, (shared, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT)),
-             (_consumer, (shared, gl.constexpr(2), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT)),
-             (_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT))],
+            [(_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
+                          WINDOWED, DOCS)),
+             (_consumer, (shared, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
+                          WINDOWED, DOCS)),
+             (_consumer, (shared, gl.constexpr(2), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
+                          WINDOWED, DOCS)),
+             (_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT, GQA, WINDOWED, DOCS))],
             [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -328,17 +457,22 @@ def query_tile_costs(n: int, block_m: int, block_n: int) -> tuple[float, ...]:
 
 
 def _launch(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float, consumers: int, block_n: int,
-            stages: int, work: Tensor, work_start: Tensor, persistent: bool) -> None:
+            stages: int, work: Tensor, work_start: Tensor, persistent: bool, window: int | None = None,
+            document_ids: Tensor | None = None) -> None:
     B, H, N, D = q.shape
-    skip = persistent and consumers_can_stop_early(consumers, block_n)
+    masks = window is not None or document_ids is not None
+    skip = persistent and not masks and consumers_can_stop_early(consumers, block_n)
     if skip and stages < 2:  # a consumer past its diagonal releases a ring buffer the others finished two tiles before
         raise ValueError(f"the persistent forward with {consumers} consumers needs at least 2 stages, got {stages}")
+    ids = work if document_ids is None else document_ids  # a placeholder pointer where there are no documents
     pingpong_fwd_kernel[(work_start.numel() - 1,)](
         q, k, v, o, lse, work, work_start, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), H, N,
-        -(-N // (consumers * ROWS_PER_CONSUMER.value)), qk_scale, HEAD_DIM=D, NUM_CONSUMERS=consumers,
-        BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS,
-        SKIP=skip, PERSISTENT=persistent, num_warps=4)
+        -(-N // (consumers * ROWS_PER_CONSUMER.value)), qk_scale, H // k.shape[1], ids,
+        0 if document_ids is None else document_ids.stride(0), window or 0, N.bit_length() if masks else 0,
+        HEAD_DIM=D, NUM_CONSUMERS=consumers, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
+        PRODUCER_REGS=PRODUCER_REGS, SKIP=skip, PERSISTENT=persistent, GQA=k.shape[1] != H,
+        WINDOWED=window is not None, DOCS=document_ids is not None, num_warps=4)
 
 
 def launch_forward_pingpong(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float, consumers: int,
@@ -362,3 +496,16 @@ def launch_forward_persistent(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     programs = min(programs or sm_count(q.device), B * H * len(costs))
     work, work_start = device_schedule(B * H, costs, programs, q.device)
     _launch(q, k, v, o, lse, qk_scale, consumers, block_n, stages, work, work_start, persistent=True)
+
+
+def launch_forward_masked(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float, consumers: int,
+                          block_n: int, stages: int, window: int | None, document_ids: Tensor | None) -> None:
+    """launch_forward_pingpong's contract with GQA (k, v with H / group heads) and the masks: `window` (keys
+    i − window < j) and `document_ids` ((B, N) int32, non-decreasing, rows with a contiguous last dimension; keys of
+    the row's document), as a plain grid (the key tiles per query tile depend on the ids, so no work list is
+    balanced on the host). Each query tile visits only the key tiles its rows see, found on the device."""
+    B, H, N, _ = q.shape
+    n_qtiles = -(-N // (consumers * ROWS_PER_CONSUMER.value))
+    work, work_start = device_one_each(B * H, tuple(reversed(range(n_qtiles))), q.device)
+    _launch(q, k, v, o, lse, qk_scale, consumers, block_n, stages, work, work_start, persistent=False, window=window,
+            document_ids=document_ids)
