@@ -63,7 +63,8 @@ class Entry:
     """One row of the table: `kernel` ("fwd", "dq", "dkdv", "dkdvdq": the five-matmul backward, "via_ds": the dQ
     kernel of the dS path) at these head_dims runs `tiles` where `when` holds and the length is within `lengths`.
     when: "interpreter" (Triton's CPU interpreter), "fp32", "non-causal" (2-byte), "sm90" (causal 2-byte on sm_90,
-    with inputs that fit the Gluon kernels; via_ds: any CUDA inputs), "causal" (2-byte), "any" (2-byte).
+    with inputs that fit the Gluon kernels; via_ds: any CUDA inputs), "sm90-masks" (the same with masks or GQA that
+    the Gluon forward takes), "causal" (2-byte), "any" (2-byte).
     why: the reason, naming its kernels/NOTES.md section. masks: the row applies only to calls with masks or GQA."""
     kernel: str
     head_dims: tuple[int, ...]
@@ -102,6 +103,9 @@ TABLE: tuple[Entry, ...] = (
     Entry("dq", (256,), "fp32", _tc(32, 16, 4, 1), f"shared memory at head_dim 256 ({_NOTES})"),
     # masks (window, documents, offsets) or GQA, 2-byte inputs: the Triton kernels, the dense rows' tiles without the
     # dK/dV register cap (its per-group loop and id loads need more), not tuned with masks yet
+    Entry("fwd", (64, 128), "sm90-masks", _tc(128, 128, 4, 3, **_GLUON),
+          "masks/GQA on the ping-pong forward: 2 consumers, a plain grid, only the key tiles the rows see (NOTES.md, "
+          "'One kernel per direction')", masks=True),
     Entry("fwd", (16, 32, 64), "any", _tc(64, 64, 4, 3, tma=True), _MASKS, masks=True),
     Entry("fwd", (128,), "any", _tc(128, 64, 8, 3, tma=True), _MASKS, masks=True),
     Entry("fwd", (256,), "any", _tc(64, 32, 4, 2), _MASKS, masks=True),
@@ -176,6 +180,7 @@ def _entry(kernel: str, head_dim: int, seq_len: int | None, dtype: torch.dtype, 
              "non-causal": not interpret and two_byte and not causal,
              "sm90": not interpret and two_byte and causal and capability == SM90 and not masked
              and (gluon_inputs or kernel == "via_ds"),
+             "sm90-masks": not interpret and two_byte and causal and capability == SM90 and masked and gluon_inputs,
              "causal": not interpret and two_byte and causal,
              "any": not interpret and two_byte}
     for e in TABLE:
@@ -200,17 +205,20 @@ def plan(kernel: str, head_dim: int, seq_len: int | None, dtype: torch.dtype, ca
     Gluon kernels (launch.gluon_inputs: CUDA, TMA-aligned, one length, a fresh result; the table adds sm_90, causal,
     fp16/bf16). deterministic: no five-matmul backward. batch_heads: B·H (the dS path's buffer size).
     interpret: Triton's CPU interpreter (default: TRITON_INTERPRET=1). path: forces a path for "fwd" and "bwd"
-    (default: $MINIGPT_FLASH_PATH; see PATHS). masked: the call has masks or GQA (the Triton kernels only; a forced
-    gluon or via_ds path raises)."""
+    (default: $MINIGPT_FLASH_PATH; see PATHS). masked: the call has masks or GQA: the Gluon forward where gluon_inputs
+    says it takes them (launch.gluon_masks_ready), else the Triton kernels; a forced via_ds path, or a forced gluon
+    path the call does not fit, raises."""
     interpret = INTERPRET if interpret is None else interpret
     if path is None:
         path = os.environ.get(PATH_ENV) or "auto"
     if path not in PATHS:
         raise ValueError(f"{PATH_ENV}={path!r}: allowed values are {', '.join(PATHS)}")
     if masked:
-        if path in ("gluon", "via_ds") and kernel in ("fwd", "bwd"):
-            raise _cannot(path, "masks (window, document ids, offsets) and GQA run the Triton kernels only")
-        gluon_inputs = False
+        if (path == "via_ds" or (path == "gluon" and not (kernel == "fwd" and gluon_inputs))) \
+                and kernel in ("fwd", "bwd"):
+            raise _cannot(path, "masks (window, document ids, offsets) and GQA run the Triton kernels, but for the "
+                                "Gluon forward of a causal sequence against itself on sm_90")
+        gluon_inputs = gluon_inputs and kernel == "fwd" and path != "triton"
     if kernel in ("dq", "dkdv"):  # one kernel alone: the Gluon dQ kernel where the table says so
         e = _entry(kernel, head_dim, seq_len, dtype, causal, capability, gluon_inputs, interpret, masked)
         return Plan("gluon" if e.tiles.specialized else "triton", e.tiles, why=e.why)
@@ -230,6 +238,8 @@ def _forward(head_dim, seq_len, dtype, causal, capability, gluon_inputs, interpr
     e = _entry("fwd", head_dim, seq_len, dtype, causal, capability, gluon_inputs and path in ("auto", "gluon"),
                interpret, masked)
     if path == "gluon" and not e.tiles.specialized:
+        if masked:
+            raise _cannot(path, "the masked Gluon forward takes causal fp16/bf16 inputs at head_dim 64 or 128 on sm_90")
         g = _first_gluon("fwd", head_dim)
         if g is None or _entry("fwd", head_dim, g.lengths[0], dtype, causal, capability, gluon_inputs,
                                interpret) is not g:

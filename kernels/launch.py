@@ -67,6 +67,20 @@ def specialized_ready(q: Tensor, k: Tensor, v: Tensor, causal: bool, accumulate:
             and gluon_forward is not None)
 
 
+def gluon_masks_ready(q: Tensor, k: Tensor, v: Tensor, causal: bool, q_doc_ids: Tensor | None,
+                      k_doc_ids: Tensor | None, q_offset: int | None, k_offset: int | None, accumulate: bool = False,
+                      out: tuple[Tensor, Tensor] | None = None) -> bool:
+    """Whether the Gluon forward takes this call with masks or GQA: a causal sequence against itself (no offsets,
+    the same document ids for queries and keys), K/V heads dividing q's, and inputs specialized_ready takes."""
+    same_ids = q_doc_ids is k_doc_ids or (
+        q_doc_ids is not None and k_doc_ids is not None and q_doc_ids.data_ptr() == k_doc_ids.data_ptr()
+        and q_doc_ids.shape == k_doc_ids.shape and q_doc_ids.stride() == k_doc_ids.stride())
+    kv_heads = (k.shape == v.shape and k.shape[0] == q.shape[0] and k.shape[2:] == q.shape[2:]
+                and q.shape[1] % k.shape[1] == 0)
+    return (not q_offset and not k_offset and same_ids and kv_heads
+            and specialized_ready(q, q, q, causal, accumulate, out, also=(k, v)))
+
+
 def _capability(t: Tensor) -> tuple[int, int] | None:
     """The compute capability of t's GPU, None off the GPU: what plan asks of the device."""
     return capability(t.device) if t.is_cuda else None
@@ -269,9 +283,12 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
     masked = _masked(q, k, causal, window, q_doc_ids, q_offset, k_offset)
-    ready = not masked and specialized_ready(q, k, v, causal, accumulate, out)
+    if masked:
+        ready = gluon_masks_ready(q, k, v, causal, q_doc_ids, k_doc_ids, q_offset, k_offset, accumulate, out)
+    else:
+        ready = specialized_ready(q, k, v, causal, accumulate, out)
     if cfg is not None and cfg.specialized and not ready:
-        raise ValueError(_NOT_SPECIALIZED.format("forward") + ", nor masks or GQA")
+        raise ValueError(_NOT_SPECIALIZED.format("forward") + "; with masks or GQA, only of a sequence against itself")
     cfg = cfg or plan("fwd", D, N_Q, q.dtype, causal, capability=_capability(q), gluon_inputs=ready,
                       masked=masked).tiles
     margs, mflags = _mask_args(q, k, causal, window, q_doc_ids, k_doc_ids, q_offset, k_offset, "fwd",
@@ -288,6 +305,11 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
                              f"{tuple(lse.shape)} {lse.dtype} with strides {lse.stride()}")
     if cfg.specialized:
         triton.set_allocator(tma_scratch)  # its TMA descriptors are made on the device, like _use_tma's
+        if masked:  # margs: (ids, ids, strides, shift, window, steps, counts), as _mask_args checked them
+            gluon_forward.launch_forward_masked(q, k, v, o, lse, sm_scale * LOG2E, cfg.block_m // 64, cfg.block_n,
+                                                cfg.num_stages, margs[5] if mflags["WINDOWED"] else None,
+                                                margs[0] if mflags["DOCS"] else None)
+            return o, lse
         launch = gluon_forward.launch_forward_persistent if cfg.persistent else gluon_forward.launch_forward_pingpong
         launch(q, k, v, o, lse, sm_scale * LOG2E, cfg.block_m // 64, cfg.block_n, cfg.num_stages)
         return o, lse

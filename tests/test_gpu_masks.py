@@ -153,3 +153,34 @@ def test_torch_compile_with_document_ids_has_no_graph_break():
     compiled = torch.compile(block, fullgraph=True)(x, w, ids)
     (g_compiled,) = torch.autograd.grad(compiled.float().square().mean(), w)
     assert rel_err(compiled, eager.double()) < 1e-2 and rel_err(g_compiled, g_eager.double()) < 1e-2
+
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the masked Gluon forward is written for sm_90 (wgmma)")
+@pytest.mark.parametrize("N, Hq, Hkv, D, window, docs", [
+    (777, 4, 4, 64, None, "ragged"), (4100, 4, 2, 64, 100, "ragged"), (8192, 8, 2, 128, 1000, "none"),
+    (4096, 4, 1, 64, 1, "none"), (5000, 4, 4, 128, None, "tokens"), (4096, 4, 4, 64, None, "one"),
+    (3000, 2, 2, 64, 5000, "none"), (6000, 6, 3, 128, 300, "ragged"), (2048, 4, 4, 64, 129, "none")])
+def test_the_masked_gluon_forward_matches_float32_and_the_triton_path(N, Hq, Hkv, D, window, docs, monkeypatch):
+    """Causal masked and GQA calls of a sequence against itself run the Gluon forward on sm_90 (each query tile over
+    the key tiles its rows see): its output against float32 masked SDPA and against the forced Triton path, on odd
+    lengths, windows of 1 to wider than N, documents of one token, ragged, or one."""
+    gluon_forward = launch.gluon_forward
+    ran = []
+    real = gluon_forward.launch_forward_masked
+    monkeypatch.setattr(gluon_forward, "launch_forward_masked", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    _, q, k, v = qkv_rows(2, N, Hq, Hkv, D, torch.bfloat16, seed=N + D)
+    ids = documents(docs, 2, N, seed=N)
+    with torch.no_grad():
+        o = flash_attention(q, k, v, causal=True, window=window, document_ids=ids)
+        monkeypatch.setenv("MINIGPT_FLASH_PATH", "triton")
+        o_triton = flash_attention(q, k, v, causal=True, window=window, document_ids=ids)
+    assert ran == [1], "the masked call did not run the Gluon forward"
+    visible = visible_mask(N, N, causal=True, window=window, q_ids=None if ids is None else ids.cpu(),
+                           k_ids=None if ids is None else ids.cpu())
+    ref = sdpa_reference(q, k, v, visible)
+    assert torch.isfinite(o).all()
+    assert rel_err(o.float(), ref) < TOL[torch.bfloat16], (N, window, docs)
+    assert rel_err(o.float(), o_triton.float()) < TOL[torch.bfloat16], (N, window, docs)
