@@ -106,6 +106,13 @@ TABLE: tuple[Entry, ...] = (
     Entry("fwd", (64, 128), "sm90-masks", _tc(128, 128, 4, 3, **_GLUON),
           "masks/GQA on the ping-pong forward: 2 consumers, a plain grid, only the key tiles the rows see (NOTES.md, "
           "'One kernel per direction')", masks=True),
+    Entry("dkdvdq", (64,), "sm90-masks", _tc(64, 128, 4, 3, **_GLUON),
+          "masks/GQA on the five-matmul backward: the dense plain grid's tiles, only the query tiles that see each key "
+          "block, dK/dV summed over the GQA group in one program (NOTES.md, 'Masks and GQA in the Gluon backward'; "
+          "not yet timed)", masks=True),
+    Entry("dkdvdq", (128,), "sm90-masks", _tc(64, 128, 4, 2, **_GLUON),
+          "masks/GQA on the five-matmul backward, dQ split: the dense plain grid's tiles (NOTES.md, 'Masks and GQA in "
+          "the Gluon backward'; not yet timed)", masks=True),
     Entry("fwd", (16, 32, 64), "any", _tc(64, 64, 4, 3, tma=True), _MASKS, masks=True),
     Entry("fwd", (128,), "any", _tc(128, 64, 8, 3, tma=True), _MASKS, masks=True),
     Entry("fwd", (256,), "any", _tc(64, 32, 4, 2), _MASKS, masks=True),

@@ -52,7 +52,7 @@ def table_variants() -> list[Variant]:
     and gluon/backward.py derive them from a TileConfig), plus fp16 where the forward has three consumers (the
     hand-packed P of NOTES.md Z)."""
     out = []
-    for kind, d, cfg in ((e.kernel, e.head_dims[0], e.tiles) for e in TABLE if e.tiles.specialized):
+    for kind, d, cfg, masks in ((e.kernel, e.head_dims[0], e.tiles, e.masks) for e in TABLE if e.tiles.specialized):
         mode = "persistent" if cfg.persistent else "plain"
         if kind == "fwd":
             consumers = cfg.block_m // 64
@@ -71,8 +71,13 @@ def table_variants() -> list[Variant]:
             c = dict(HEAD_DIM=d, BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, PRODUCER_REGS=common.PRODUCER_REGS,
                      REDUCER_REGS=bwd.REDUCER_REGS,
                      CONSUMER_REGS=bwd.SPLIT_CONSUMER_REGS if d > 64 else bwd.FUSED_CONSUMER_REGS,
-                     KV_BUFS=2 if cfg.persistent and d == 64 else 1, PERSISTENT=cfg.persistent)  # as the launchers
-            out.append(Variant(f"dkdvdq {mode} D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel, c))
+                     KV_BUFS=2 if cfg.persistent and d == 64 else 1, PERSISTENT=cfg.persistent,
+                     GQA=False, WINDOWED=False, DOCS=False)  # as the launchers
+            if masks:  # the masked launch (launch_dkdv_dq_masked): a plain grid, GQA, windows and documents
+                out.append(Variant(f"dkdvdq masked D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel,
+                                   dict(c, GQA=True, WINDOWED=True, DOCS=True)))
+            else:
+                out.append(Variant(f"dkdvdq {mode} D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel, c))
         else:  # "dq": the head_dim-128 dQ kernel of the deterministic backward
             c = dict(HEAD_DIM=d, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, PRODUCER_REGS=common.PRODUCER_REGS,
                      CONSUMER_REGS=common.CONSUMER_REGS[bwd.CONSUMERS.value])

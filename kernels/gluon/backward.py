@@ -52,7 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from minigpt_kernels.device import strides3
 from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, head_rows, mma_layout, program_items,
-                                          tma_load)
+                                          search_ids, tma_load)
 from minigpt_kernels.gluon.schedule import device_one_each, device_schedule, sm_count
 
 TILE = gl.constexpr(64)  # keys (dK/dV) or query rows (dQ) per consumer warpgroup: the M of one wgmma
@@ -78,15 +78,23 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _pT_dsT(sT, dpT, lse_smem, delta_smem, keys, rows, masked, qk_scale, dtype: gl.constexpr):
+def _pT_dsT(sT, dpT, lse_smem, delta_smem, keys, rows, masked, qk_scale, dtype: gl.constexpr, tmask,
+            WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """Pᵀ and dSᵀ of one tile (keys × queries) from Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, rounded to the input dtype. Rows past N
     read LSE = 0 and delta = 0 (TMA zero fill), so Pᵀ = 1 there; their Q and dO rows are 0 too, so they add exactly 0
-    to dV (Pᵀ dO), and dSᵀ = Pᵀ ∘ (V dOᵀ − delta) = 0 adds 0 to dK and dQ."""
+    to dV (Pᵀ dO), and dSᵀ = Pᵀ ∘ (V dOᵀ − delta) = 0 adds 0 to dK and dQ, whatever the mask says of them.
+    tmask = (window, the keys' document ids, the batch's ids, N, -) where WINDOWED or DOCS (_tile_mask)."""
     col_layout: gl.constexpr = gl.SliceLayout(0, sT.type.layout)
     # Pᵀ = exp2(K Qᵀ · scale·log2e − LSE)
     pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse_smem.load(col_layout), 0))
-    if masked:  # a tile that crosses this consumer's diagonal: query i sees key j iff i >= j
-        pT = gl.where(gl.expand_dims(rows, 0) >= gl.expand_dims(keys, 1), pT, 0.0)
+    if masked:  # a tile where some query i misses some key j of this consumer: P_ij = 0 there
+        visible = gl.expand_dims(rows, 0) >= gl.expand_dims(keys, 1)  # causal: i >= j
+        if WINDOWED:  # i − window < j
+            visible = visible & (gl.expand_dims(rows, 0) - gl.expand_dims(keys, 1) < tmask[0])
+        if DOCS:  # ids[i] == ids[j] (rows past N read −1, keys past N −2: no pair of them is visible)
+            row_doc = gl.load(tmask[2] + rows, mask=rows < tmask[3], other=-1)
+            visible = visible & (gl.expand_dims(row_doc, 0) == gl.expand_dims(tmask[1], 1))
+        pT = gl.where(visible, pT, 0.0)
     # dSᵀ = Pᵀ ∘ (dPᵀ − delta)
     dsT = pT * (dpT - gl.expand_dims(delta_smem.load(col_layout), 0))
     return pT.to(dtype), dsT.to(dtype)
@@ -105,7 +113,8 @@ def _hand_over(ds_smem, ds_ready, ds_free, dsT16, t, ME: gl.constexpr):
 
 @gluon.jit
 def _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, t, ME: gl.constexpr,
-                 STAGES: gl.constexpr, zero_s, keys, cols, masked, qk_scale, a_layout: gl.constexpr):
+                 STAGES: gl.constexpr, zero_s, keys, cols, masked, qk_scale, a_layout: gl.constexpr, tmask,
+                 WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """Query tile t (ring position t) with nothing else in flight: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, then Pᵀ, dSᵀ and the
     hand-over (a key block's first tile; every tile of the head_dim-128 kernel). Returns (Pᵀ, dSᵀ) as register
     operands of the dV, dK matmuls."""
@@ -114,7 +123,7 @@ def _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds
     dpT = warpgroup_mma(v, do_smem.index(t % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     sT, dpT = warpgroup_mma_wait(0, deps=(sT, dpT))
     pT16, dsT16 = _pT_dsT(sT, dpT, lse_smem.index(t % STAGES), delta_smem.index(t % STAGES), keys, cols, masked,
-                          qk_scale, q_smem.dtype)
+                          qk_scale, q_smem.dtype, tmask, WINDOWED, DOCS)
     _hand_over(ds_smem, ds_ready, ds_free, dsT16, t, ME)
     return gl.convert_layout(pT16, a_layout), gl.convert_layout(dsT16, a_layout)
 
@@ -122,7 +131,7 @@ def _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds
 @gluon.jit
 def _dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready, ds_free, t,
                ME: gl.constexpr, STAGES: gl.constexpr, zero_s, dv, dk, pT16, dsT16, keys, cols, masked, qk_scale,
-               a_layout: gl.constexpr):
+               a_layout: gl.constexpr, tmask, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """One query tile at ring position t: issue Sᵀ_t = K Q_tᵀ, dPᵀ_t = V dO_tᵀ, then dV += Pᵀ_{t−1} dO_{t−1} and
     dK += dSᵀ_{t−1} Q_{t−1}; wait for Sᵀ_t, dPᵀ_t only (wgmma groups retire in order) and compute Pᵀ_t, dSᵀ_t and the
     hand-over while dV and dK still run; then release tile t−1's buffers. Returns (dV, dK, Pᵀ_t, dSᵀ_t)."""
@@ -135,7 +144,7 @@ def _dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_sme
     dk = warpgroup_mma(dsT16, q_smem.index(prev), dk, is_async=True)
     sT, dpT = warpgroup_mma_wait(2, deps=(sT, dpT))
     pT16_t, dsT16_t = _pT_dsT(sT, dpT, lse_smem.index(stage), delta_smem.index(stage), keys, cols, masked, qk_scale,
-                              q_smem.dtype)
+                              q_smem.dtype, tmask, WINDOWED, DOCS)
     _hand_over(ds_smem, ds_ready, ds_free, dsT16_t, t, ME)
     dv, dk, pT16, dsT16 = warpgroup_mma_wait(0, deps=(dv, dk, pT16, dsT16))
     mbarrier.arrive(empty.index(prev), count=1)  # tile t−1's buffers no longer read by this consumer
@@ -216,7 +225,8 @@ def _dq_split_issue(k0, k1, ds_smem, ds_ready, t, zero_q):
 @gluon.jit
 def _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready, ds_free,
                         dq_smem, dq_desc, t, dq_row, dq_col, ME: gl.constexpr, STAGES: gl.constexpr, zero_s, zero_q, dv,
-                        dk, keys, cols, masked, qk_scale, sm_scale, a_layout: gl.constexpr):
+                        dk, keys, cols, masked, qk_scale, sm_scale, a_layout: gl.constexpr, tmask,
+                        WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """Query tile t ≥ 1 (ring position t), with the previous tile's dQ one step behind: Sᵀ_t, dPᵀ_t, Pᵀ_t, dSᵀ_t and
     the hand-over (_tile_scores); then issue this consumer's columns of dQ_{t−1}, dV += Pᵀ_t dO_t and dK += dSᵀ_t Q_t;
     retire dQ_{t−1} (wgmma groups retire in order) and start its reduce-add (rows from dq_row on, columns from dq_col
@@ -224,7 +234,7 @@ def _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, rea
     softmax can overlap the other's matmuls (they met at every tile before). Returns (dV, dK)."""
     stage = t % STAGES
     pT16, dsT16 = _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, t, ME,
-                               STAGES, zero_s, keys, cols, masked, qk_scale, a_layout)
+                               STAGES, zero_s, keys, cols, masked, qk_scale, a_layout, tmask, WINDOWED, DOCS)
     dq = _dq_split_issue(k0, k1, ds_smem, ds_ready, t - 1, zero_q)
     dv = warpgroup_mma(pT16, do_smem.index(stage), dv, is_async=True)
     dk = warpgroup_mma(dsT16, q_smem.index(stage), dk, is_async=True)
@@ -239,20 +249,23 @@ def _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, rea
 @gluon.jit
 def _split_key_block(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready, ds_free,
                      dq_smem, dq_desc, g, num_tiles, row0, col, ME: gl.constexpr, STAGES: gl.constexpr, zero_s, zero_q,
-                     dv, dk, keys, cols, qk_scale, sm_scale, a_layout: gl.constexpr, BLOCK_M: gl.constexpr):
-    """One key block of the head_dim-128 kernel: its query tiles at ring positions g ... g + num_tiles − 1, tile 0
-    without a dQ behind it, the steps, then the last tile's dQ. Its dQ columns go to accumulator rows row0 ... and
-    columns col ...; every read of K and V has retired on return. Returns (dV, dK)."""
+                     dv, dk, keys, cols, qk_scale, sm_scale, a_layout: gl.constexpr, BLOCK_M: gl.constexpr, tmask,
+                     WINDOWED: gl.constexpr, DOCS: gl.constexpr):
+    """One key block's share of one query head in the head_dim-128 kernel: its query tiles at ring positions g ...
+    g + num_tiles − 1, tile 0 without a dQ behind it, the steps, then the last tile's dQ. Its dQ columns go to
+    accumulator rows row0 ... and columns col ...; every read of K and V has retired on return. Returns (dV, dK)."""
     MASKED_TILES: gl.constexpr = (TILE * (ME + 1) + BLOCK_M - 1) // BLOCK_M
+    MASKS: gl.constexpr = WINDOWED or DOCS
     pT16, dsT16 = _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, g, ME,
-                               STAGES, zero_s, keys, cols, 0 < MASKED_TILES, qk_scale, a_layout)
+                               STAGES, zero_s, keys, cols, 0 < MASKED_TILES, qk_scale, a_layout, tmask, WINDOWED, DOCS)
     dv, dk = _dkdv_last(q_smem, do_smem, g, STAGES, dv, dk, pT16, dsT16)
     mbarrier.arrive(empty.index(g % STAGES), count=1)
     for t in range(1, num_tiles):
         dv, dk = _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
                                      ds_ready, ds_free, dq_smem, dq_desc, g + t, row0 + (t - 1) * BLOCK_M, col, ME,
-                                     STAGES, zero_s, zero_q, dv, dk, keys, cols + t * BLOCK_M, t < MASKED_TILES,
-                                     qk_scale, sm_scale, a_layout)
+                                     STAGES, zero_s, zero_q, dv, dk, keys, cols + t * BLOCK_M,
+                                     _masked_tile(t, MASKED_TILES, tmask, MASKS), qk_scale, sm_scale, a_layout, tmask,
+                                     WINDOWED, DOCS)
     last = g + num_tiles - 1
     dq = _dq_split_issue(k0, k1, ds_smem, ds_ready, last, zero_q)
     dq = warpgroup_mma_wait(0, deps=(dq,))
@@ -262,72 +275,201 @@ def _split_key_block(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready,
 
 
 # ------------------------------------------------------------------------------------------------
-# The dK/dV/dQ kernel: each program walks a list of (batch·head, 128-key block) items, one (a plain grid) or many
+# The dK/dV/dQ kernel: each program walks a list of (batch·head, 128-key block) items, one (a plain grid) or many.
+# With GQA an item's head is a K/V head, whose group of query heads the item's roles walk in turn; with masks
+# (WINDOWED, DOCS) an item visits only the query tiles that see its keys.
 # ------------------------------------------------------------------------------------------------
 @gluon.jit
-def _key_block(WORK, index, n_kblocks, N, BLOCK_M: gl.constexpr):
-    """Item `index` of the list: (batch·head, first key, query tiles from that key to the end)."""
+def _item_heads(H, group, GQA: gl.constexpr):
+    """The heads the work list's items run over: the K/V heads with GQA (H query heads in groups of `group`), else
+    the H heads."""
+    if GQA:
+        heads = H // group
+    else:
+        heads = H
+    return heads
+
+
+@gluon.jit
+def _batch_ids(mask, b, DOCS: gl.constexpr):
+    """Batch b's document ids (mask = (window, IDS, stride_ids, steps)); IDS itself without DOCS (never read)."""
+    if DOCS:
+        ids = mask[1] + b * mask[2]
+    else:
+        ids = mask[1]
+    return ids
+
+
+@gluon.jit
+def _query_end(start_n, N, mask, ids, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
+    """The end of the queries that see a key of the block from start_n. Query i sees key j iff j <= i (causal),
+    i < j + window (WINDOWED: i − window < j), and i lies before the end of j's document (DOCS); each bound grows
+    with j, so the block's last key j gives the block's: min(N, j + window, the end of j's document). Every key
+    sees itself, so the span is [start_n, end), never empty, and contiguous (the union of [j, end_j), j = start_n
+    ... last, with end_j > j non-decreasing)."""
+    last = gl.minimum(start_n + CONSUMERS * TILE, N) - 1
+    end = N
+    if WINDOWED:
+        end = gl.minimum(end, last + mask[0])
+    if DOCS:  # the first query after the last key's document: a binary search over the non-decreasing ids
+        end = gl.minimum(end, search_ids(ids, N, gl.load(ids + last), mask[3], True))
+    return end
+
+
+@gluon.jit
+def _key_block(WORK, index, n_kblocks, N, BLOCK_M: gl.constexpr, heads, mask, WINDOWED: gl.constexpr,
+               DOCS: gl.constexpr):
+    """Item `index` of the list: (batch·head, first key, query tiles from that key on): to the end (causal), or
+    with masks to the end of the queries that see the block (_query_end). heads: _item_heads."""
     item = gl.load(WORK + index)
     start_n = (item % n_kblocks) * (CONSUMERS * TILE)
-    return item // n_kblocks, start_n, gl.cdiv(N - start_n, BLOCK_M)
+    bh = item // n_kblocks
+    if WINDOWED or DOCS:
+        ids = _batch_ids(mask, (bh // heads).to(gl.int64), DOCS)
+        num_tiles = gl.cdiv(_query_end(start_n, N, mask, ids, WINDOWED, DOCS) - start_n, BLOCK_M)
+    else:
+        num_tiles = gl.cdiv(N - start_n, BLOCK_M)
+    return bh, start_n, num_tiles
+
+
+@gluon.jit
+def _tile_mask(mask, bh, heads, key0, keys, start_n, N, BLOCK_M: gl.constexpr, WINDOWED: gl.constexpr,
+               DOCS: gl.constexpr):
+    """What _pT_dsT and _masked_tile read for one consumer's keys key0 ... key0 + 63 of the item (bh, start_n):
+    (window, the keys' document ids, the batch's ids, N, full_tiles), full_tiles the query tiles (from the block's
+    first) whose rows (those before N) all see every one of these keys under the window and the documents: rows
+    i < key0 + window (i − window < key0 <= j), and, if the keys' first and last share a document, rows before its
+    end (i >= key0 is in it then); if they do not, no row. Unused placeholders without masks."""
+    if WINDOWED or DOCS:
+        ids = _batch_ids(mask, (bh // heads).to(gl.int64), DOCS)
+        full_end = N  # rows below this see every key (the causal part is _masked_tile's)
+        if WINDOWED:
+            full_end = gl.minimum(full_end, key0 + mask[0])
+        if DOCS:
+            doc_first = gl.load(ids + gl.minimum(key0, N - 1))
+            doc_last = gl.load(ids + gl.minimum(key0 + TILE - 1, N - 1))
+            doc_end = search_ids(ids, N, doc_first, mask[3], True)
+            full_end = gl.where(doc_first == doc_last, gl.minimum(full_end, doc_end), 0)
+            key_ids = gl.load(ids + keys, mask=keys < N, other=-2)
+        else:
+            key_ids = keys  # not read
+        # tile t holds rows start_n + t·BLOCK_M ... + BLOCK_M − 1, clipped to N: all are full if full_end reaches N
+        full_tiles = gl.where(full_end >= N, gl.cdiv(N - start_n, BLOCK_M),
+                              gl.maximum(full_end - start_n, 0) // BLOCK_M)
+        tmask = (mask[0], key_ids, ids, N, full_tiles)
+    else:
+        tmask = (0, 0, 0, 0, 0)
+    return tmask
+
+
+@gluon.jit
+def _masked_tile(t, MASKED_TILES: gl.constexpr, tmask, MASKS: gl.constexpr):
+    """Whether query tile t of the block needs the elementwise mask for this consumer's keys: it reaches below the
+    consumer's last key (t < MASKED_TILES: the causal diagonal), or, with masks, one of its rows misses one of the
+    keys by the window or the documents (t >= full_tiles, _tile_mask)."""
+    masked = t < MASKED_TILES
+    if MASKS:
+        masked = masked | (t >= tmask[4])
+    return masked
+
+
+@gluon.jit
+def _group_origin(bh, heads, group, qh, acc_rows_b, acc_rows_h, acc_cols_h, start_n):
+    """GQA: (row, column) of the dQ accumulator where query head qh of item bh's group (query head
+    (bh % heads)·group + qh of batch bh // heads) adds query start_n's row."""
+    h = (bh % heads) * group + qh
+    return (bh // heads) * acc_rows_b + h * acc_rows_h + start_n, h * acc_cols_h
+
+
+@gluon.jit
+def _dkdv_query_head(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready, ds_free, kv_free,
+                     buf, release_kv, g, num_tiles, ME: gl.constexpr, STAGES: gl.constexpr, zero_s, dk, dv, keys, cols,
+                     qk_scale, a_layout: gl.constexpr, BLOCK_M: gl.constexpr, tmask, WINDOWED: gl.constexpr,
+                     DOCS: gl.constexpr):
+    """One query head's share of a key block (head_dim 64): its query tiles at ring positions g ... g + num_tiles − 1
+    (tile t holds queries cols + t·BLOCK_M), dV += Pᵀ dO and dK += dSᵀ Q, each tile's dSᵀ handed to the dQ
+    warpgroup; tile 0 alone, then a step per tile, then the last tile's dV, dK. release_kv: the block's last query
+    head, whose last Sᵀ, dPᵀ are the last reads of K and V: release their buffer (kv_free[buf]) once those have
+    retired. Returns (dV, dK)."""
+    # query tiles (counted from the block's first key) that reach below this consumer's last key get the mask
+    MASKED_TILES: gl.constexpr = (TILE * (ME + 1) + BLOCK_M - 1) // BLOCK_M
+    MASKS: gl.constexpr = WINDOWED or DOCS
+    pT16, dsT16 = _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, g,
+                               ME, STAGES, zero_s, keys, cols, 0 < MASKED_TILES, qk_scale, a_layout, tmask, WINDOWED,
+                               DOCS)
+    for t in range(1, num_tiles):
+        dv, dk, pT16, dsT16 = _dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
+                                         ds_ready, ds_free, g + t, ME, STAGES, zero_s, dv, dk, pT16, dsT16, keys,
+                                         cols + t * BLOCK_M, _masked_tile(t, MASKED_TILES, tmask, MASKS), qk_scale,
+                                         a_layout, tmask, WINDOWED, DOCS)
+    if release_kv:
+        mbarrier.arrive(kv_free.index(buf), count=1)  # the last Sᵀ, dPᵀ (K, V) have retired
+    dv, dk = _dkdv_last(q_smem, do_smem, g + num_tiles - 1, STAGES, dv, dk, pT16, dsT16)
+    mbarrier.arrive(empty.index((g + num_tiles - 1) % STAGES), count=1)
+    return dv, dk
 
 
 @gluon.jit
 def _dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                              STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+                              STAGES: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr,
+                              WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """Consumer warpgroup ME (head_dim 64): for each of this program's items, dK, dV of keys start_n + 64·ME ... + 63
     over the query tiles from the block's first key on (tile t holds queries start_n + t·BLOCK_M ...), handing each
-    tile's dSᵀ to the dQ warpgroup. The ring and hand-over counters run on across items (g: the query tiles of the
-    items before); K and V take turns in KV_BUFS buffers (2 where a program has many items), each released to the
+    tile's dSᵀ to the dQ warpgroup; with GQA over each query head of the K/V head's group in turn, into the same
+    dK, dV. The ring and hand-over counters run on across items and query heads (g: the query tiles streamed
+    before); K and V take turns in KV_BUFS buffers (2 where a program has many items), each released to the
     producer (kv_free) after the item's last matmul that reads it."""
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty, ds_smem, ds_ready,
      ds_free, DK, DV, H, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-     N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks) = shared
+     N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks, mask, group) = shared
     first, count = program_items(WORK_START, PERSISTENT)
     s_layout: gl.constexpr = mma_layout(BLOCK_M, 4)
     d_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
-    # query tiles (counted from the block's first key) that reach below this consumer's last key get the mask
-    MASKED_TILES: gl.constexpr = (TILE * (ME + 1) + BLOCK_M - 1) // BLOCK_M
     KV_BUFS: gl.constexpr = k_smem.shape[0] // CONSUMERS
     zero_s = gl.zeros([TILE, BLOCK_M], gl.float32, layout=s_layout)
+    heads = _item_heads(H, group, GQA)
     g = 0
     for i in range(count):
-        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M)
+        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M, heads, mask, WINDOWED, DOCS)
         buf = i % KV_BUFS
         key0 = start_n + ME * TILE
         keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
         cols = start_n + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        tmask = _tile_mask(mask, bh, heads, key0, keys, start_n, N, BLOCK_M, WINDOWED, DOCS)
         dk = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
         dv = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
         k = k_smem.index(buf * CONSUMERS + ME)
         v = v_smem.index(buf * CONSUMERS + ME)
         mbarrier.wait(kv_ready.index(buf * CONSUMERS + ME), (i // KV_BUFS) & 1)
-
-        pT16, dsT16 = _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, g,
-                                  ME, STAGES, zero_s, keys, cols, 0 < MASKED_TILES, qk_scale, a_layout)
-        for t in range(1, num_tiles):
-            dv, dk, pT16, dsT16 = _dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
-                                             ds_ready, ds_free, g + t, ME, STAGES, zero_s, dv, dk, pT16, dsT16, keys,
-                                             cols + t * BLOCK_M, t < MASKED_TILES, qk_scale, a_layout)
-        mbarrier.arrive(kv_free.index(buf), count=1)  # the last Sᵀ, dPᵀ (K, V) have retired
-        dv, dk = _dkdv_last(q_smem, do_smem, g + num_tiles - 1, STAGES, dv, dk, pT16, dsT16)
-        mbarrier.arrive(empty.index((g + num_tiles - 1) % STAGES), count=1)
-        g += num_tiles
-        _write_dkdv(dk, dv, DK, DV, (bh // H).to(gl.int64), (bh % H).to(gl.int64), stride_dkb, stride_dkh, stride_dkn,
-                    stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM)
+        if GQA:  # the group's query heads in turn, each num_tiles ring positions on
+            for qh in range(group):
+                dv, dk = _dkdv_query_head(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
+                                          ds_ready, ds_free, kv_free, buf, qh == group - 1, g, num_tiles, ME, STAGES,
+                                          zero_s, dk, dv, keys, cols, qk_scale, a_layout, BLOCK_M, tmask, WINDOWED,
+                                          DOCS)
+                g += num_tiles
+        else:
+            dv, dk = _dkdv_query_head(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready,
+                                      ds_free, kv_free, buf, True, g, num_tiles, ME, STAGES, zero_s, dk, dv, keys,
+                                      cols, qk_scale, a_layout, BLOCK_M, tmask, WINDOWED, DOCS)
+            g += num_tiles
+        _write_dkdv(dk, dv, DK, DV, (bh // heads).to(gl.int64), (bh % heads).to(gl.int64), stride_dkb, stride_dkh,
+                    stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM)
 
 
 @gluon.jit
 def _dkdv_dq_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                               STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+                               STAGES: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr,
+                               WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """Consumer warpgroup ME of the head_dim-128 kernel: for each of this program's items, dK, dV of keys start_n +
-    64·ME ... + 63, and columns 64·ME ... of each query tile's dQ. The ring and hand-over counters run on across items
-    (g); K and V have one buffer (shared memory holds no second one beside the dQ staging), released to the producer
-    (kv_free) after the item's last dQ matmul, the last that reads them."""
+    64·ME ... + 63, and columns 64·ME ... of each query tile's dQ; with GQA over each query head of the K/V head's
+    group in turn (its dQ into that head's accumulator rows). The ring and hand-over counters run on across items
+    and query heads (g); K and V have one buffer (shared memory holds no second one beside the dQ staging), released
+    to the producer (kv_free) after the item's last dQ matmul, the last that reads them."""
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty, ds_smem, ds_ready,
      ds_free, DK, DV, H, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-     N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks) = shared
+     N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks, mask, group) = shared
     first, count = program_items(WORK_START, PERSISTENT)
     dq_smem, dq_desc, acc_rows_b, acc_rows_h, acc_cols_h = dqs[2], dqs[7], dqs[10], dqs[11], dqs[12]
     HALF: gl.constexpr = HEAD_DIM // 2
@@ -341,95 +483,164 @@ def _dkdv_dq_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.constexp
     v = v_smem.index(ME)
     k0 = k_smem.index(0).slice(ME * HALF, HALF, dim=1)
     k1 = k_smem.index(1).slice(ME * HALF, HALF, dim=1)
+    heads = _item_heads(H, group, GQA)
     g = 0
     for i in range(count):
-        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M)
+        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M, heads, mask, WINDOWED, DOCS)
         key0 = start_n + ME * TILE
         keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
         cols = start_n + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-        row0 = (bh // H) * acc_rows_b + (bh % H) * acc_rows_h + start_n  # the item's first query in the accumulator
-        col = (bh % H) * acc_cols_h + ME * HALF
+        tmask = _tile_mask(mask, bh, heads, key0, keys, start_n, N, BLOCK_M, WINDOWED, DOCS)
+        if not GQA:  # the item's first query in the accumulator
+            row0 = (bh // heads) * acc_rows_b + (bh % heads) * acc_rows_h + start_n
+            col = (bh % heads) * acc_cols_h + ME * HALF
         dk = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
         dv = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
         for c in gl.static_range(CONSUMERS):
             mbarrier.wait(kv_ready.index(c), i & 1)
-        dv, dk = _split_key_block(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
-                                  ds_ready, ds_free, dq_smem, dq_desc, g, num_tiles, row0, col, ME, STAGES, zero_s,
-                                  zero_q, dv, dk, keys, cols, qk_scale, sm_scale, a_layout, BLOCK_M)
-        mbarrier.arrive(kv_free.index(0), count=1)  # this consumer's last reads of K and V have retired
-        g += num_tiles
-        _write_dkdv(dk, dv, DK, DV, (bh // H).to(gl.int64), (bh % H).to(gl.int64), stride_dkb, stride_dkh, stride_dkn,
-                    stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM)
+        if GQA:  # the group's query heads in turn (query head (bh % heads)·group + qh), each num_tiles positions on
+            for qh in range(group):
+                row0, col = _group_origin(bh, heads, group, qh, acc_rows_b, acc_rows_h, acc_cols_h, start_n)
+                dv, dk = _split_key_block(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
+                                          ds_ready, ds_free, dq_smem, dq_desc, g, num_tiles, row0, col + ME * HALF,
+                                          ME, STAGES, zero_s, zero_q, dv, dk, keys, cols, qk_scale, sm_scale,
+                                          a_layout, BLOCK_M, tmask, WINDOWED, DOCS)
+                g += num_tiles
+            mbarrier.arrive(kv_free.index(0), count=1)  # this consumer's last reads of K and V have retired
+        else:
+            dv, dk = _split_key_block(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
+                                      ds_ready, ds_free, dq_smem, dq_desc, g, num_tiles, row0, col, ME, STAGES,
+                                      zero_s, zero_q, dv, dk, keys, cols, qk_scale, sm_scale, a_layout, BLOCK_M,
+                                      tmask, WINDOWED, DOCS)
+            mbarrier.arrive(kv_free.index(0), count=1)  # this consumer's last reads of K and V have retired
+            g += num_tiles
+        _write_dkdv(dk, dv, DK, DV, (bh // heads).to(gl.int64), (bh % heads).to(gl.int64), stride_dkb, stride_dkh,
+                    stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, PERSISTENT: gl.constexpr):
-    """The dQ warpgroup (head_dim 64): per query tile t of each item, dQ_t = scale · dS_t K over the item's 128 keys
-    (both consumers' dSᵀ_t, read transposed from shared memory), staged in fp32 shared memory and added into the
-    accumulator's rows by a TMA reduce-add, which runs while the next tile's matmul does. The accumulator is one 2-D
-    array (rows of one head's queries, see dkdvdq_kernel), so its descriptor is made once; a key block's last query
-    tile may reach past its head's N rows into the next head's or batch's first ones, where it adds exact zeros
-    (queries past N have dS = 0; a non-finite K would make those rows NaN, as it does its own)."""
+def _dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr,
+                WINDOWED: gl.constexpr, DOCS: gl.constexpr):
+    """The dQ warpgroup (head_dim 64): per query tile t of each item (and, with GQA, of each query head of its
+    group), dQ_t = scale · dS_t K over the item's 128 keys (both consumers' dSᵀ_t, read transposed from shared
+    memory), staged in fp32 shared memory and added into the accumulator's rows by a TMA reduce-add, which runs
+    while the next tile's matmul does. The accumulator is one 2-D array (rows of one head's queries, see
+    dkdvdq_kernel), so its descriptor is made once; a key block's last query tile may reach past its head's N rows
+    into the next head's or batch's first ones, where it adds exact zeros (queries past N have dS = 0; a non-finite
+    K would make those rows NaN, as it does its own), as do the rows a mask hides from every key of the block."""
     (k_smem, ds_smem, dq_smem, kv_ready, kv_free, ds_ready, ds_free, dq_desc, N, H, acc_rows_b, acc_rows_h,
-     acc_cols_h, sm_scale, WORK, WORK_START, n_kblocks) = dqs
+     acc_cols_h, sm_scale, WORK, WORK_START, n_kblocks, mask, group) = dqs
     first, count = program_items(WORK_START, PERSISTENT)
     dq_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)
     KV_BUFS: gl.constexpr = k_smem.shape[0] // CONSUMERS
     zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
+    heads = _item_heads(H, group, GQA)
     g = 0
     for i in range(count):
-        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M)
+        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M, heads, mask, WINDOWED, DOCS)
         buf = i % KV_BUFS
         for c in gl.static_range(CONSUMERS):
             mbarrier.wait(kv_ready.index(buf * CONSUMERS + c), (i // KV_BUFS) & 1)
-        row0 = (bh // H) * acc_rows_b + (bh % H) * acc_rows_h + start_n
-        col = (bh % H) * acc_cols_h
-        for t in range(num_tiles):
-            _dq_tile(k_smem.index(buf * CONSUMERS), k_smem.index(buf * CONSUMERS + 1), ds_smem, dq_smem, ds_ready,
-                     ds_free, dq_desc, g + t, row0 + t * BLOCK_M, col, zero, sm_scale)
-        mbarrier.arrive(kv_free.index(buf), count=1)  # its last dQ matmul (K) has retired
-        g += num_tiles
+        if GQA:  # the group's query heads in turn, each into its own accumulator rows
+            for qh in range(group):
+                row0, col = _group_origin(bh, heads, group, qh, acc_rows_b, acc_rows_h, acc_cols_h, start_n)
+                for t in range(num_tiles):
+                    _dq_tile(k_smem.index(buf * CONSUMERS), k_smem.index(buf * CONSUMERS + 1), ds_smem, dq_smem,
+                             ds_ready, ds_free, dq_desc, g + t, row0 + t * BLOCK_M, col, zero, sm_scale)
+                g += num_tiles
+            mbarrier.arrive(kv_free.index(buf), count=1)  # its last dQ matmul (K) has retired
+        else:
+            row0 = (bh // heads) * acc_rows_b + (bh % heads) * acc_rows_h + start_n
+            col = (bh % heads) * acc_cols_h
+            for t in range(num_tiles):
+                _dq_tile(k_smem.index(buf * CONSUMERS), k_smem.index(buf * CONSUMERS + 1), ds_smem, dq_smem, ds_ready,
+                         ds_free, dq_desc, g + t, row0 + t * BLOCK_M, col, zero, sm_scale)
+            mbarrier.arrive(kv_free.index(buf), count=1)  # its last dQ matmul (K) has retired
+            g += num_tiles
     tma.store_wait(0)
 
 
 @gluon.jit
-def _dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                     PERSISTENT: gl.constexpr):
-    """The producer warp, over this program's items: the item's K and V rows into buffer i % KV_BUFS once their last
-    users released it (kv_free), then query tile t (Q, dO, LSE, delta) into ring buffer t % STAGES as soon as both
-    consumers have released what it held (tile t − STAGES); rows past N read as 0. The per-head descriptors are
-    rewritten in place once every copy through them has landed."""
+def _landed(ready, g, STAGES: gl.constexpr):
+    """Wait until the query tiles at ring positions g − STAGES ... g − 1 have landed. The tiles before them were
+    consumed before their buffers were refilled, so then every copy issued so far through the Q/dO/LSE/delta
+    descriptors has landed, and the descriptors may be rewritten in place."""
+    for t in range(gl.maximum(g - STAGES, 0), g):
+        mbarrier.wait(ready.index(t % STAGES), (t // STAGES) & 1)
+
+
+@gluon.jit
+def _query_descs(loads, b, h, bh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """TMA descriptors of query head h of batch b (bh = b·H + h): its Q and dO rows in BLOCK_M-row tiles, its LSE and
+    delta rows; rows past N read as 0."""
     (Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
      stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_lse, stride_delta, H, N,
      k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty,
-     WORK, WORK_START, n_kblocks) = loads
+     WORK, WORK_START, n_kblocks, mask, group) = loads
+    qd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], q_smem.dtype)
+    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    q_desc = head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, BLOCK_M, HEAD_DIM, qd_layout)
+    do_desc = head_rows(DO, b, h, stride_dob, stride_doh, stride_don, N, BLOCK_M, HEAD_DIM, qd_layout)
+    lse_desc = tma.make_tensor_descriptor(LSE + bh.to(gl.int64) * stride_lse, shape=[N], strides=[1],
+                                          block_shape=[BLOCK_M], layout=row_layout)
+    delta_desc = tma.make_tensor_descriptor(DELTA + bh.to(gl.int64) * stride_delta, shape=[N], strides=[1],
+                                            block_shape=[BLOCK_M], layout=row_layout)
+    return q_desc, do_desc, lse_desc, delta_desc
+
+
+@gluon.jit
+def _stream_query_tiles(descs, q_smem, do_smem, lse_smem, delta_smem, ready, empty, g, num_tiles, start_n,
+                        STAGES: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Query tiles 0 ... num_tiles − 1 from start_n (Q, dO, LSE, delta through `descs`) into ring positions g ...,
+    each once both consumers have released what its buffer held (position − STAGES)."""
+    q_desc, do_desc, lse_desc, delta_desc = descs
+    HEAD_DIM: gl.constexpr = q_smem.shape[2]
+    tile_bytes: gl.constexpr = 2 * BLOCK_M * HEAD_DIM * q_smem.dtype.primitive_bitwidth // 8 + 2 * BLOCK_M * 4
+    for t in range(num_tiles):
+        gt = g + t
+        stage = gt % STAGES
+        row = start_n + t * BLOCK_M
+        mbarrier.wait(empty.index(stage), ((gt // STAGES) & 1) ^ 1)
+        bar = ready.index(stage)
+        mbarrier.expect(bar, tile_bytes)
+        tma_load(q_desc, [row, 0], bar, q_smem.index(stage))
+        tma_load(do_desc, [row, 0], bar, do_smem.index(stage))
+        tma_load(lse_desc, [row], bar, lse_smem.index(stage))
+        tma_load(delta_desc, [row], bar, delta_smem.index(stage))
+
+
+@gluon.jit
+def _dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                     PERSISTENT: gl.constexpr, GQA: gl.constexpr, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
+    """The producer warp, over this program's items: the item's K and V rows into buffer i % KV_BUFS once their last
+    users released it (kv_free), then query tile t (Q, dO, LSE, delta) into ring buffer t % STAGES as soon as both
+    consumers have released what it held (tile t − STAGES); rows past N read as 0. With GQA, K and V of the item's
+    K/V head h, then the query tiles of each query head h·group + qh of its group in turn. The per-head descriptors
+    are rewritten in place once every copy through them has landed (between items, and between query heads)."""
+    (Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_lse, stride_delta, H, N,
+     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty,
+     WORK, WORK_START, n_kblocks, mask, group) = loads
     first, count = program_items(WORK_START, PERSISTENT)
     dtype: gl.constexpr = q_smem.dtype
     KV_BUFS: gl.constexpr = k_smem.shape[0] // CONSUMERS  # 2, or 1 at head_dim 128
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], dtype)
-    qd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     kv_bytes: gl.constexpr = 2 * TILE * HEAD_DIM * dtype.primitive_bitwidth // 8
-    tile_bytes: gl.constexpr = 2 * BLOCK_M * HEAD_DIM * dtype.primitive_bitwidth // 8 + 2 * BLOCK_M * 4
+    heads = _item_heads(H, group, GQA)
     g = 0
     for i in range(count):
-        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M)
-        b = (bh // H).to(gl.int64)
-        h = (bh % H).to(gl.int64)
+        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M, heads, mask, WINDOWED, DOCS)
+        b = (bh // heads).to(gl.int64)
+        h = (bh % heads).to(gl.int64)
         if i > 0:  # every copy through the descriptors below has landed: the last K/V and the tiles in the ring
             for c in gl.static_range(CONSUMERS):
                 mbarrier.wait(kv_ready.index(((i - 1) % KV_BUFS) * CONSUMERS + c), ((i - 1) // KV_BUFS) & 1)
-            for t in range(gl.maximum(g - STAGES, 0), g):
-                mbarrier.wait(ready.index(t % STAGES), (t // STAGES) & 1)
+            _landed(ready, g, STAGES)
         k_desc = head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, TILE, HEAD_DIM, kv_layout)
         v_desc = head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, TILE, HEAD_DIM, kv_layout)
-        q_desc = head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, BLOCK_M, HEAD_DIM, qd_layout)
-        do_desc = head_rows(DO, b, h, stride_dob, stride_doh, stride_don, N, BLOCK_M, HEAD_DIM, qd_layout)
-        lse_desc = tma.make_tensor_descriptor(LSE + bh.to(gl.int64) * stride_lse, shape=[N], strides=[1],
-                                              block_shape=[BLOCK_M], layout=row_layout)
-        delta_desc = tma.make_tensor_descriptor(DELTA + bh.to(gl.int64) * stride_delta, shape=[N], strides=[1],
-                                                block_shape=[BLOCK_M], layout=row_layout)
+        if not GQA:
+            descs = _query_descs(loads, b, h, bh, HEAD_DIM, BLOCK_M)
         buf = i % KV_BUFS
         mbarrier.wait(kv_free.index(buf), ((i // KV_BUFS) & 1) ^ 1)  # item i − KV_BUFS's users are done with it
         for c in gl.static_range(CONSUMERS):
@@ -438,18 +649,17 @@ def _dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGE
                       k_smem.index(buf * CONSUMERS + c))
             tma_load(v_desc, [start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
                       v_smem.index(buf * CONSUMERS + c))
-        for t in range(num_tiles):
-            gt = g + t
-            stage = gt % STAGES
-            row = start_n + t * BLOCK_M
-            mbarrier.wait(empty.index(stage), ((gt // STAGES) & 1) ^ 1)
-            bar = ready.index(stage)
-            mbarrier.expect(bar, tile_bytes)
-            tma_load(q_desc, [row, 0], bar, q_smem.index(stage))
-            tma_load(do_desc, [row, 0], bar, do_smem.index(stage))
-            tma_load(lse_desc, [row], bar, lse_smem.index(stage))
-            tma_load(delta_desc, [row], bar, delta_smem.index(stage))
-        g += num_tiles
+        if GQA:  # query head h·group + qh (its rows b·H + h·group + qh of LSE, delta), qh = 0 ... group − 1
+            for qh in range(group):
+                _landed(ready, g, STAGES)  # the last query head's copies (the descriptors are rewritten)
+                descs = _query_descs(loads, b, h * group + qh, b * H + h * group + qh, HEAD_DIM, BLOCK_M)
+                _stream_query_tiles(descs, q_smem, do_smem, lse_smem, delta_smem, ready, empty, g, num_tiles, start_n,
+                                    STAGES, BLOCK_M)
+                g += num_tiles
+        else:
+            _stream_query_tiles(descs, q_smem, do_smem, lse_smem, delta_smem, ready, empty, g, num_tiles, start_n,
+                                STAGES, BLOCK_M)
+            g += num_tiles
 
 
 @gluon.jit
@@ -458,10 +668,11 @@ def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
                               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
                               stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                               stride_lse, stride_delta, H, N, n_kblocks, acc_rows, acc_cols, acc_rows_b, acc_rows_h,
-                              acc_cols_h, qk_scale, sm_scale,
+                              acc_cols_h, qk_scale, sm_scale, group, IDS, stride_ids, window, steps,
                               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                               KV_BUFS: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                              PRODUCER_REGS: gl.constexpr, REDUCER_REGS: gl.constexpr):
+                              PRODUCER_REGS: gl.constexpr, REDUCER_REGS: gl.constexpr, GQA: gl.constexpr,
+                              WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """dK, dV of blocks of 128 keys of one (batch, head), causal, over the queries from the block's first key on, and
     each block's share of dQ for those queries, added into DQ_ACC; program p takes items WORK[WORK_START[p] :
     WORK_START[p+1]] (item = bh · n_kblocks + key block). DQ_ACC: fp32, one 2-D (acc_rows, acc_cols) array in which
@@ -470,7 +681,10 @@ def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
     (the model's layout). At head_dim 128 the consumers compute dQ themselves (a dQ warpgroup does not fit the
     register file beside two consumers holding dK and dV, 128 registers each; NOTES.md V) and REDUCER_REGS is unused.
     KV_BUFS: K/V buffers, 2 to load an item's keys during the last one's tail (head_dim 64 with many items per
-    program), else 1."""
+    program), else 1. H: query heads. GQA: an item's bh is b·(H / group) + h over the K/V heads (K, V, DK, DV), and
+    it sums its dK, dV over the query heads h·group ... h·group + group − 1 (Q, DO, LSE, DELTA, DQ_ACC). WINDOWED:
+    query i sees key j only if i − window < j; DOCS: only if IDS[b, i] == IDS[b, j] (IDS (B, N) non-decreasing,
+    rows stride_ids apart, searched in `steps` >= log2(N + 1) halvings). Without them the last five are unused."""
     dtype: gl.constexpr = Q.dtype.element_ty
     SPLIT_DQ: gl.constexpr = HEAD_DIM > 64
     DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_DQ else HEAD_DIM  # columns per dQ reduce-add
@@ -507,28 +721,31 @@ def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)
     fence_async_shared()
+    mask = (window, IDS, stride_ids, steps)  # read where WINDOWED or DOCS
 
     shared = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty, ds_smem,
               ds_ready, ds_free, DK, DV, H, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-              N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks)
+              N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks, mask, group)
     loads = (Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
              stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_lse, stride_delta, H, N,
              k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty,
-             WORK, WORK_START, n_kblocks)
+             WORK, WORK_START, n_kblocks, mask, group)
     dqs = (k_smem, ds_smem, dq_smem, kv_ready, kv_free, ds_ready, ds_free, dq_desc, N, H, acc_rows_b, acc_rows_h,
-           acc_cols_h, sm_scale, WORK, WORK_START, n_kblocks)
+           acc_cols_h, sm_scale, WORK, WORK_START, n_kblocks, mask, group)
     if SPLIT_DQ:
         gl.warp_specialize([(_dkdv_dq_split_consumer, (shared, dqs, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES,
-                                                       PERSISTENT)),
+                                                       PERSISTENT, GQA, WINDOWED, DOCS)),
                             (_dkdv_dq_split_consumer, (shared, dqs, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES,
-                                                       PERSISTENT)),
-                            (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES, PERSISTENT))],
+                                                       PERSISTENT, GQA, WINDOWED, DOCS)),
+                            (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES, PERSISTENT, GQA, WINDOWED, DOCS))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([(_dkdv_consumer, (shared, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES, PERSISTENT)),
-                            (_dkdv_consumer, (shared, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES, PERSISTENT)),
-                            (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES, PERSISTENT)),
-                            (_dq_reducer, (dqs, HEAD_DIM, BLOCK_M, PERSISTENT))],
+        gl.warp_specialize([(_dkdv_consumer, (shared, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES, PERSISTENT, GQA,
+                                              WINDOWED, DOCS)),
+                            (_dkdv_consumer, (shared, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES, PERSISTENT, GQA,
+                                              WINDOWED, DOCS)),
+                            (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES, PERSISTENT, GQA, WINDOWED, DOCS)),
+                            (_dq_reducer, (dqs, HEAD_DIM, BLOCK_M, PERSISTENT, GQA, WINDOWED, DOCS))],
                            [4, 1, 4], [CONSUMER_REGS, PRODUCER_REGS, REDUCER_REGS])
 
 
@@ -693,8 +910,11 @@ def key_block_costs(n: int, keys: int, block_m: int) -> tuple[float, ...]:
 
 def _launch_dkdvdq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
                    stride_delta: int, dk: Tensor, dv: Tensor, dq_acc: Tensor, sm_scale: float, qk_scale: float,
-                   block_m: int, stages: int, work: Tensor, work_start: Tensor, persistent: bool) -> None:
+                   block_m: int, stages: int, work: Tensor, work_start: Tensor, persistent: bool,
+                   window: int | None = None, document_ids: Tensor | None = None) -> None:
     B, H, N, D = q.shape
+    masks = window is not None or document_ids is not None
+    ids = work if document_ids is None else document_ids  # a placeholder pointer where there are no documents
     if dq_acc.is_contiguous():  # (B·H·N, D) rows
         acc_shape, acc_steps = (B * H * N, D), (H * N, N, 0)
     elif dq_acc.transpose(1, 2).is_contiguous():  # (B·N, H·D) rows
@@ -705,10 +925,12 @@ def _launch_dkdvdq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, str
     dkdvdq_kernel[(work_start.numel() - 1,)](
         q, k, v, do, lse, delta, dk, dv, dq_acc, work, work_start, *strides3(q), *strides3(k), *strides3(v),
         *strides3(do), *strides3(dk), *strides3(dv), stride_lse, stride_delta, H, N, n_kblocks, *acc_shape,
-        *acc_steps, qk_scale, sm_scale, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
+        *acc_steps, qk_scale, sm_scale, H // k.shape[1], ids, 0 if document_ids is None else document_ids.stride(0),
+        window or 0, N.bit_length() if masks else 0, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
         KV_BUFS=2 if persistent and D == 64 else 1, PERSISTENT=persistent,
         CONSUMER_REGS=SPLIT_CONSUMER_REGS if D > 64 else FUSED_CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, REDUCER_REGS=REDUCER_REGS, num_warps=4)
+        PRODUCER_REGS=PRODUCER_REGS, REDUCER_REGS=REDUCER_REGS, GQA=k.shape[1] != H, WINDOWED=window is not None,
+        DOCS=document_ids is not None, num_warps=4)
 
 
 def launch_dkdv_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
@@ -739,6 +961,22 @@ def launch_dkdv_dq_persistent(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
     work, work_start = device_schedule(B * H, costs, programs, q.device)
     _launch_dkdvdq(do, q, k, v, lse, stride_lse, delta, stride_delta, dk, dv, dq_acc, sm_scale, qk_scale, block_m,
                    stages, work, work_start, persistent=True)
+
+
+def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
+                          stride_delta: int, dk: Tensor, dv: Tensor, dq_acc: Tensor, sm_scale: float, qk_scale: float,
+                          block_m: int, stages: int, window: int | None, document_ids: Tensor | None) -> None:
+    """launch_dkdv_dq's contract with GQA (k, v, dk, dv with H / group heads: dK, dV of a K/V head sum over its
+    group's query heads, in one program per key block) and the masks: `window` (query i sees key j only if
+    i − window < j) and `document_ids` ((B, N) int32/int64, non-decreasing, rows with a contiguous last dimension;
+    only keys of the query's document), as a plain grid (the query tiles per key block depend on the ids, so no work
+    list is balanced on the host). Each key block visits only the query tiles that see its keys, found on the
+    device; lse and delta are the query heads' rows."""
+    B, H, N, _ = q.shape
+    n_kblocks = -(-N // (CONSUMERS.value * TILE.value))
+    work, work_start = device_one_each(B * k.shape[1], tuple(range(n_kblocks)), q.device)
+    _launch_dkdvdq(do, q, k, v, lse, stride_lse, delta, stride_delta, dk, dv, dq_acc, sm_scale, qk_scale, block_m,
+                   stages, work, work_start, persistent=False, window=window, document_ids=document_ids)
 
 
 def launch_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,

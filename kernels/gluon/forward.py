@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, head_rows, mma_layout, program_items,
-                                          tma_load)
+                                          search_ids, tma_load)
 from minigpt_kernels.gluon.schedule import device_one_each, device_schedule, sm_count
 
 ROWS_PER_CONSUMER = gl.constexpr(64)  # query rows per consumer warpgroup: the M of one wgmma
@@ -172,27 +172,6 @@ def consumers_can_stop_early(consumers: int, block_n: int) -> bool:
 
 
 @gluon.jit
-def _search(ids, n, target, steps, AFTER: gl.constexpr):
-    """The first index j in [0, n) of the non-decreasing ids with ids[j] > target (AFTER) or ids[j] >= target (n if
-    none): a binary search of `steps` >= log2(n + 1) halvings, one scalar load each, on the device (no host sync)."""
-    lo = n * 0
-    hi = n
-    for _ in range(steps):
-        if lo < hi:
-            mid = (lo + hi) // 2
-            val = gl.load(ids + mid)
-            if AFTER:
-                right = val <= target
-            else:
-                right = val < target
-            if right:
-                lo = mid + 1
-            else:
-                hi = mid
-    return lo
-
-
-@gluon.jit
 def _key_span(first, last, mask, N, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """The keys of causal query rows first..last under the masks: [lo, hi) holds every key one of them sees, [a, b)
     the keys all of them see. Each row sees an interval of keys whose ends never decrease with the row (the window's
@@ -209,10 +188,10 @@ def _key_span(first, last, mask, N, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
         ids = mask[2]
         doc_first = gl.load(ids + first)
         doc_last = gl.load(ids + last)
-        lo = gl.maximum(lo, _search(ids, N, doc_first, mask[3], False))
-        hi = gl.minimum(hi, _search(ids, N, doc_last, mask[3], True))
-        a = gl.maximum(a, _search(ids, N, doc_last, mask[3], False))
-        b = gl.minimum(b, _search(ids, N, doc_first, mask[3], True))
+        lo = gl.maximum(lo, search_ids(ids, N, doc_first, mask[3], False))
+        hi = gl.minimum(hi, search_ids(ids, N, doc_last, mask[3], True))
+        a = gl.maximum(a, search_ids(ids, N, doc_last, mask[3], False))
+        b = gl.minimum(b, search_ids(ids, N, doc_first, mask[3], True))
     return lo, hi, a, b
 
 
