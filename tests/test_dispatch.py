@@ -133,7 +133,8 @@ def test_every_row_says_why_and_keeps_the_kernels_tiling():
         assert c.maxnreg is None or (24 <= c.maxnreg <= 255 and c.maxnreg % 8 == 0), e
         assert not c.specialized or (e.when in ("sm90", "sm90-masks") and set(e.head_dims) <= {64, 128}), e
         assert e.when in ("interpreter", "fp32", "non-causal", "sm90", "sm90-masks", "causal", "any"), e
-        assert (e.when == "sm90-masks") <= (e.masks and e.kernel == "fwd"), e  # the masked Gluon kernel: forward
+        # the masked Gluon kernels: the forward and the five-matmul backward
+        assert (e.when == "sm90-masks") <= (e.masks and e.kernel in ("fwd", "dkdvdq")), e
 
 
 @pytest.mark.parametrize("kernel", ["fwd", "dq", "dkdv"])

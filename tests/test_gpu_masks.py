@@ -184,3 +184,66 @@ def test_the_masked_gluon_forward_matches_float32_and_the_triton_path(N, Hq, Hkv
     assert torch.isfinite(o).all()
     assert rel_err(o.float(), ref) < TOL[torch.bfloat16], (N, window, docs)
     assert rel_err(o.float(), o_triton.float()) < TOL[torch.bfloat16], (N, window, docs)
+
+
+# (N, Hq, Hkv, D, window, documents, layout, split): odd lengths, windows of 1 to wider than N, documents of one
+# token, ragged or one, GQA groups 1, 2, 4 and one K/V head; "rows": q, k, v head-transposed views of one
+# (B, N, Hq + 2·Hkv, D) leaf (the model's), "heads": contiguous (B, H, N, D) leaves; split: a dQ accumulator cap of
+# two heads, so the backward runs in head groups (whole GQA groups each)
+BACKWARD_CASES = [
+    (777, 4, 4, 64, None, "ragged", "rows", False), (4100, 4, 2, 64, 100, "ragged", "rows", True),
+    (8192, 8, 2, 128, 1000, "none", "rows", True), (4096, 4, 1, 64, 1, "none", "heads", False),
+    (5000, 4, 4, 128, None, "tokens", "rows", False), (4096, 4, 4, 64, None, "one", "rows", False),
+    (3000, 2, 2, 64, 5000, "none", "heads", False), (6000, 6, 3, 128, 300, "ragged", "heads", False),
+    (2048, 4, 4, 64, 129, "none", "rows", False), (1000, 8, 2, 128, 64, "ragged", "rows", False),
+    (3001, 4, 1, 128, 2, "tokens", "rows", False), (2500, 8, 2, 64, 700, "one", "rows", False)]
+
+
+@pytest.mark.skipif(not HOPPER, reason="the masked Gluon backward is written for sm_90 (wgmma)")
+@pytest.mark.parametrize("N, Hq, Hkv, D, window, docs, layout, split", BACKWARD_CASES,
+                         ids=[f"n{n}-h{a}/{b}-d{d}-w{w}-{doc}-{lay}{'-split' if s else ''}"
+                              for n, a, b, d, w, doc, lay, s in BACKWARD_CASES])
+def test_the_masked_gluon_backward_matches_float32_and_the_triton_path(N, Hq, Hkv, D, window, docs, layout, split,
+                                                                       monkeypatch):
+    """Causal masked and GQA calls of a sequence against itself run the five-matmul Gluon backward on sm_90 (each key
+    block over the query tiles that see it, dK/dV summed over the GQA group in one program): its gradients against
+    float32 masked SDPA's and against the forced Triton path's (the seven-matmul backward)."""
+    gluon_backward = launch.gluon_backward
+    ran = []
+    real = gluon_backward.launch_dkdv_dq_masked
+    monkeypatch.setattr(gluon_backward, "launch_dkdv_dq_masked", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    B = 2
+    if split:  # two heads' fp32 dQ accumulator per launch, rounded up to whole GQA groups
+        monkeypatch.setattr(launch, "FUSED_DQ_ACC_BYTES", 2 * B * N * D * 4)
+    qkv, q, k, v = qkv_rows(B, N, Hq, Hkv, D, torch.bfloat16, seed=N + D + Hkv)
+    if layout == "heads":
+        q, k, v = (t.detach().contiguous().requires_grad_() for t in (q, k, v))
+        leaves = (q, k, v)
+    else:
+        leaves = (qkv,)
+    ids = documents(docs, B, N, seed=N)
+    do = torch.randn(q.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(N)).bfloat16()
+
+    def grads():  # (dq, dk, dv) as (B, heads, N, D)
+        o = flash_attention(q, k, v, causal=True, window=window, document_ids=ids)
+        got = torch.autograd.grad(o, leaves, do)
+        if layout == "heads":
+            return got
+        return tuple(t.transpose(1, 2) for t in got[0].split((Hq, Hkv, Hkv), dim=2))
+
+    gluon = grads()
+    launches = len(ran)
+    monkeypatch.setenv("MINIGPT_FLASH_PATH", "triton")
+    triton = grads()
+    group = Hq // Hkv
+    assert launches == (-(-Hq // max(group, 2 // group * group)) if split else 1) and len(ran) == launches, \
+        "the masked call did not run the Gluon backward (or the Triton path did)"
+
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    visible = visible_mask(N, N, causal=True, window=window, q_ids=None if ids is None else ids.cpu(),
+                           k_ids=None if ids is None else ids.cpu())
+    refs = torch.autograd.grad(sdpa_reference(q32, k32, v32, visible), (q32, k32, v32), do.float())
+    for name, got, tri, ref in zip(("dq", "dk", "dv"), gluon, triton, refs):
+        assert torch.isfinite(got).all(), name
+        assert rel_err(got.float(), ref) < TOL[torch.bfloat16], (name, N, window, docs)
+        assert rel_err(got.float(), tri.float()) < TOL[torch.bfloat16], (name, N, window, docs)

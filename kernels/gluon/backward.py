@@ -29,14 +29,24 @@ Two kernels, each splitting its warps by role (`gl.warp_specialize`) like the pi
   issued and dS_j is computed while the dQ matmul runs. Each consumer also writes its rows' delta for the Triton
   dK/dV kernel.
 
+Masks and GQA (`launch_dkdv_dq_masked`, a plain grid; the same kernel with the constexprs GQA, WINDOWED, DOCS, which
+leave the dense code as it was): query i sees key j iff j <= i < end_j, end_j = min(j + window, the end of j's
+document), so each key block [start_n, start_n + 128) is seen by the queries [start_n, end of its last key), found on
+the device by a binary search over the non-decreasing document ids, and visits only those query tiles. A tile runs
+without the elementwise mask where every row of it sees every key of the consumer (past its last key and below
+end_key0). With GQA an item is a K/V head's key block: its roles walk the group's query heads in turn through the same
+ring (counters run on), the producer remaking the Q/dO/LSE/delta descriptors per query head once the copies through
+the old ones have landed, so dK and dV sum over the group in registers and no per-query-head K/V copy exists.
+
 The consumers run free: ordering their matmuls by turns (as the forward does) was 5–12% slower here, since each step
 already holds four (dK/dV) or three (dQ) matmuls against one exponential per score. Every matmul is retired within
 its step (a wgmma result in flight at the loop's back-edge makes ptxas serialize them all, NOTES.md F). The register
 file is split by role (setmaxnreg).
 
-Scope: causal, fp16/bf16, head_dim 64 or 128 (dK/dV/dQ; the dQ kernel at 128), one length for queries and keys, TMA-aligned inputs,
-sm_90; the dK/dV/dQ kernel reads LSE and delta rows through TMA, so their starts must be 16-byte aligned.
-dispatch.py's table picks these kernels; launch.py falls back to the Triton kernels otherwise.
+Scope: causal, fp16/bf16, head_dim 64 or 128 (dK/dV/dQ; the dQ kernel at 128), one length for queries and keys (the
+dK/dV/dQ kernel: windows, document ids and GQA too), TMA-aligned inputs, sm_90; the dK/dV/dQ kernel reads LSE and
+delta rows through TMA, so their starts must be 16-byte aligned. dispatch.py's table picks these kernels; launch.py
+falls back to the Triton kernels otherwise.
 """
 from __future__ import annotations
 
@@ -83,21 +93,32 @@ def _pT_dsT(sT, dpT, lse_smem, delta_smem, keys, rows, masked, qk_scale, dtype: 
     """Pᵀ and dSᵀ of one tile (keys × queries) from Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, rounded to the input dtype. Rows past N
     read LSE = 0 and delta = 0 (TMA zero fill), so Pᵀ = 1 there; their Q and dO rows are 0 too, so they add exactly 0
     to dV (Pᵀ dO), and dSᵀ = Pᵀ ∘ (V dOᵀ − delta) = 0 adds 0 to dK and dQ, whatever the mask says of them.
-    tmask = (window, the keys' document ids, the batch's ids, N, -) where WINDOWED or DOCS (_tile_mask)."""
+    tmask = (span, -, ONE_COMPARE) where WINDOWED or DOCS (_tile_mask): query i sees key j iff j <= i < j + span_j."""
     col_layout: gl.constexpr = gl.SliceLayout(0, sT.type.layout)
     # Pᵀ = exp2(K Qᵀ · scale·log2e − LSE)
     pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse_smem.load(col_layout), 0))
     if masked:  # a tile where some query i misses some key j of this consumer: P_ij = 0 there
-        visible = gl.expand_dims(rows, 0) >= gl.expand_dims(keys, 1)  # causal: i >= j
-        if WINDOWED:  # i − window < j
-            visible = visible & (gl.expand_dims(rows, 0) - gl.expand_dims(keys, 1) < tmask[0])
-        if DOCS:  # ids[i] == ids[j] (rows past N read −1, keys past N −2: no pair of them is visible)
-            row_doc = gl.load(tmask[2] + rows, mask=rows < tmask[3], other=-1)
-            visible = visible & (gl.expand_dims(row_doc, 0) == gl.expand_dims(tmask[1], 1))
+        if WINDOWED or DOCS:  # causal, the window and the document: j <= i < j + span_j
+            if tmask[2]:  # as one unsigned compare: 0 <= i − j < span_j
+                d = gl.expand_dims(rows, 0) - gl.expand_dims(keys, 1)
+                visible = d.to(gl.uint32, bitcast=True) < _expand_span(tmask[0]).to(gl.uint32, bitcast=True)
+            else:
+                visible = (gl.expand_dims(rows, 0) >= gl.expand_dims(keys, 1)) & \
+                    (gl.expand_dims(rows, 0) < gl.expand_dims(keys, 1) + _expand_span(tmask[0]))
+        else:  # causal: i >= j
+            visible = gl.expand_dims(rows, 0) >= gl.expand_dims(keys, 1)
         pT = gl.where(visible, pT, 0.0)
     # dSᵀ = Pᵀ ∘ (dPᵀ − delta)
     dsT = pT * (dpT - gl.expand_dims(delta_smem.load(col_layout), 0))
     return pT.to(dtype), dsT.to(dtype)
+
+
+@gluon.jit
+def _expand_span(span):
+    """_tile_mask's span (a scalar: the window; or one per key), broadcastable over a tile's columns."""
+    if isinstance(span, gl.tensor) and span.type.is_block():
+        span = gl.expand_dims(span, 1)
+    return span
 
 
 @gluon.jit
@@ -333,32 +354,55 @@ def _key_block(WORK, index, n_kblocks, N, BLOCK_M: gl.constexpr, heads, mask, WI
 
 
 @gluon.jit
+def _document_ends(ids, keys, N, steps):
+    """The end of each key j's document, the first index after j whose id is larger (N if none; N for keys past N):
+    a binary search per key (`steps` >= log2(N + 1) halvings, one load of an id per key each), from j + 1 on."""
+    inside = keys < N
+    target = gl.load(ids + keys, mask=inside, other=0)
+    lo = gl.where(inside, keys + 1, N)
+    hi = keys * 0 + N
+    for _ in range(steps):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        right = gl.load(ids + mid, mask=active, other=0) <= target  # ids[mid] still in j's document
+        lo = gl.where(active & right, mid + 1, lo)
+        hi = gl.where(active & (right == 0), mid, hi)
+    return lo
+
+
+@gluon.jit
 def _tile_mask(mask, bh, heads, key0, keys, start_n, N, BLOCK_M: gl.constexpr, WINDOWED: gl.constexpr,
-               DOCS: gl.constexpr):
+               DOCS: gl.constexpr, ONE_COMPARE: gl.constexpr):
     """What _pT_dsT and _masked_tile read for one consumer's keys key0 ... key0 + 63 of the item (bh, start_n):
-    (window, the keys' document ids, the batch's ids, N, full_tiles), full_tiles the query tiles (from the block's
-    first) whose rows (those before N) all see every one of these keys under the window and the documents: rows
-    i < key0 + window (i − window < key0 <= j), and, if the keys' first and last share a document, rows before its
-    end (i >= key0 is in it then); if they do not, no row. Unused placeholders without masks."""
+    (span, full_tiles, ONE_COMPARE). Key j is seen by the queries j <= i < end_j = j + span_j, end_j = min(j +
+    window, the end of j's document) (span: the window alone without documents; 0 for keys past N). Ends never
+    decrease with j, so every query i >= key0 + 63 (the causal part, _masked_tile's) with i < end_key0 sees all
+    these keys; full_tiles counts the query tiles (from the block's first) whose rows before N all lie below
+    end_key0.
+    ONE_COMPARE: _pT_dsT tests j <= i < j + span_j as one unsigned compare of i − j (at head_dim 128, where with two
+    compares ptxas packs the tile's predicates into bits, 147 LOP3 and 810 instructions a tile against 634; at 64
+    the two compares give the shorter loop: 512 and 472 against 625 and 432, triton 3.9). Unused placeholders
+    without masks."""
     if WINDOWED or DOCS:
-        ids = _batch_ids(mask, (bh // heads).to(gl.int64), DOCS)
-        full_end = N  # rows below this see every key (the causal part is _masked_tile's)
-        if WINDOWED:
-            full_end = gl.minimum(full_end, key0 + mask[0])
-        if DOCS:
-            doc_first = gl.load(ids + gl.minimum(key0, N - 1))
-            doc_last = gl.load(ids + gl.minimum(key0 + TILE - 1, N - 1))
-            doc_end = search_ids(ids, N, doc_first, mask[3], True)
-            full_end = gl.where(doc_first == doc_last, gl.minimum(full_end, doc_end), 0)
-            key_ids = gl.load(ids + keys, mask=keys < N, other=-2)
-        else:
-            key_ids = keys  # not read
+        if WINDOWED:  # i − window < j  ⇔  i < j + window
+            span = mask[0]
+            full_end = gl.minimum(key0 + mask[0], N)
+        if DOCS:  # ids[i] == ids[j] with i >= j  ⇔  i < the end of j's document
+            ids = _batch_ids(mask, (bh // heads).to(gl.int64), DOCS)
+            doc_span = gl.maximum(_document_ends(ids, keys, N, mask[3]) - keys, 0)
+            doc_end = search_ids(ids, N, gl.load(ids + gl.minimum(key0, N - 1)), mask[3], True)
+            if WINDOWED:
+                span = gl.minimum(doc_span, span)
+                full_end = gl.minimum(full_end, doc_end)
+            else:
+                span = doc_span
+                full_end = doc_end
         # tile t holds rows start_n + t·BLOCK_M ... + BLOCK_M − 1, clipped to N: all are full if full_end reaches N
         full_tiles = gl.where(full_end >= N, gl.cdiv(N - start_n, BLOCK_M),
                               gl.maximum(full_end - start_n, 0) // BLOCK_M)
-        tmask = (mask[0], key_ids, ids, N, full_tiles)
+        tmask = (span, full_tiles, ONE_COMPARE)
     else:
-        tmask = (0, 0, 0, 0, 0)
+        tmask = (0, 0, ONE_COMPARE)
     return tmask
 
 
@@ -369,7 +413,7 @@ def _masked_tile(t, MASKED_TILES: gl.constexpr, tmask, MASKS: gl.constexpr):
     keys by the window or the documents (t >= full_tiles, _tile_mask)."""
     masked = t < MASKED_TILES
     if MASKS:
-        masked = masked | (t >= tmask[4])
+        masked = masked | (t >= tmask[1])
     return masked
 
 
@@ -436,7 +480,7 @@ def _dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl
         key0 = start_n + ME * TILE
         keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
         cols = start_n + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-        tmask = _tile_mask(mask, bh, heads, key0, keys, start_n, N, BLOCK_M, WINDOWED, DOCS)
+        tmask = _tile_mask(mask, bh, heads, key0, keys, start_n, N, BLOCK_M, WINDOWED, DOCS, False)
         dk = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
         dv = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
         k = k_smem.index(buf * CONSUMERS + ME)
@@ -490,7 +534,7 @@ def _dkdv_dq_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.constexp
         key0 = start_n + ME * TILE
         keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
         cols = start_n + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-        tmask = _tile_mask(mask, bh, heads, key0, keys, start_n, N, BLOCK_M, WINDOWED, DOCS)
+        tmask = _tile_mask(mask, bh, heads, key0, keys, start_n, N, BLOCK_M, WINDOWED, DOCS, True)
         if not GQA:  # the item's first query in the accumulator
             row0 = (bh // heads) * acc_rows_b + (bh % heads) * acc_rows_h + start_n
             col = (bh % heads) * acc_cols_h + ME * HALF
