@@ -1,7 +1,8 @@
 """GPU-only checks of sliding windows, document ids and GQA in our FlashAttention (issue 33; python -m pytest -m gpu
 tests/test_gpu_masks.py): bf16/fp16 at 4K-16K tokens against a float32 masked SDPA reference (outputs and gradients),
 the launchers' block form at offsets, deterministic mode, and torch.compile(fullgraph=True) of a function that
-passes document_ids (no graph break: the tile spans are found on the device). The CPU twin is tests/test_flash_masks.py.
+passes document_ids (no graph break: the tile spans are found on the device); on sm_90 the masked Gluon forward and
+five-matmul backward against float32 and the forced Triton path. The CPU twin is tests/test_flash_masks.py.
 """
 import importlib
 
