@@ -31,10 +31,11 @@ Two kernels, each splitting its warps by role (`gl.warp_specialize`) like the pi
 
 Masks and GQA (`launch_dkdv_dq_masked`, a plain grid; the same kernel with the constexprs GQA, WINDOWED, DOCS, which
 leave the dense code as it was): query i sees key j iff j <= i < end_j, end_j = min(j + window, the end of j's
-document), so each key block [start_n, start_n + 128) is seen by the queries [start_n, end of its last key), found on
-the device by a binary search over the non-decreasing document ids, and visits only those query tiles. A tile runs
-without the elementwise mask where every row of it sees every key of the consumer (past its last key and below
-end_key0). With GQA an item is a K/V head's key block: its roles walk the group's query heads in turn through the same
+document), so each key block [start_n, start_n + 128) is seen by the queries [start_n, end of its last key) and
+visits only those query tiles. The documents' ends come from one binary search per token on the device before the
+launch (torch.searchsorted of the non-decreasing ids: no host sync), so the kernel reads them with one load per key
+instead of searching per item. A tile runs without the elementwise mask where every row of it sees every key of the
+consumer (past its last key and below end_key0). With GQA an item is a K/V head's key block: its roles walk the group's query heads in turn through the same
 ring (counters run on), the producer remaking the Q/dO/LSE/delta descriptors per query head once the copies through
 the old ones have landed, so dK and dV sum over the group in registers and no per-query-head K/V copy exists.
 
@@ -52,6 +53,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from torch import Tensor
 from triton._C.libtriton import ir
 from triton.experimental import gluon
@@ -62,7 +64,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from minigpt_kernels.device import strides3
 from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, head_rows, mma_layout, program_items,
-                                          search_ids, tma_load)
+                                          tma_load)
 from minigpt_kernels.gluon.schedule import device_one_each, device_schedule, sm_count
 
 TILE = gl.constexpr(64)  # keys (dK/dV) or query rows (dQ) per consumer warpgroup: the M of one wgmma
@@ -312,17 +314,18 @@ def _item_heads(H, group, GQA: gl.constexpr):
 
 
 @gluon.jit
-def _batch_ids(mask, b, DOCS: gl.constexpr):
-    """Batch b's document ids (mask = (window, IDS, stride_ids, steps)); IDS itself without DOCS (never read)."""
+def _batch_ends(mask, b, DOCS: gl.constexpr):
+    """Batch b's row of document ends (mask = (window, DOC_ENDS, stride_ends)); DOC_ENDS itself without DOCS (never
+    read)."""
     if DOCS:
-        ids = mask[1] + b * mask[2]
+        ends = mask[1] + b * mask[2]
     else:
-        ids = mask[1]
-    return ids
+        ends = mask[1]
+    return ends
 
 
 @gluon.jit
-def _query_end(start_n, N, mask, ids, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
+def _query_end(start_n, N, mask, ends, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """The end of the queries that see a key of the block from start_n. Query i sees key j iff j <= i (causal),
     i < j + window (WINDOWED: i − window < j), and i lies before the end of j's document (DOCS); each bound grows
     with j, so the block's last key j gives the block's: min(N, j + window, the end of j's document). Every key
@@ -332,8 +335,9 @@ def _query_end(start_n, N, mask, ids, WINDOWED: gl.constexpr, DOCS: gl.constexpr
     end = N
     if WINDOWED:
         end = gl.minimum(end, last + mask[0])
-    if DOCS:  # the first query after the last key's document: a binary search over the non-decreasing ids
-        end = gl.minimum(end, search_ids(ids, N, gl.load(ids + last), mask[3], True))
+    if DOCS:  # the first query after the last key's document (at least last + 1 also for ids that decrease,
+        # which the contract excludes: every role must take the same tiles, >= 1, or the pipeline would hang)
+        end = gl.minimum(end, gl.maximum(gl.load(ends + last), last + 1))
     return end
 
 
@@ -346,28 +350,11 @@ def _key_block(WORK, index, n_kblocks, N, BLOCK_M: gl.constexpr, heads, mask, WI
     start_n = (item % n_kblocks) * (CONSUMERS * TILE)
     bh = item // n_kblocks
     if WINDOWED or DOCS:
-        ids = _batch_ids(mask, (bh // heads).to(gl.int64), DOCS)
-        num_tiles = gl.cdiv(_query_end(start_n, N, mask, ids, WINDOWED, DOCS) - start_n, BLOCK_M)
+        ends = _batch_ends(mask, (bh // heads).to(gl.int64), DOCS)
+        num_tiles = gl.cdiv(_query_end(start_n, N, mask, ends, WINDOWED, DOCS) - start_n, BLOCK_M)
     else:
         num_tiles = gl.cdiv(N - start_n, BLOCK_M)
     return bh, start_n, num_tiles
-
-
-@gluon.jit
-def _document_ends(ids, keys, N, steps):
-    """The end of each key j's document, the first index after j whose id is larger (N if none; N for keys past N):
-    a binary search per key (`steps` >= log2(N + 1) halvings, one load of an id per key each), from j + 1 on."""
-    inside = keys < N
-    target = gl.load(ids + keys, mask=inside, other=0)
-    lo = gl.where(inside, keys + 1, N)
-    hi = keys * 0 + N
-    for _ in range(steps):
-        active = lo < hi
-        mid = (lo + hi) // 2
-        right = gl.load(ids + mid, mask=active, other=0) <= target  # ids[mid] still in j's document
-        lo = gl.where(active & right, mid + 1, lo)
-        hi = gl.where(active & (right == 0), mid, hi)
-    return lo
 
 
 @gluon.jit
@@ -379,18 +366,19 @@ def _tile_mask(mask, bh, heads, key0, keys, start_n, N, BLOCK_M: gl.constexpr, W
     decrease with j, so every query i >= key0 + 63 (the causal part, _masked_tile's) with i < end_key0 sees all
     these keys; full_tiles counts the query tiles (from the block's first) whose rows before N all lie below
     end_key0.
-    ONE_COMPARE: _pT_dsT tests j <= i < j + span_j as one unsigned compare of i − j (at head_dim 128, where with two
-    compares ptxas packs the tile's predicates into bits, 147 LOP3 and 810 instructions a tile against 634; at 64
-    the two compares give the shorter loop: 512 and 472 against 625 and 432, triton 3.9). Unused placeholders
-    without masks."""
+    ONE_COMPARE: _pT_dsT tests j <= i < j + span_j as one unsigned compare of i − j: at head_dim 128, where with two
+    compares ptxas packs the tile's predicates into bits (147 LOP3, 807 instructions a tile against 632); at 64 the
+    two compares spill less (21 STL in the kernel against 119, loops of 487 and 473 against 474 and 432 with 16
+    LDL; triton 3.9).
+    Unused placeholders without masks."""
     if WINDOWED or DOCS:
         if WINDOWED:  # i − window < j  ⇔  i < j + window
             span = mask[0]
             full_end = gl.minimum(key0 + mask[0], N)
         if DOCS:  # ids[i] == ids[j] with i >= j  ⇔  i < the end of j's document
-            ids = _batch_ids(mask, (bh // heads).to(gl.int64), DOCS)
-            doc_span = gl.maximum(_document_ends(ids, keys, N, mask[3]) - keys, 0)
-            doc_end = search_ids(ids, N, gl.load(ids + gl.minimum(key0, N - 1)), mask[3], True)
+            ends = _batch_ends(mask, (bh // heads).to(gl.int64), DOCS)
+            doc_span = gl.maximum(gl.load(ends + keys, mask=keys < N, other=0) - keys, 0)
+            doc_end = gl.load(ends + gl.minimum(key0, N - 1))
             if WINDOWED:
                 span = gl.minimum(doc_span, span)
                 full_end = gl.minimum(full_end, doc_end)
@@ -712,7 +700,7 @@ def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
                               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
                               stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                               stride_lse, stride_delta, H, N, n_kblocks, acc_rows, acc_cols, acc_rows_b, acc_rows_h,
-                              acc_cols_h, qk_scale, sm_scale, group, IDS, stride_ids, window, steps,
+                              acc_cols_h, qk_scale, sm_scale, group, DOC_ENDS, stride_ends, window,
                               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                               KV_BUFS: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                               PRODUCER_REGS: gl.constexpr, REDUCER_REGS: gl.constexpr, GQA: gl.constexpr,
@@ -727,8 +715,9 @@ def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
     KV_BUFS: K/V buffers, 2 to load an item's keys during the last one's tail (head_dim 64 with many items per
     program), else 1. H: query heads. GQA: an item's bh is b·(H / group) + h over the K/V heads (K, V, DK, DV), and
     it sums its dK, dV over the query heads h·group ... h·group + group − 1 (Q, DO, LSE, DELTA, DQ_ACC). WINDOWED:
-    query i sees key j only if i − window < j; DOCS: only if IDS[b, i] == IDS[b, j] (IDS (B, N) non-decreasing,
-    rows stride_ids apart, searched in `steps` >= log2(N + 1) halvings). Without them the last five are unused."""
+    query i sees key j only if i − window < j; DOCS: only if both lie in one document, i.e. (i >= j) i < DOC_ENDS[b,
+    j], the end of j's document (B, N) int32, rows stride_ends apart (launch_dkdv_dq_masked finds them from the
+    ids). Without them the last four are unused."""
     dtype: gl.constexpr = Q.dtype.element_ty
     SPLIT_DQ: gl.constexpr = HEAD_DIM > 64
     DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_DQ else HEAD_DIM  # columns per dQ reduce-add
@@ -765,7 +754,7 @@ def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)
     fence_async_shared()
-    mask = (window, IDS, stride_ids, steps)  # read where WINDOWED or DOCS
+    mask = (window, DOC_ENDS, stride_ends)  # read where WINDOWED or DOCS
 
     shared = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty, ds_smem,
               ds_ready, ds_free, DK, DV, H, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
@@ -957,8 +946,10 @@ def _launch_dkdvdq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, str
                    block_m: int, stages: int, work: Tensor, work_start: Tensor, persistent: bool,
                    window: int | None = None, document_ids: Tensor | None = None) -> None:
     B, H, N, D = q.shape
-    masks = window is not None or document_ids is not None
-    ids = work if document_ids is None else document_ids  # a placeholder pointer where there are no documents
+    if document_ids is None:
+        ends = work  # a placeholder pointer where there are no documents
+    else:  # the end of each token's document: the first index whose id is larger (a binary search per token)
+        ends = torch.searchsorted(document_ids, document_ids, right=True, out_int32=True)
     if dq_acc.is_contiguous():  # (B·H·N, D) rows
         acc_shape, acc_steps = (B * H * N, D), (H * N, N, 0)
     elif dq_acc.transpose(1, 2).is_contiguous():  # (B·N, H·D) rows
@@ -969,8 +960,8 @@ def _launch_dkdvdq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, str
     dkdvdq_kernel[(work_start.numel() - 1,)](
         q, k, v, do, lse, delta, dk, dv, dq_acc, work, work_start, *strides3(q), *strides3(k), *strides3(v),
         *strides3(do), *strides3(dk), *strides3(dv), stride_lse, stride_delta, H, N, n_kblocks, *acc_shape,
-        *acc_steps, qk_scale, sm_scale, H // k.shape[1], ids, 0 if document_ids is None else document_ids.stride(0),
-        window or 0, N.bit_length() if masks else 0, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
+        *acc_steps, qk_scale, sm_scale, H // k.shape[1], ends, ends.stride(0) if document_ids is not None else 0,
+        window or 0, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
         KV_BUFS=2 if persistent and D == 64 else 1, PERSISTENT=persistent,
         CONSUMER_REGS=SPLIT_CONSUMER_REGS if D > 64 else FUSED_CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, REDUCER_REGS=REDUCER_REGS, GQA=k.shape[1] != H, WINDOWED=window is not None,
@@ -1015,7 +1006,8 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
     i − window < j) and `document_ids` ((B, N) int32/int64, non-decreasing, rows with a contiguous last dimension;
     only keys of the query's document), as a plain grid (the query tiles per key block depend on the ids, so no work
     list is balanced on the host). Each key block visits only the query tiles that see its keys, found on the
-    device; lse and delta are the query heads' rows."""
+    device (each token's document end by torch.searchsorted, then one load per key); lse and delta are the query
+    heads' rows."""
     B, H, N, _ = q.shape
     n_kblocks = -(-N // (CONSUMERS.value * TILE.value))
     work, work_start = device_one_each(B * k.shape[1], tuple(range(n_kblocks)), q.device)
