@@ -35,9 +35,10 @@ document), so each key block [start_n, start_n + 128) is seen by the queries [st
 visits only those query tiles. The documents' ends come from one binary search per token on the device before the
 launch (torch.searchsorted of the non-decreasing ids: no host sync), so the kernel reads them with one load per key
 instead of searching per item. A tile runs without the elementwise mask where every row of it sees every key of the
-consumer (past its last key and below end_key0). With GQA an item is a K/V head's key block: its roles walk the group's query heads in turn through the same
-ring (counters run on), the producer remaking the Q/dO/LSE/delta descriptors per query head once the copies through
-the old ones have landed, so dK and dV sum over the group in registers and no per-query-head K/V copy exists.
+consumer (past its last key and below end_key0). With GQA an item is a K/V head's key block: its roles walk the
+group's query heads in turn through the same ring (counters run on), the producer remaking the Q/dO/LSE/delta
+descriptors per query head once the copies through the old ones have landed, so dK and dV sum over the group in
+registers and no per-query-head K/V copy exists.
 
 The consumers run free: ordering their matmuls by turns (as the forward does) was 5–12% slower here, since each step
 already holds four (dK/dV) or three (dQ) matmuls against one exponential per score. Every matmul is retired within
