@@ -51,7 +51,7 @@ def _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale, mask, WINDO
                     DOCS: gl.constexpr):
     """Fold one tile of scores into the running row max m and row sum l (base 2). Returns (p, α, m_new, l_new):
     p = exp2(s·scale − m_new) are the tile's unnormalized probabilities, α = exp2(m_old − m_new) rescales what was
-    accumulated under the old max. `mask` = (window, the rows' document ids, the sequence's ids, N) where WINDOWED
+    accumulated under the old max. `mask` = (window, the rows' document ids, the sequence's ids, steps, N) where WINDOWED
     or DOCS; a masked tile may then leave a row with no key seen yet (its max stays −inf)."""
     if masked:  # keys after the row (and so keys past the end), out of the window or of the row's document: p = 0
         keys = key0 + cols
@@ -59,7 +59,7 @@ def _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale, mask, WINDO
         if WINDOWED:  # keys i − window < j
             visible = visible & (gl.expand_dims(rows, 1) - gl.expand_dims(keys, 0) < mask[0])
         if DOCS:
-            key_doc = gl.load(mask[2] + keys, mask=keys < mask[3], other=-2)
+            key_doc = gl.load(mask[2] + keys, mask=keys < mask[4], other=-2)
             visible = visible & (gl.expand_dims(mask[1], 1) == gl.expand_dims(key_doc, 0))
         s = gl.where(visible, s, float("-inf"))
     # m_new = max(m_old, rowmax(s)·scale)
@@ -176,7 +176,7 @@ def _key_span(first, last, mask, N, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """The keys of causal query rows first..last under the masks: [lo, hi) holds every key one of them sees, [a, b)
     the keys all of them see. Each row sees an interval of keys whose ends never decrease with the row (the window's
     i − window < j, its document's first key, the diagonal), so the first row bounds the span from below and the last
-    from above, and the other way round for the keys all see. mask = (window, -, ids, steps)."""
+    from above, and the other way round for the keys all see. mask = (window, -, ids, steps, N)."""
     lo = first * 0
     hi = last + 1
     a = lo
@@ -199,7 +199,7 @@ def _key_span(first, last, mask, N, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
 def _batch_ids(mask, b, stride_ids, DOCS: gl.constexpr):
     """`mask` with batch b's document ids."""
     if DOCS:
-        mask = (mask[0], mask[1], mask[2] + b * stride_ids, mask[3])
+        mask = (mask[0], mask[1], mask[2] + b * stride_ids, mask[3], mask[4])
     return mask
 
 
@@ -207,7 +207,7 @@ def _batch_ids(mask, b, stride_ids, DOCS: gl.constexpr):
 def _row_ids(mask, rows, N, DOCS: gl.constexpr):
     """`mask` with these query rows' document ids (−1 past N: no key's)."""
     if DOCS:
-        mask = (mask[0], gl.load(mask[2] + rows, mask=rows < N, other=-1), mask[2], mask[3])
+        mask = (mask[0], gl.load(mask[2] + rows, mask=rows < N, other=-1), mask[2], mask[3], mask[4])
     return mask
 
 
@@ -402,7 +402,7 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=NUM_CONSUMERS)
     fence_async_shared()
-    mask = (window, 0, IDS, steps)  # the rows' own document ids (the 0) are filled in per item by the consumers
+    mask = (window, 0, IDS, steps, N)  # the rows' own document ids (the 0) are filled in per item by the consumers
 
     shared = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
               O, LSE, H, stride_ob, stride_oh, stride_on, N, qk_scale, WORK, WORK_START, n_qtiles, mask, stride_ids)
