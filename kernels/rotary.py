@@ -78,15 +78,11 @@ def _qkv_rotary_kernel(PACKED, Q, K, V, COS, SIN, N, H_Q, n_blocks,
     k = K + b * stride_kb + rows * stride_kn + hk * stride_kh + d
     v = V + b * stride_vb + rows * stride_vn + hk * stride_vh + d
     # q: rot (forward: packed -> Q) or rot⁻¹ (backward: dQ -> packed)
-    if BACKWARD:
-        _rotate_half_pairs(q, packed_q, c, s, ok, HALF, BACKWARD)
-    else:
-        _rotate_half_pairs(packed_q, q, c, s, ok, HALF, BACKWARD)
+    src, dst = (q, packed_q) if BACKWARD else (packed_q, q)
+    _rotate_half_pairs(src, dst, c, s, ok, HALF, BACKWARD)
     if h % GROUP == 0:  # the group's first query head also does its K/V head (GROUP 1: always, folded)
-        if BACKWARD:
-            _rotate_half_pairs(k, packed_k, c, s, ok, HALF, BACKWARD)
-        else:
-            _rotate_half_pairs(packed_k, k, c, s, ok, HALF, BACKWARD)
+        src, dst = (k, packed_k) if BACKWARD else (packed_k, k)  # k: as q
+        _rotate_half_pairs(src, dst, c, s, ok, HALF, BACKWARD)
         if WITH_V:  # v as it is, one half at a time
             src, dst = (v, packed_v) if BACKWARD else (packed_v, v)
             for half in tl.static_range(2):
