@@ -114,6 +114,7 @@ FAST_FILES = {"test_config.py", "test_data.py", "test_dispatch.py", "test_figure
               "test_results_rules.py", "test_usage.py"}
 FAST_TESTS = (
     "test_flash_attention.py::test_matches_float64_reference[n130-d32-float16-causal]",
+    "test_flash_attention_qkv.py::test_layouts_it_does_not_take_raise_a_value_error_naming_the_problem",
     "test_train.py::test_resume_gives_the_same_losses",
     "test_checkpoint.py::test_resume_through_the_python_api_refuses_a_planted_checkpoint",
     "test_train.py::test_the_cli_trains_and_its_last_line_says_where_the_run_is",
