@@ -108,7 +108,7 @@ class RecordingLogger:
 # The fast tier: what `python -m pytest` runs by default (≤ 60 s on 2 cores). It covers the kernel's forward and
 # backward in the interpreter (one small shape), one CLI training run, checkpoint → resume equality, a bad override's
 # exit 2, fault paths (an unsafe checkpoint, a live run folder, an unquoted value), each data source, the config,
-# the layout rules and the tools' help. Everything else is marked `slow` here (run it with `python -m pytest -m slow`; .ci/run runs both).
+# the layout rules, the tools' help and the mask benchmark's pair counts. Everything else is marked `slow` here (run it with `python -m pytest -m slow`; .ci/run runs both).
 # A new test is slow until it is named here: keep this tier fast.
 FAST_FILES = {"test_config.py", "test_data.py", "test_dispatch.py", "test_figures.py", "test_imports.py",
               "test_results_rules.py", "test_usage.py"}
