@@ -118,6 +118,24 @@ def test_ideals_ratios_and_the_time_limit_bookkeeping(monkeypatch, tmp_path):
     assert json.loads(js.read_text())["complete"] and "skipped: time limit" in md.read_text()
 
 
+def test_reps_fill_the_time_budget_within_their_bounds():
+    """After the warm-up, at least min_reps, then as many as the budget holds at their median, at most max_reps."""
+    import time
+
+    calls = []
+
+    def two_ms():
+        calls.append(1)
+        time.sleep(0.002)
+
+    ms = mask_bench.time_ms(two_ms, torch.device("cpu"), mask_bench.Timing(warmup=1, min_reps=3, max_reps=30,
+                                                                           budget_ms=20.0))
+    assert ms >= 2.0 and 1 + 3 <= len(calls) <= 1 + 10
+    calls.clear()
+    mask_bench.time_ms(two_ms, torch.device("cpu"), mask_bench.Timing(warmup=0, min_reps=3, max_reps=5, budget_ms=1e6))
+    assert len(calls) == 5
+
+
 def test_masks_needs_a_gpu_or_the_tiny_dry_run(monkeypatch):
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

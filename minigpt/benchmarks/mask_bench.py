@@ -9,7 +9,7 @@ The cases are mask_cases.py's (all causal, bf16, batch 1). For each, in one proc
   (causal, within the window, same document); its BlockMask is made once per case by `create_block_mask`, outside
   the timed region, and its compile time is left out (the first call compiles, then the timing starts).
 Times: median ms of fwd+bwd (`torch.autograd.grad` of a fresh forward, bench.py's measure) and of the forward alone
-(inputs requiring grad, as in training), CUDA events around each rep, reps until ~0.2 s or 50 (at least 3) after
+(inputs requiring grad, as in training), CUDA events around each rep, reps until ~0.1 s or 30 (at least 3) after
 one warm-up. A case's flex output is checked against ours (largest difference relative to ours' largest value).
 The ideal of a case is its visible pairs × query heads × batch ÷ our dense causal rate (pairs·heads/s) measured in
 the same run at the same N, head_dim and query heads: what our kernel would take if the mask cost nothing but its
@@ -59,7 +59,7 @@ class Timing:
     budget_ms: float  # reps go on until they add up to this (or max_reps)
 
 
-GPU_TIMING = Timing(warmup=1, min_reps=3, max_reps=50, budget_ms=200.0)
+GPU_TIMING = Timing(warmup=1, min_reps=3, max_reps=30, budget_ms=100.0)  # do_bench: rep=100 ms
 TINY_TIMING = Timing(warmup=0, min_reps=1, max_reps=1, budget_ms=0.0)
 
 
