@@ -108,7 +108,8 @@ class RecordingLogger:
 # The fast tier: what `python -m pytest` runs by default (≤ 60 s on 2 cores). It covers the kernel's forward and
 # backward in the interpreter (one small shape), one CLI training run, checkpoint → resume equality, a bad override's
 # exit 2, fault paths (an unsafe checkpoint, a live run folder, an unquoted value), each data source, the config,
-# the layout rules and the tools' help. Everything else is marked `slow` here (run it with `python -m pytest -m slow`; .ci/run runs both).
+# the layout rules, the tools' help and the mask benchmark's pair counts. Everything else is marked `slow` here (run
+# it with `python -m pytest -m slow`; .ci/run runs both).
 # A new test is slow until it is named here: keep this tier fast.
 FAST_FILES = {"test_config.py", "test_data.py", "test_dispatch.py", "test_figures.py", "test_imports.py",
               "test_results_rules.py", "test_usage.py"}
@@ -126,6 +127,7 @@ FAST_TESTS = (
     "test_rope_scaling.py::test_yarn_interpolates_long_wavelengths_keeps_short_ones_and_ramps_between",
     "test_rope_scaling.py::test_factor_one_is_plain_rope",
     "test_rope_scaling.py::test_resume_extend_continues_with_new_rope_and_seq_len",
+    "test_bench.py::test_visible_pairs_match_a_brute_force_count",
 )
 SLOW_IN_FAST_FILES = ("test_figures.py::test_cli_writes_three_pictures_and_their_readme",
                       "test_config.py::test_cli_bad_override_is_one_line_and_nonzero[attention",
