@@ -238,12 +238,12 @@ def write_long_site(tmp_path, n_long=6, min_docs=4):
 
 @pytest.fixture(scope="module")
 def pycode_run(tmp_path_factory):
-    """A 30-step tiny run on the fake pycode corpus (seq_len 64), 4 held-out documents."""
+    """A 12-step tiny run on the fake pycode corpus (seq_len 64), 4 held-out documents."""
     from minigpt.compose import compose
     from minigpt.run import run
 
     tmp = tmp_path_factory.mktemp("pycode")
-    cfg = compose(["model=tiny", "seq_len=64", "batch_size=4", "max_steps=30", "eval_batches=0", "logger=none",
+    cfg = compose(["model=tiny", "seq_len=64", "batch_size=4", "max_steps=12", "eval_batches=0", "logger=none",
                    "device=cpu", "warmup_steps=2", f"data.cache_dir={tmp / 'cache'}", *write_long_site(tmp)])
     cfg.run_dir, cfg.ckpt_dir = str(tmp / "run"), str(tmp / "run" / "checkpoints")
     assert run(cfg) == 0
@@ -260,7 +260,7 @@ def test_the_cli_writes_json_and_png_for_a_run(pycode_run, tmp_path, capsys):
     report = json.loads((out / LOSS_FILES[0]).read_text())
     assert report["command"].startswith("minigpt-eval ") and "commit" in report and len(report["curves"]) == 2
     c64, c256 = report["curves"]
-    assert c64["status"] == "ok" and c64["length"] == 64 and c64["trained_length"] == 64 and c64["step"] == 30
+    assert c64["status"] == "ok" and c64["length"] == 64 and c64["trained_length"] == 64 and c64["step"] == 12
     assert c64["rope"] == {"scaling": "none", "factor": 1.0, "original_len": None} and c64["sliding"] is None
     assert len(c64["corpus_hash"]) == 64 and c64["corpus_hash"] == c64["run_corpus_hash"]
     assert [b["lo"] for b in c256["bins"]] == [0, 1, 2, 4, 8, 16, 32, 64, 128]
@@ -336,7 +336,7 @@ def test_the_script_logs_a_wandb_run_offline(pycode_run, tmp_path):
                         "--wandb"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     run = offline_run(out)
-    assert run["name"] == "eval-run-step-30" and run["exit_code"] == 0
+    assert run["name"] == "eval-run-step-12" and run["exit_code"] == 0
     assert {"loss_by_position/table/_type", "loss_by_position/figure/_type"} <= run["history"]
     assert any(k.startswith("loss_by_position/plot") for k in run["history"]), run["history"]
     assert any(k.startswith("goal/") for k in run["summary"])
