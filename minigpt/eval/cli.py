@@ -35,6 +35,7 @@ import os
 import re
 import shlex
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -298,6 +299,9 @@ def loss_curves(e: Evaluated, docs: HeldOut, lengths: list[int], window: int | N
                 "tokenizer": docs.tokenizer, "corpus_hash": docs.corpus_hash, "run_corpus_hash": docs.run_corpus_hash}
         windows = (sliding_windows(n_tokens, length, window, stride) if window else full_windows(n_tokens, length))
         total = sum(min(n, length) for n in n_tokens)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        began = time.perf_counter()
         try:
             with tqdm(total=total, unit="tok", unit_scale=True, desc=name, mininterval=2.0, file=sys.stderr) as bar:
                 losses = score_windows(e.model, docs.tokens, docs.start, windows, device, dtype, args.batch_tokens,
@@ -308,10 +312,13 @@ def loss_curves(e: Evaluated, docs: HeldOut, lengths: list[int], window: int | N
             say(f"{name}: out of GPU memory ({first[:120]}); recorded as OOM, going on with the others")
             curves.append({**meta, "status": "oom", "length": length, "error": first})
             continue
+        meta["seconds"] = round(time.perf_counter() - began, 2)
+        meta["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None
         curve = make_curve(losses, docs.paths, length, args.resamples, args.seed, **meta)
         reach = [b for b in curve["bins"] if b["tokens"]]
-        say(f"{name}: {sum(b['tokens'] for b in reach):,} tokens of {len(losses)} documents; mean loss "
-            + ", ".join(f"[{b['lo']}, {b['hi']}) {b['mean']:.3f}" for b in reach[-3:]))
+        peak = f", peak {meta['peak_gib']:.2f} GiB" if meta["peak_gib"] is not None else ""
+        say(f"{name}: {sum(b['tokens'] for b in reach):,} tokens of {len(losses)} documents in {meta['seconds']:.1f} s"
+            f"{peak}; mean loss " + ", ".join(f"[{b['lo']}, {b['hi']}) {b['mean']:.3f}" for b in reach[-3:]))
         curves.append(curve)
     return curves
 
