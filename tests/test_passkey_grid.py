@@ -18,7 +18,7 @@ from minigpt.attention import get_attention
 from minigpt.config import ModelConfig
 from minigpt.data import DataError, PasskeyData
 from minigpt.eval.cli import main
-from minigpt.eval.haystack import KEY_SLOTS, QUESTION, TokenHaystack, filler_haystack, pycode_haystack
+from minigpt.eval.haystack import KEY_SLOTS, QUESTION, filler_haystack, pycode_haystack
 from minigpt.eval.passkey_grid import FILES, accuracy_matrix, grid_table, write_outputs
 from minigpt.eval.retrieval import cell_prompts, greedy_decode, passkey_grid, score_answer
 from minigpt.model import GPT

@@ -373,7 +373,7 @@ def unique_labels(curves: list[dict[str, Any]]) -> None:
             c["label"] = f"{c['label']} #{seen[c['label']]}"
 
 
-def log_wandb(args: argparse.Namespace, out: Path, report: dict[str, Any] | None, png: Path | None,
+def log_wandb(args: argparse.Namespace, out: Path, command: str, report: dict[str, Any] | None, png: Path | None,
               grids: list[tuple[str, dict[str, Any], Path | None]], name: str) -> str:
     """One W&B run: the curves as a table and a line plot (one line per curve), the pictures, the grids."""
     import wandb
@@ -381,8 +381,7 @@ def log_wandb(args: argparse.Namespace, out: Path, report: dict[str, Any] | None
     from minigpt.loggers import WandbLogger
 
     logger = WandbLogger(project=args.project, name=name, directory=out, group=args.group, tags=["eval"],
-                         job_type="eval", config={"command": report["command"] if report else None,
-                                                  "argv": sys.argv[1:]})
+                         job_type="eval", config={"command": command})
     logs: dict[str, Any] = {}
     summary: dict[str, Any] = {}
     if report and png:
@@ -517,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.wandb:
         name = f"eval-{models[0].name.replace(' ', '-')}" if models else "eval-compare"
-        print(f"W&B: {log_wandb(args, out, report, png, grids, name)}")
+        print(f"W&B: {log_wandb(args, out, command, report, png, grids, name)}")
     print(f"results: {out.resolve()} ({', '.join(str(w.relative_to(out)) for w in written)})")
     nothing = not any(c["status"] == "ok" for c in curves) and not any(r["cells"] for _, r, _ in grids)
     oom = any(c["status"] == "oom" for c in curves) or any(r["oom"] for _, r, _ in grids)
