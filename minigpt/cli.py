@@ -293,9 +293,9 @@ def sweep_main(argv: list[str] | None = None) -> int:
     return main(argv)
 
 
-def eval_passkey_main(argv: list[str] | None = None) -> int:
-    """`minigpt-eval-passkey ...`: passkey accuracy by context length and key depth (minigpt/eval/passkey_eval.py)."""
-    from minigpt.eval.passkey_eval import main
+def eval_main(argv: list[str] | None = None) -> int:
+    """`minigpt-eval PATH ...`: loss by position on held-out pycode and the passkey grid (minigpt/eval/cli.py)."""
+    from minigpt.eval.cli import main
 
     return main(argv)
 

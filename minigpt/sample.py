@@ -28,17 +28,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
-from minigpt.attention import attention_names, get_attention
+from minigpt.attention import AttentionBackend, attention_names, get_attention
 from minigpt.checkpoint import (CheckpointError, CheckpointState, UnsafeCheckpointError, list_checkpoints,
                                 load_checkpoint, newest_intact, resume_candidates, step_of)
-from minigpt.config import ConfigError
+from minigpt.config import AttentionConfig, ConfigError, ModelConfig
 from minigpt.data import BYTES, EOT, TOKENIZER_FILE
 
 CHECKPOINTS = "checkpoints"  # a run's default ckpt_dir (configs: ${run_dir}/checkpoints)
@@ -159,11 +159,56 @@ class Sampler:
     attention: str
 
 
+def model_from_checkpoint(state: dict[str, Any], attention: str | None, path: Path,
+                          rope: dict[str, Any] | None = None) -> tuple[torch.nn.Module, AttentionBackend]:
+    """The GPT of the checkpoint's config and weights (on CPU) with the named attention backend (default: the
+    checkpoint's, with its options); vocab from the weights. `rope`: model.rope_* keys to evaluate with instead of
+    the checkpoint's (a length extension at evaluation; ConfigError if they make no sense). Returns (model, backend)."""
+    from minigpt.model import GPT
+
+    config = state.get("config") or {}
+    saved = config.get("model") or {}
+    try:
+        cfg = ModelConfig(**{f.name: saved[f.name] for f in fields(ModelConfig) if f.name in saved})
+        cfg.validate()
+        vocab = state["model"]["wte.weight"].shape[0]
+    except (TypeError, KeyError, ConfigError, AttributeError) as e:
+        raise CheckpointError(f"{path}: its model config or weights are incomplete ({type(e).__name__}: {e})") from e
+    if rope:
+        cfg = replace(cfg, **rope)
+        cfg.validate()
+    saved_attention = AttentionConfig(**(config.get("attention") or {}))
+    name = attention or saved_attention.name
+    backend = get_attention(name, **(saved_attention.options() if name == saved_attention.name else {}))
+    model = GPT(cfg, vocab, backend)
+    try:
+        model.load_state_dict(state["model"])
+    except (RuntimeError, KeyError) as e:
+        raise CheckpointError(f"{path}: the weights do not fit its own config ({str(e).splitlines()[0][:120]})") from e
+    return model, backend
+
+
+def runnable_attention(config: dict[str, Any], device: torch.device, dtype: torch.dtype, path: Path,
+                       warn: Callable[[str], None]) -> str:
+    """The attention the checkpoint was trained with, or sdpa (the same weights and math, one line through `warn`)
+    where that is flash and our kernel cannot run here. SampleError for a backend this minigpt does not have."""
+    trained = (config.get("attention") or {}).get("name", "sdpa")
+    if trained not in attention_names():
+        raise SampleError(f"{path}: trained with attention={trained}, which this minigpt does not have")
+    if trained == "flash":
+        saved = config.get("model") or {}
+        head_dim = int(saved.get("n_embd", 0)) // max(1, int(saved.get("n_head", 1)))
+        reason = "no GPU here" if device.type != "cuda" else get_attention("flash").unsupported(device, dtype, head_dim)
+        if reason:
+            warn(f"note: trained with attention=flash, which cannot run here ({reason.split(';')[0]}); using "
+                 f"attention=sdpa (the same weights and math)")
+            return "sdpa"
+    return trained
+
+
 def load_sampler(path: str | Path, device: str = "auto", warn: Callable[[str], None] = print) -> Sampler:
     """The model of PATH's checkpoint (see the module docstring) on `device` (auto | cpu | cuda), with its tokenizer.
     A flash-trained model gets attention=sdpa where our kernel cannot run (one line through `warn`)."""
-    from minigpt.eval.passkey_eval import model_from_checkpoint
-
     if device == "cuda" and not torch.cuda.is_available():
         raise SampleError("--device cuda: no CUDA GPU is visible; use --device cpu (or auto)")
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device)
@@ -171,18 +216,7 @@ def load_sampler(path: str | Path, device: str = "auto", warn: Callable[[str], N
     ckpt, state, run_dir = find_checkpoint(Path(path), warn)
     config = state.get("config") or {}
     tokenizer = find_tokenizer(config, run_dir)
-    trained = (config.get("attention") or {}).get("name", "sdpa")
-    if trained not in attention_names():
-        raise SampleError(f"{ckpt}: trained with attention={trained}, which this minigpt does not have")
-    attention = trained
-    if trained == "flash":
-        saved = config.get("model") or {}
-        head_dim = int(saved.get("n_embd", 0)) // max(1, int(saved.get("n_head", 1)))
-        reason = "no GPU here" if dev.type != "cuda" else get_attention("flash").unsupported(dev, dtype, head_dim)
-        if reason:
-            attention = "sdpa"
-            warn(f"note: trained with attention=flash, which cannot run here ({reason.split(';')[0]}); sampling "
-                 f"with attention=sdpa (the same weights and math)")
+    attention = runnable_attention(config, dev, dtype, ckpt, warn)
     model, _ = model_from_checkpoint(state, attention, ckpt)
     if tokenizer.vocab_size > model.vocab_size:
         raise SampleError(f"{ckpt}: its model has {model.vocab_size} tokens, fewer than the tokenizer "
