@@ -16,8 +16,8 @@ Decoding: each new token is drawn from the model's next-token distribution at th
 --temperature (0: greedy, the argmax) and cut to the --top-k most likely tokens (0: all); the model sees at most
 the trained seq_len tokens (a longer prompt or text is cropped to its last seq_len tokens: RoPE positions
 0..seq_len-1, as in training). An empty prompt starts from the tokenizer's document separator <|endoftext|>
-(BPE), or from a newline (bytes); the start token is not printed. A checkpoint trained with attention=flash
-samples with attention=sdpa where our kernel cannot run (no GPU, no Triton), and says so in one line.
+(BPE), or from a newline (bytes); the start token is not printed. A checkpoint trained with attention=flash or flex
+samples with attention=sdpa where that cannot run (no GPU, no Triton), and says so in one line.
 
 Output: the prompt and its continuation on stdout, each of --num-samples preceded by a `--- sample i of M ---`
 line when M > 1; what was loaded, and notes, on stderr.
@@ -161,7 +161,7 @@ class Sampler:
 
 def load_sampler(path: str | Path, device: str = "auto", warn: Callable[[str], None] = print) -> Sampler:
     """The model of PATH's checkpoint (see the module docstring) on `device` (auto | cpu | cuda), with its tokenizer.
-    A flash-trained model gets attention=sdpa where our kernel cannot run (one line through `warn`)."""
+    A flash- or flex-trained model gets attention=sdpa where that cannot run (one line through `warn`)."""
     from minigpt.eval.passkey_eval import model_from_checkpoint
 
     if device == "cuda" and not torch.cuda.is_available():
@@ -175,13 +175,13 @@ def load_sampler(path: str | Path, device: str = "auto", warn: Callable[[str], N
     if trained not in attention_names():
         raise SampleError(f"{ckpt}: trained with attention={trained}, which this minigpt does not have")
     attention = trained
-    if trained == "flash":
+    if trained in ("flash", "flex"):
         saved = config.get("model") or {}
         head_dim = int(saved.get("n_embd", 0)) // max(1, int(saved.get("n_head", 1)))
-        reason = "no GPU here" if dev.type != "cuda" else get_attention("flash").unsupported(dev, dtype, head_dim)
+        reason = "no GPU here" if dev.type != "cuda" else get_attention(trained).unsupported(dev, dtype, head_dim)
         if reason:
             attention = "sdpa"
-            warn(f"note: trained with attention=flash, which cannot run here ({reason.split(';')[0]}); sampling "
+            warn(f"note: trained with attention={trained}, which cannot run here ({reason.split(';')[0]}); sampling "
                  f"with attention=sdpa (the same weights and math)")
     model, _ = model_from_checkpoint(state, attention, ckpt)
     if tokenizer.vocab_size > model.vocab_size:
