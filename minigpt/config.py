@@ -144,7 +144,8 @@ class ModelConfig:
             at_least("model.n_kv_head", self.n_kv_head)
             if self.n_head % self.n_kv_head:
                 raise ConfigError(f"model.n_kv_head={self.n_kv_head}: must divide model.n_head={self.n_head} (each "
-                                  f"key/value head serves n_head/n_kv_head query heads); null for n_head")
+                                  f"key/value head serves n_head/n_kv_head query heads); use a divisor of it, or "
+                                  f"null for n_head")
         if self.window is not None:
             at_least("model.window", self.window)
         if self.window_pattern is not None:

@@ -125,6 +125,8 @@ FAST_TESTS = (
     "test_rope_scaling.py::test_yarn_interpolates_long_wavelengths_keeps_short_ones_and_ramps_between",
     "test_rope_scaling.py::test_factor_one_is_plain_rope",
     "test_rope_scaling.py::test_resume_extend_continues_with_new_rope_and_seq_len",
+    "test_attention_masks.py::test_document_ids_come_from_the_separators",
+    "test_attention_masks.py::test_window_pattern_repeats_over_the_layers_and_is_cut",
 )
 SLOW_IN_FAST_FILES = ("test_figures.py::test_cli_writes_three_pictures_and_their_readme",
                       "test_config.py::test_cli_bad_override_is_one_line_and_nonzero[attention",
