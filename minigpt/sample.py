@@ -39,7 +39,7 @@ from minigpt.attention import attention_names, get_attention
 from minigpt.checkpoint import (CheckpointError, CheckpointState, UnsafeCheckpointError, list_checkpoints,
                                 load_checkpoint, newest_intact, resume_candidates, step_of)
 from minigpt.config import ConfigError
-from minigpt.data import BYTES, EOT, TOKENIZER_FILE
+from minigpt.data import BYTES, EOT, TOKENIZER_FILE, document_ids
 
 CHECKPOINTS = "checkpoints"  # a run's default ckpt_dir (configs: ${run_dir}/checkpoints)
 BYTES_START = "\n"  # where an empty prompt starts with byte tokens (passkey text has no separator of its own)
@@ -157,6 +157,7 @@ class Sampler:
     checkpoint: Path
     step: int
     attention: str
+    separator: int | None = None  # trained with data.document_mask: the separator that ends a document
 
 
 def load_sampler(path: str | Path, device: str = "auto", warn: Callable[[str], None] = print) -> Sampler:
@@ -191,25 +192,30 @@ def load_sampler(path: str | Path, device: str = "auto", warn: Callable[[str], N
     if not isinstance(seq_len, int) or seq_len < 1:
         raise SampleError(f"{ckpt}: its config does not say the trained seq_len; not a minigpt training checkpoint")
     model.to(dev).eval()
-    return Sampler(model, tokenizer, seq_len, dev, dtype, ckpt, int(state["step"]), attention)
+    separator = tokenizer.start if (config.get("data") or {}).get("document_mask") else None  # <|endoftext|>
+    return Sampler(model, tokenizer, seq_len, dev, dtype, ckpt, int(state["step"]), attention, separator)
 
 
-def next_token_logits(model: Any, idx: Tensor, seq_len: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    """The model's logits (B, vocab) for the token after idx (B, N), from at most its last seq_len tokens."""
+def next_token_logits(model: Any, idx: Tensor, seq_len: int, dtype: torch.dtype = torch.float32,
+                      separator: int | None = None) -> Tensor:
+    """The model's logits (B, vocab) for the token after idx (B, N), from at most its last seq_len tokens; with a
+    `separator` (a model trained with data.document_mask) each token attends within its document, as in training."""
     window = idx[:, -seq_len:]
+    ids = None if separator is None else document_ids(window, separator)
     with torch.autocast(idx.device.type, dtype=dtype, enabled=dtype != torch.float32):
-        return model.head(model.hidden(window)[:, -1]).float()  # the LM head at one position only
+        return model.head(model.hidden(window, document_ids=ids)[:, -1]).float()  # the LM head at one position only
 
 
 @torch.no_grad()
 def generate(model: Any, idx: Tensor, max_new_tokens: int, seq_len: int, temperature: float = 0.8,
              top_k: int | None = 200, vocab_size: int | None = None, generator: torch.Generator | None = None,
-             dtype: torch.dtype = torch.float32) -> Tensor:
+             dtype: torch.dtype = torch.float32, separator: int | None = None) -> Tensor:
     """idx (B, N) with max_new_tokens tokens appended, each drawn from the next-token distribution of the last
     seq_len tokens: softmax(logits / temperature) over the top_k most likely (None or 0: all), or the argmax when
-    temperature is 0. Only the first vocab_size ids (the tokenizer's) can be drawn (a padded vocabulary has more)."""
+    temperature is 0. Only the first vocab_size ids (the tokenizer's) can be drawn (a padded vocabulary has more).
+    `separator`: as for next_token_logits."""
     for _ in range(max_new_tokens):
-        logits = next_token_logits(model, idx, seq_len, dtype)[:, :vocab_size]
+        logits = next_token_logits(model, idx, seq_len, dtype, separator)[:, :vocab_size]
         if temperature == 0:
             token = logits.argmax(dim=-1, keepdim=True)
         else:
@@ -234,7 +240,7 @@ def sample_texts(s: Sampler, prompt: str = "", max_new_tokens: int = 200, temper
         generator.manual_seed(seed)
     idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=s.device)
     out = generate(s.model, idx, max_new_tokens, s.seq_len, temperature, top_k, s.tokenizer.vocab_size, generator,
-                   s.dtype)
+                   s.dtype, s.separator)
     return [s.tokenizer.decode(row[len(ids):].tolist()) for row in out]
 
 

@@ -268,6 +268,20 @@ def test_the_trainer_hands_each_layer_its_window_and_the_batchs_document_ids(tin
     assert len(calls) == 2 and all(torch.equal(d, t.data.batch("val", 0, cfg.batch_size)[2]) for _, _, d in calls)
 
 
+def test_sampling_a_document_masked_model_keeps_to_the_last_document():
+    """A model trained with data.document_mask samples as it trained: after a separator, the next document's tokens
+    see nothing before it (minigpt/sample.py's `separator`)."""
+    from minigpt.sample import next_token_logits
+
+    model = masked_model("sdpa").eval()
+    with torch.no_grad():
+        tail = next_token_logits(model, torch.tensor([[3, 4, 5, 6]]), 16, separator=E)
+        after = next_token_logits(model, torch.tensor([[1, 2, 7, 8, E, 3, 4, 5, 6]]), 16, separator=E)
+        unmasked = next_token_logits(model, torch.tensor([[1, 2, 7, 8, E, 3, 4, 5, 6]]), 16)
+    torch.testing.assert_close(after, tail, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(unmasked, tail, atol=1e-3)
+
+
 # ------------------------------------------------------------------------------------------------
 # refusals: one line naming the setting and what to do
 # ------------------------------------------------------------------------------------------------
