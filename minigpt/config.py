@@ -92,9 +92,8 @@ class ModelConfig:
     n_layer: int = MISSING  # transformer blocks
     n_head: int = MISSING  # attention heads (head_dim = n_embd / n_head)
     n_kv_head: Optional[int] = None  # key/value heads (GQA: n_head a multiple of it); null = n_head
-    window: Optional[int] = None  # sliding window: a query sees the last `window` keys (itself included); null = all
-    # which layers the window applies to: S windowed, L full, repeated over the layers (e.g. SSSL); null = every layer
-    window_pattern: Optional[str] = None
+    window: Optional[int] = None  # tokens a query sees, itself included (sliding window); null = all
+    window_pattern: Optional[str] = None  # windowed layers: S yes, L full, repeated over n_layer (SSSL); null: all
     n_embd: int = MISSING  # width of the residual stream
     vocab_size: Optional[int] = None  # None: the tokenizer's size; GPT-2 presets pad to 50304
     rope_base: float = 10000.0  # RoPE's base θ
@@ -197,9 +196,7 @@ class DataConfig:
     site_dirs: Optional[list[str]] = None  # pycode: where packages are looked up; None: this interpreter's imports
     # pycode: held-out documents at least seq_len tokens long (bytes/4) a run needs; None: 20 (quickstart: 4)
     min_heldout_docs: Optional[int] = None
-    # text, hf, pycode: a token attends only to tokens of its own document (the end-of-text separators split them;
-    # a separator belongs to the document it ends); pycode sets it
-    document_mask: bool = False
+    document_mask: bool = False  # attend within documents (text, hf, pycode; separators end them)
 
     def validate(self) -> None:
         one_of("data", self.name, DATA_NAMES)
