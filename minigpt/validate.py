@@ -41,10 +41,11 @@ def check_device(cfg: TrainConfig) -> None:
 
 
 def check_attention_fits(cfg: TrainConfig) -> None:
-    """The backend's own capability check on this run's device, dtype and head_dim."""
+    """The backend's own capability check on this run's device, dtype and head_dim, GQA and masks."""
     name = cfg.attention.name
+    masks, gqa = cfg.masks(), cfg.gqa()
     reason = get_attention(name, **cfg.attention.options()).unsupported(
-        cfg.torch_device(), cfg.compute_dtype(), cfg.model.head_dim)
+        cfg.torch_device(), cfg.compute_dtype(), cfg.model.head_dim, gqa=bool(gqa), masks=bool(masks))
     if reason:
         raise ConfigError(f"attention={name}: {reason}")
     if cfg.model.keep_attention and not BACKENDS[name].returns_lse:

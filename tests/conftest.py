@@ -129,6 +129,8 @@ FAST_TESTS = (
     "test_rope_scaling.py::test_resume_extend_continues_with_new_rope_and_seq_len",
     "test_bench.py::test_visible_pairs_match_a_brute_force_count",
     "test_eval.py::test_bin_means_docs_per_bin_and_an_interval_of_width_0_when_documents_agree",
+    "test_attention_masks.py::test_document_ids_come_from_the_separators",
+    "test_attention_masks.py::test_window_pattern_repeats_over_the_layers_and_is_cut",
 )
 SLOW_IN_FAST_FILES = ("test_figures.py::test_cli_writes_three_pictures_and_their_readme",
                       "test_config.py::test_cli_bad_override_is_one_line_and_nonzero[attention",

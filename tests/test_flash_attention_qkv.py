@@ -254,8 +254,8 @@ def test_the_model_takes_the_backends_projection_path_where_it_has_one():
     calls = []
 
     class Recording(SdpaAttention):
-        def attend_projection(self, qkv, cos, sin):
-            calls.append(qkv.shape)
+        def attend_projection(self, qkv, cos, sin, *, n_kv_head, window=None, document_ids=None):
+            calls.append((qkv.shape, n_kv_head, window, document_ids))
             return None if len(calls) == 1 else torch.full((2, 2, 9, 16), 7.0)
 
     torch.manual_seed(0)
@@ -263,5 +263,5 @@ def test_the_model_takes_the_backends_projection_path_where_it_has_one():
     want = SdpaAttention()(*(t.transpose(1, 2) for t in attn.heads(x, cos, sin)), causal=True)
     assert torch.equal(attn(x, cos, sin), want)  # None: the model's own RoPE, then the backend
     assert torch.equal(attn(x, cos, sin), torch.full((2, 2, 9, 16), 7.0))  # the backend's path
-    assert calls == [(2, 9, 3, 2, 16)] * 2
-    assert FlashAttention().attend_projection(attn.project_qkv(x), cos, sin) is None  # CPU tensors: not taken
+    assert calls == [((2, 9, 6, 16), 2, None, None)] * 2  # (B, N, H + 2·Hkv, D)
+    assert FlashAttention().attend_projection(attn.project_qkv(x), cos, sin, n_kv_head=2) is None  # CPU: not taken

@@ -260,21 +260,35 @@ class RingFlashAttention(FlashAttention):
     def __init__(self, group: dist.ProcessGroup | None):
         self.group = group
 
-    def attend_projection(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> None:
+    def attend_projection(self, qkv: Tensor, cos: Tensor, sin: Tensor, *, n_kv_head: int, window: int | None = None,
+                          document_ids: Tensor | None = None) -> None:
         return None  # the ring takes rotated q, k, v (flash's single-GPU path would skip the other ranks)
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tensor:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = True, *, window: int | None = None,
+                 document_ids: Tensor | None = None) -> Tensor:
+        _no_masks(window, document_ids)
         return ring_attention(q, k, v, self.group, causal)
 
-    def forward_with_lse(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> tuple[Tensor, Tensor]:
+    def forward_with_lse(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = True, *, window: int | None = None,
+                         document_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
         if not causal:
             raise ValueError("ring attention: only causal attention")
+        _no_masks(window, document_ids)
         _check(q, k, v)
         with torch.no_grad():
             return ring_forward(q, k, v, self.group, 1.0 / math.sqrt(q.shape[-1]))
 
-    def attend_saved(self, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool = True) -> Tensor:
+    def attend_saved(self, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool = True, *,
+                     window: int | None = None, document_ids: Tensor | None = None) -> Tensor:
+        _no_masks(window, document_ids)
         return ring_attention(q, k, v, self.group, causal, precomputed=(o, lse))
+
+
+def _no_masks(window: int | None, document_ids: Tensor | None) -> None:
+    """The ring has no windows or document masks (config.py refuses them with parallel.context > 1)."""
+    if window is not None or document_ids is not None:
+        raise ValueError("ring attention: no window or document mask (model.window, data.document_mask); "
+                         "use parallel.context=1 for them")
 
 
 def mesh_attention(mesh: Mesh, backend: AttentionBackend) -> AttentionBackend:

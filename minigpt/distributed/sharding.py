@@ -1,6 +1,7 @@
 """What each rank holds of a batch: its data-parallel rows, and its zigzag shard of each sequence.
 
-Data parallel: dp rank d takes rows [d·B, (d+1)·B) of data.batch(split, index, B·dp), a function of (step, rank),
+Data parallel: dp rank d takes rows [d·B, (d+1)·B) of data.batch(split, index, B·dp) (tokens, targets and document
+ids alike), a function of (step, rank),
 so dp ranks train exactly what one process with batch_size=B·dp would, and a resumed run sees the same data.
 
 Zigzag layout (context parallel, for causal load balance): the sequence is cut into 2K chunks of c tokens and
@@ -58,16 +59,20 @@ def zigzag_unshard(shards: list[Tensor], dim: int = 1, n: int | None = None) -> 
     return full if n is None else full.narrow(dim, 0, n)
 
 
-def shard_batch(mesh: Mesh, data: Any, split: str, index: int, batch_size: int) -> tuple[Tensor, Tensor]:
-    """This rank's (x, y): its dp rows of the global batch, and its zigzag shard of each sequence."""
+def shard_batch(mesh: Mesh, data: Any, split: str, index: int, batch_size: int
+                ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """This rank's (x, y, document ids or None): its dp rows of the global batch, and its zigzag shard of each
+    sequence (ring attention has no document mask: config.py refuses data.document_mask with it)."""
     if not mesh.active:
         return data.batch(split, index, batch_size)
-    x, y = data.batch(split, index, batch_size * mesh.dp)
+    x, y, ids = data.batch(split, index, batch_size * mesh.dp)
     rows = slice(mesh.dp_rank * batch_size, (mesh.dp_rank + 1) * batch_size)
-    x, y = x[rows], y[rows]
+    x, y, ids = x[rows], y[rows], None if ids is None else ids[rows]
     if mesh.cp > 1:
+        if ids is not None:
+            raise ValueError("shard_batch: ring attention has no document mask; set data.document_mask=false")
         x, y = zigzag_shard(x, mesh.cp, mesh.cp_rank, dim=1), zigzag_shard(y, mesh.cp, mesh.cp_rank, 1, IGNORE)
-    return x, y
+    return x, y, ids
 
 
 def local_positions(mesh: Mesh, seq_len: int, device: torch.device) -> Tensor | None:
