@@ -255,18 +255,14 @@ class FlashAttention(AttentionBackend):
 
     def attend_projection(self, qkv: Tensor, cos: Tensor, sin: Tensor, *, n_kv_head: int, window: int | None = None,
                           document_ids: Tensor | None = None) -> Tensor | None:
-        """Eager GPU calls: RoPE's backward folded into the kernel's (minigpt_kernels.flash_attention_qkv), today for
-        plain multi-head causal attention only."""
+        """Eager GPU calls: RoPE's backward folded into the kernel's (minigpt_kernels.flash_attention_qkv), with GQA
+        and the masks."""
         from minigpt_kernels.flash_attention_qkv import flash_attention_qkv, qkv_attention_fits
 
-        # the (B, N, H + 2·Hkv, D) projection with n_kv_head, window and document_ids goes to flash_attention_qkv here
-        # once it takes them; until then GQA and masked calls take the model's RoPE and __call__
-        if qkv.shape[2] != 3 * n_kv_head or window is not None or document_ids is not None:
+        if not qkv_attention_fits(qkv, cos, sin, n_kv_head=n_kv_head):
             return None
-        qkv = qkv.unflatten(2, (3, n_kv_head))  # (B, N, 3, H, D), a view
-        if not qkv_attention_fits(qkv, cos, sin):
-            return None
-        return flash_attention_qkv(qkv, cos, sin, deterministic=self.deterministic)
+        return flash_attention_qkv(qkv, cos, sin, n_kv_head=n_kv_head, window=window, document_ids=document_ids,
+                                   deterministic=self.deterministic)
 
 
 @functools.cache

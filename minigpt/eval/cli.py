@@ -249,7 +249,8 @@ def load_model(path: Path, source: int, device: torch.device, dtype: torch.dtype
     tokenizer = find_tokenizer(config, run_dir)
     name = attention or runnable_attention(config, device, dtype, ckpt, warn)
     model, backend = model_from_checkpoint(state, name, ckpt, rope)
-    reason = backend.unsupported(device, dtype, model.cfg.head_dim)
+    reason = backend.unsupported(device, dtype, model.cfg.head_dim, gqa=model.cfg.kv_heads != model.cfg.n_head,
+                                 masks=model.cfg.window is not None)
     if reason:
         raise SampleError(f"--attention {name}: {reason}")
     if tokenizer.vocab_size > model.vocab_size:
