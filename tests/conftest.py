@@ -44,6 +44,17 @@ class NeedsTriton(pytest.Module):
         raise pytest.skip.Exception(NO_TRITON, allow_module_level=True)
 
 
+@pytest.fixture(autouse=True)
+def stop_signals_as_found():
+    """Each test leaves the stop signals' handlers as it found them: one that stops an in-process run must not leave
+    them ignored for the processes later tests start (a SIGHUP ignored by the parent reads as nohup in its child)."""
+    before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    yield
+    for s, handler in before.items():
+        if handler is not None and signal.getsignal(s) != handler:
+            signal.signal(s, handler)
+
+
 def pytest_report_header(config):
     return (f"stop signals found blocked: {', '.join(FOUND_BLOCKED) or 'none'}; "
             f"found ignored: {', '.join(FOUND_IGNORED) or 'none'} (both undone for the tests)")
@@ -124,6 +135,7 @@ FAST_TESTS = (
     "test_lifecycle.py::test_the_lock_counts_takes_and_reclaims_a_dead_owners_lock",
     "test_lifecycle.py::test_an_unquoted_value_says_how_to_quote_it",
     "test_lifecycle.py::test_blocked_stop_signals_are_unblocked_where_handled_and_in_started_children",
+    "test_lifecycle.py::test_a_stop_inside_the_python_api_leaves_the_handlers_as_found_and_a_command_ignores_later_ones",
     "test_rope_scaling.py::test_yarn_interpolates_long_wavelengths_keeps_short_ones_and_ramps_between",
     "test_rope_scaling.py::test_factor_one_is_plain_rope",
     "test_rope_scaling.py::test_resume_extend_continues_with_new_rope_and_seq_len",
