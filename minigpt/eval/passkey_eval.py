@@ -302,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     config, attention = state.get("config") or {}, backend.name
-    reason = backend.unsupported(device, dtype, model.cfg.head_dim)
+    reason = backend.unsupported(device, dtype, model.cfg.head_dim, gqa=model.cfg.kv_heads != model.cfg.n_head,
+                                 masks=model.cfg.window is not None)
     if reason:
         p.error(f"argument --attention: {attention}: {reason}")
     trained = args.trained_length or config.get("seq_len")
