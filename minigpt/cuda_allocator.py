@@ -13,8 +13,8 @@ import os
 
 import torch
 
-# The name PyTorch reads first since 2.8, then the older one (the only one before 2.8; an alias since 2.12): both are
-# set, so every version reads the same value, and none warns about the older name.
+# The name PyTorch reads first since 2.8, then the older one (the only one before 2.8): both are set, so every
+# version reads the same value.
 ALLOC_CONF_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 
