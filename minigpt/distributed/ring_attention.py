@@ -189,11 +189,6 @@ class _Plan:
         return self.schedule.forward if direction > 0 else self.schedule.backward
 
 
-def _message(k: Tensor, v: Tensor, document_ids: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """A block as it travels: stacked k and v, and its document ids (contiguous int rows) or None."""
-    return stack_kv(k, v), None if document_ids is None else document_ids.contiguous()
-
-
 def ring_forward(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None, sm_scale: float, *,
                  window: int | None = None, document_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(o, lse) of causal attention of the local zigzag queries against the whole sequence's keys (within `window`
@@ -202,9 +197,10 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | Non
     from minigpt_kernels.launch import empty_in_layout_of
 
     plan = _Plan(group, q.shape[2], window)
-    held = {1: _message(k, v, document_ids)}  # the newest block of each direction (the local one to start from)
-    held[-1] = held[1]
-    ids = held[1][1]
+    ids = None if document_ids is None else document_ids.contiguous()
+    local = (stack_kv(k, v), ids) if plan.steps else None  # the local block as it travels (if it does)
+    held = {1: local, -1: local}  # the newest block of each direction
+    del local
     # the running result, fp32: written by the local block (every row sees its diagonal), then continued
     o, lse = empty_in_layout_of(q, torch.float32), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
 
@@ -234,9 +230,10 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     from minigpt_kernels.launch import empty_in_layout_of, launch_backward_delta
 
     plan = _Plan(group, q.shape[2], window)
-    held = {1: _message(k, v, document_ids)}
-    held[-1] = held[1]
-    ids = held[1][1]
+    ids = None if document_ids is None else document_ids.contiguous()
+    local = (stack_kv(k, v), ids) if plan.steps else None
+    held = {1: local, -1: local}
+    del local
 
     def post(i: int) -> Callable[[], tuple] | None:
         return plan.ring.send(held[plan.steps[i][0]], plan.steps[i][0]) if i < len(plan.steps) else None
@@ -264,6 +261,8 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
         if dkv.numel() * dkv.element_size() >= SERIAL_HOP_BYTES:
             arriving[direction] = _ready(arriving[direction]())  # a long shard: wait now, one accumulator in flight
         del dkv
+    held.clear()  # the blocks of other ranks are done with: free them before the local dK/dV kernel
+    kv = k_ids = None
     dq = dq.to(q.dtype)
     dk, dv = _local_dkdv(do, q, k, v, ids, lse, delta, plan.local, sm_scale)  # during the last hops
     homes = [arriving[d]() for d in (1, -1) if arriving[d] is not None]
