@@ -286,8 +286,8 @@ class TrainConfig:
     beta2: float = 0.95  # AdamW
     grad_clip: float = 1.0  # clip the gradient norm to this; 0 = off
 
-    # the CUDA caching allocator's settings (PYTORCH_CUDA_ALLOC_CONF), set by the trainer before CUDA starts
-    # (minigpt/cuda_allocator.py); expandable segments keep reserved memory near the allocated peak; null: the environment's
+    # CUDA allocator settings (PYTORCH_CUDA_ALLOC_CONF); null: keep the env's
+    # (minigpt/cuda_allocator.py: set before CUDA starts; expandable segments keep reserved memory near allocated)
     cuda_alloc_conf: Optional[str] = "expandable_segments:True"
 
     run_dir: str = "."  # where summary.json goes; train.yaml sets it to Hydra's output dir
