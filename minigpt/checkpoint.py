@@ -46,9 +46,10 @@ from minigpt.summary import SUMMARY_FILE
 
 FORMAT = 2  # 1 (no "format" key): minigpt up to e668b53, RNG states pickled as numpy/Python objects
 _NAME = re.compile(r"^ckpt_(\d+)\.pt$")
-ARCHITECTURE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", *ROPE_KEYS)
-# a checkpoint written before these keys existed had these values (plain RoPE)
+ARCHITECTURE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "vocab_size", "window", "window_pattern", *ROPE_KEYS)
+# a checkpoint written before these keys existed had these values (plain RoPE; all heads, no window)
 ROPE_DEFAULTS = {"rope_scaling": "none", "rope_factor": 1.0, "rope_original_len": None}
+ATTENTION_DEFAULTS = {"n_kv_head": None, "window": None, "window_pattern": None}
 UPGRADE = "python -m minigpt.checkpoint upgrade {path} --trust"
 
 
@@ -348,7 +349,16 @@ def find_and_load(resume: str, ckpt_dir: str | Path, warn: Callable[[str], None]
 
 def _saved_model(state: CheckpointState) -> dict[str, Any]:
     saved = (state.get("config") or {}).get("model") or {}
+    if "n_head" in saved:
+        saved = {**ATTENTION_DEFAULTS, **saved}
     return {**ROPE_DEFAULTS, **saved} if "rope_base" in saved else saved
+
+
+def _architecture(model: dict[str, Any], key: str) -> Any:
+    """A model config's value of an architecture key; n_kv_head null is n_head (the same model)."""
+    if key == "n_kv_head":
+        return model.get("n_kv_head") or model.get("n_head")
+    return model.get(key)
 
 
 def extension(state: CheckpointState, config: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
@@ -367,12 +377,13 @@ def restore(state: CheckpointState, path: Path, model: torch.nn.Module, optimize
             model_config: dict[str, Any], extend: bool = False) -> int:
     """Put the checkpoint's model, optimizer and RNG states in place; returns the step to continue from.
 
-    A checkpoint of another model size or RoPE is a bad setting (ConfigError naming the keys that differ); with
-    `extend` (resume_extend=true, a length-extension stage) the RoPE settings (config.ROPE_KEYS) may differ.
+    A checkpoint of another model size, attention (key/value heads, window) or RoPE is a bad setting (ConfigError
+    naming the keys that differ); with `extend` (resume_extend=true, a length-extension stage) the RoPE settings
+    (config.ROPE_KEYS) may differ.
     """
     saved = _saved_model(state)
     keys = [k for k in ARCHITECTURE_KEYS if not (extend and k in ROPE_KEYS)]
-    differ = [k for k in keys if k in saved and saved[k] != model_config.get(k)]
+    differ = [k for k in keys if k in saved and _architecture(saved, k) != _architecture(model_config, k)]
     if differ:
         was = ", ".join(f"model.{k}={saved[k]}" for k in differ)
         now = ", ".join(f"model.{k}={model_config.get(k)}" for k in differ)

@@ -148,7 +148,7 @@ def _places(cfg, run_dir: str | None, argv: list[str]) -> list[tuple[str, str]]:
 def _train_main(argv: list[str] | None) -> int:
     from minigpt.signals import Interrupted, StopSignals
 
-    with StopSignals(again="already stopping; please wait") as stop:
+    with StopSignals(again="already stopping; please wait", exiting=True) as stop:
         try:
             return _train_hydra(argv, stop)
         except Interrupted as e:  # before the run started, or while Hydra set it up: nothing to finish
@@ -293,9 +293,9 @@ def sweep_main(argv: list[str] | None = None) -> int:
     return main(argv)
 
 
-def eval_passkey_main(argv: list[str] | None = None) -> int:
-    """`minigpt-eval-passkey ...`: passkey accuracy by context length and key depth (minigpt/eval/passkey_eval.py)."""
-    from minigpt.eval.passkey_eval import main
+def eval_main(argv: list[str] | None = None) -> int:
+    """`minigpt-eval PATH ...`: loss by position on held-out pycode and the passkey grid (minigpt/eval/cli.py)."""
+    from minigpt.eval.cli import main
 
     return main(argv)
 

@@ -13,6 +13,7 @@ This module is a leaf: it imports nothing of minigpt.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -37,6 +38,9 @@ CPU_DEFAULTS = ("model=tiny", "seq_len=256", "batch_size=8", "max_steps=300")
 # What a CPU runs in minutes; anything larger is a GPU-sized job (gpu_sized says why).
 CPU_MODELS = ("tiny", "small-6l")
 CPU_MAX_SEQ_LEN = 2048
+# PyTorch's allocator settings: key:value pairs joined by commas, a value maybe a bracketed list ([256:1,>:8])
+_ALLOC_ITEM = r"\w+:(\[[^\]\s]*\]|[^\s,\[\]]+)"
+ALLOC_CONF_FORM = rf"{_ALLOC_ITEM}(,{_ALLOC_ITEM})*"
 
 
 class ConfigError(ValueError):
@@ -64,7 +68,7 @@ def gpu_sized(model: str | None, seq_len: int | None) -> str | None:
 
 @dataclass
 class AttentionConfig:
-    name: str = "sdpa"  # a registered backend: naive | sdpa | flash
+    name: str = "sdpa"  # a registered backend: naive | sdpa | flash | flex
     sdpa_backend: str = "auto"  # sdpa only: pin PyTorch's kernel (auto | flash | efficient | cudnn | math)
     # flash only: always the bitwise-reproducible seven-matmul backward; false (default) lets H100/H200 runs take the
     # faster five-matmul backward from 4K tokens at head_dim 64, whose dQ sums in a varying order (last bits)
@@ -91,6 +95,9 @@ class ModelConfig:
     name: str = MISSING  # the preset's name (tiny | small-6l | gpt2-small | gpt2-medium)
     n_layer: int = MISSING  # transformer blocks
     n_head: int = MISSING  # attention heads (head_dim = n_embd / n_head)
+    n_kv_head: Optional[int] = None  # key/value heads (GQA: n_head a multiple of it); null = n_head
+    window: Optional[int] = None  # tokens a query sees, itself included (sliding window); null = all
+    window_pattern: Optional[str] = None  # windowed layers: S yes, L full, repeated over n_layer (SSSL); null: all
     n_embd: int = MISSING  # width of the residual stream
     vocab_size: Optional[int] = None  # None: the tokenizer's size; GPT-2 presets pad to 50304
     rope_base: float = 10000.0  # RoPE's base θ
@@ -112,6 +119,19 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_head, or n_head when it is null (plain multi-head attention)."""
+        return self.n_kv_head or self.n_head
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: full attention): window_pattern repeated over the layers and cut at
+        n_layer (S windowed, L full); every layer windowed when there is no pattern."""
+        if self.window is None:
+            return [None] * self.n_layer
+        pattern = self.window_pattern or "S"
+        return [self.window if pattern[i % len(pattern)] == "S" else None for i in range(self.n_layer)]
+
     def levers(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("recompute_every", "recompute_dtype", "offload", "keep_attention",
                                               "mlp_chunk", "loss_chunk")}
@@ -123,6 +143,21 @@ class ModelConfig:
             raise ConfigError(f"model.n_embd={self.n_embd}: must be divisible by model.n_head={self.n_head}")
         if self.head_dim % 2:
             raise ConfigError(f"model.n_embd/n_head={self.head_dim}: head_dim must be even for rotary embeddings")
+        if self.n_kv_head is not None:
+            at_least("model.n_kv_head", self.n_kv_head)
+            if self.n_head % self.n_kv_head:
+                raise ConfigError(f"model.n_kv_head={self.n_kv_head}: must divide model.n_head={self.n_head} (each "
+                                  f"key/value head serves n_head/n_kv_head query heads); use a divisor of it, or "
+                                  f"null for n_head")
+        if self.window is not None:
+            at_least("model.window", self.window)
+        if self.window_pattern is not None:
+            if self.window is None:
+                raise ConfigError(f"model.window_pattern={self.window_pattern}: needs model.window (the window of "
+                                  f"its S layers, e.g. model.window=256)")
+            if not self.window_pattern or set(self.window_pattern) - {"S", "L"}:
+                raise ConfigError(f"model.window_pattern={self.window_pattern}: must be letters S (windowed) and L "
+                                  f"(full), e.g. SSSL")
         if self.vocab_size is not None:
             at_least("model.vocab_size", self.vocab_size)
         one_of("model.rope_scaling", self.rope_scaling, ROPE_SCALINGS)
@@ -165,7 +200,7 @@ class DataConfig:
     site_dirs: Optional[list[str]] = None  # pycode: where packages are looked up; None: this interpreter's imports
     # pycode: held-out documents at least seq_len tokens long (bytes/4) a run needs; None: 20 (quickstart: 4)
     min_heldout_docs: Optional[int] = None
-    document_mask: bool = False  # attend within documents only (recorded; pycode sets it; the masks land later)
+    document_mask: bool = False  # attend within documents (text, hf, pycode; separators end them)
 
     def validate(self) -> None:
         one_of("data", self.name, DATA_NAMES)
@@ -184,6 +219,9 @@ class DataConfig:
             one_of("data.subset", self.subset, PYCODE_SUBSETS)
         if self.min_heldout_docs is not None:
             at_least("data.min_heldout_docs", self.min_heldout_docs)
+        if self.document_mask and self.name == "passkey":
+            raise ConfigError("data.document_mask=true: data=passkey has no documents to keep apart (one sequence "
+                              "is one text); leave it false, or use data=text, hf or pycode")
         if self.tokenizer is not None and not Path(os.path.expanduser(self.tokenizer)).is_file():
             raise ConfigError(f"data.tokenizer={self.tokenizer}: no such tokenizer.json file")
 
@@ -191,7 +229,8 @@ class DataConfig:
 @dataclass
 class ParallelConfig:
     # Several processes (torchrun --nproc_per_node=N ...; minigpt/distributed/): the sequence is split over `context`
-    # ranks (ring attention, attention=flash), and the N/context groups of them train data-parallel.
+    # ranks (ring attention over our kernel, attention=flash, with windows, document masks and GQA), and the N/context
+    # groups of them train data-parallel.
     context: int = 1  # context-parallel degree K; must divide the number of processes (validate.py)
 
     def validate(self) -> None:
@@ -247,6 +286,10 @@ class TrainConfig:
     beta2: float = 0.95  # AdamW
     grad_clip: float = 1.0  # clip the gradient norm to this; 0 = off
 
+    # CUDA allocator settings (PYTORCH_CUDA_ALLOC_CONF); null: keep the env's
+    # (minigpt/cuda_allocator.py: set before CUDA starts; expandable segments keep reserved memory near allocated)
+    cuda_alloc_conf: Optional[str] = "expandable_segments:True"
+
     run_dir: str = "."  # where summary.json goes; train.yaml sets it to Hydra's output dir
     ckpt_dir: str = "${run_dir}/checkpoints"  # where checkpoints go (the newest two are kept)
 
@@ -287,6 +330,16 @@ class TrainConfig:
             raise ConfigError(f"resume={self.resume}: must be none, auto, or an existing checkpoint file or directory")
         for section in (self.attention, self.model, self.data, self.logger, self.parallel):
             section.validate()
-        if self.parallel.context > 1 and self.attention.name != "flash":
-            raise ConfigError(f"attention={self.attention.name}: context parallelism (parallel.context="
-                              f"{self.parallel.context}) needs attention=flash (ring attention over our kernel)")
+        if self.cuda_alloc_conf is not None and not re.fullmatch(ALLOC_CONF_FORM, self.cuda_alloc_conf):
+            raise ConfigError(f"cuda_alloc_conf={self.cuda_alloc_conf}: must be key:value pairs joined by commas, as "
+                              f"PyTorch's PYTORCH_CUDA_ALLOC_CONF takes them (e.g. expandable_segments:True), or null "
+                              f"to keep the environment's")
+
+    def masks(self) -> list[str]:
+        """The settings that mask attention beyond causal ("model.window=64", "data.document_mask=true"), if any."""
+        masks = [f"model.window={self.model.window}"] if self.model.window is not None else []
+        return masks + (["data.document_mask=true"] if self.data.document_mask else [])
+
+    def gqa(self) -> list[str]:
+        """["model.n_kv_head=k"] when the keys and values have fewer heads than the queries, else []."""
+        return [f"model.n_kv_head={self.model.n_kv_head}"] if self.model.kv_heads != self.model.n_head else []

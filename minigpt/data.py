@@ -1,9 +1,10 @@
 """Training data: the embedded passkey task, local text files, any `datasets` dataset, and the pycode corpus.
 
-Every source exposes `batch(split, index, batch_size) -> (x, y)`: int64 CPU tensors of shape
-(batch_size, seq_len), y = x shifted by one token. A batch is a pure function of (seed, split,
-index), so the trainer's data position is just the step counter and a resumed run sees exactly
-the batches a straight run would.
+Every source exposes `batch(split, index, batch_size) -> (x, y, document_ids)`: x, y int64 CPU tensors of shape
+(batch_size, seq_len), y = x shifted by one token; document_ids None, or with data.document_mask (text, hf, pycode)
+int32 (batch_size, seq_len) ids of the documents the end-of-text separators delimit (`document_ids`), for
+attention within documents. A batch is a pure function of (seed, split, index), so the trainer's data position is
+just the step counter and a resumed run sees exactly the batches a straight run would.
 """
 from __future__ import annotations
 
@@ -92,18 +93,27 @@ class PasskeyData:
         start = self.answer.start + 1  # the answer slice indexes y, the tokens shifted by one
         return tokens[:start], tokens[start : start + self.KEY_DIGITS]
 
-    def batch(self, split: str, index: int, batch_size: int) -> tuple[Tensor, Tensor]:
+    def batch(self, split: str, index: int, batch_size: int) -> tuple[Tensor, Tensor, None]:
         rng = _rng(self.seed, split, index)
         tokens = torch.from_numpy(np.stack([self.sample(rng) for _ in range(batch_size)]).astype(np.int64))
-        return tokens[:, :-1], tokens[:, 1:]
+        return tokens[:, :-1], tokens[:, 1:], None  # one text per sequence: no documents to keep apart
 
 
 # --------------------------------------------------------------------------------------------
 # text and hf: a BPE tokenizer over documents, then random windows of a token stream
 # --------------------------------------------------------------------------------------------
+def document_ids(x: Tensor, eot: int) -> Tensor:
+    """The document of each token of x (B, N), int32: each row counts from 0 (a window that starts mid-document
+    gives that part its own id) and goes up by one after each end-of-text separator `eot`, which belongs to the
+    document it ends. Non-decreasing, as the attention backends need."""
+    ends = (x == eot).to(torch.int32)
+    return ends.cumsum(dim=1, dtype=torch.int32) - ends  # separators strictly before each token
+
+
 @dataclass
 class TokenData:
-    """Random windows of seq_len+1 tokens from a train and a val token stream."""
+    """Random windows of seq_len+1 tokens from a train and a val token stream (documents joined by `eot`); with
+    `document_mask`, each batch carries the windows' document ids."""
 
     train: np.ndarray
     val: np.ndarray
@@ -113,8 +123,12 @@ class TokenData:
     answer: slice | None = None  # no retrieval task on free text
     tokenizer_json: str | None = None  # the tokenizer (`tokenizers` JSON), saved into the run directory
     manifest: dict | None = None  # what the corpus is (pycode), saved into the run directory as corpus.json
+    eot: int | None = None  # the end-of-text separator's id
+    document_mask: bool = False  # batches carry document ids (data.document_mask)
 
     def __post_init__(self):
+        if self.document_mask and self.eot is None:
+            raise DataError(f"data.document_mask=true: the tokenizer has no {EOT} token to separate documents")
         for split, tokens in (("train", self.train), ("val", self.val)):
             if len(tokens) < self.seq_len + 1:
                 raise DataError(
@@ -122,12 +136,13 @@ class TokenData:
                     f"seq_len+1={self.seq_len + 1}; give more text or lower seq_len"
                 )
 
-    def batch(self, split: str, index: int, batch_size: int) -> tuple[Tensor, Tensor]:
+    def batch(self, split: str, index: int, batch_size: int) -> tuple[Tensor, Tensor, Tensor | None]:
         tokens = self.train if split == "train" else self.val
         starts = _rng(self.seed, split, index).integers(0, len(tokens) - self.seq_len, size=batch_size)
         windows = np.stack([tokens[s : s + self.seq_len + 1] for s in starts]).astype(np.int64)
         t = torch.from_numpy(windows)
-        return t[:, :-1], t[:, 1:]
+        x, y = t[:, :-1], t[:, 1:]  # every target is kept, also a separator's (the next document's first token)
+        return x, y, document_ids(x, self.eot) if self.document_mask else None
 
 
 def _first_line(e: BaseException) -> str:
@@ -270,6 +285,11 @@ def _token_stream(ds, column: str, tokenizer) -> np.ndarray:
     return np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
 
 
+def _documents_of(cfg: DataConfig, tokenizer) -> dict:
+    """TokenData's separator and document-mask fields for this tokenizer and config."""
+    return {"eot": tokenizer.token_to_id(EOT), "document_mask": cfg.document_mask}
+
+
 def _split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     n_val = max(1, int(len(tokens) * val_fraction))
     return tokens[:-n_val], tokens[-n_val:]
@@ -298,7 +318,8 @@ def load_text(cfg: DataConfig, seq_len: int, seed: int) -> TokenData:
         ) from e
     tokenizer = load_tokenizer(cfg, _documents(ds, "text"), key)
     train, val = _split(_token_stream(ds, "text", tokenizer), cfg.val_fraction)
-    return TokenData(train, val, seq_len, seed, tokenizer.get_vocab_size(), tokenizer_json=tokenizer.to_str())
+    return TokenData(train, val, seq_len, seed, tokenizer.get_vocab_size(), tokenizer_json=tokenizer.to_str(),
+                     **_documents_of(cfg, tokenizer))
 
 
 # --------------------------------------------------------------------------------------------
@@ -440,7 +461,8 @@ def load_hf(cfg: DataConfig, seq_len: int, seed: int) -> TokenData:
     key = hashlib.sha256(f"{cfg.dataset}|{cfg.dataset_config}|{cfg.split}|{cfg.max_docs}|{ds._fingerprint}".encode())
     tokenizer = load_tokenizer(cfg, _documents(ds, cfg.text_column), key.hexdigest()[:16])
     train, val = _split(_token_stream(ds, cfg.text_column, tokenizer), cfg.val_fraction)
-    return TokenData(train, val, seq_len, seed, tokenizer.get_vocab_size(), tokenizer_json=tokenizer.to_str())
+    return TokenData(train, val, seq_len, seed, tokenizer.get_vocab_size(), tokenizer_json=tokenizer.to_str(),
+                     **_documents_of(cfg, tokenizer))
 
 
 # --------------------------------------------------------------------------------------------
@@ -497,7 +519,7 @@ def load_pycode(cfg: DataConfig, seq_len: int, seed: int) -> TokenData:
     manifest = {**manifest, "tokens": {s: int(len(t)) for s, t in streams.items()}, "vocab_size": tokenizer.get_vocab_size()}
     atomic_write_text(folder / MANIFEST_FILE, json.dumps(manifest, indent=1))
     return TokenData(streams["train"], streams["val"], seq_len, seed, tokenizer.get_vocab_size(),
-                     tokenizer_json=tokenizer.to_str(), manifest=manifest)
+                     tokenizer_json=tokenizer.to_str(), manifest=manifest, **_documents_of(cfg, tokenizer))
 
 
 # --------------------------------------------------------------------------------------------

@@ -156,14 +156,16 @@ class KeptAttention:
     def __init__(self, backend: AttentionBackend, offload: bool):
         self.backend, self.offload, self.kept = backend, offload, None
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tensor:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = True, *, window: int | None = None,
+                 document_ids: Tensor | None = None) -> Tensor:
+        masks = dict(window=window, document_ids=document_ids)
         if self.kept is None:
-            o, lse = self.backend.forward_with_lse(q, k, v, causal=causal)
+            o, lse = self.backend.forward_with_lse(q, k, v, causal=causal, **masks)
             self.kept = (to_host(o), to_host(lse)) if self.offload else (o, lse)
             return o
         o, lse = (t.to(q.device, non_blocking=True) for t in self.kept)
         self.kept = None
-        return self.backend.attend_saved(q, k, v, o, lse, causal=causal)
+        return self.backend.attend_saved(q, k, v, o, lse, causal=causal, **masks)
 
 
 def _spans(n: int, chunk: int) -> list[tuple[int, int]]:
@@ -196,10 +198,11 @@ class _RecomputeFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, block: nn.Module, store_dtype: torch.dtype, offload: bool,
-                attend: KeptAttention | None, chunk: int, *params: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, document_ids: Tensor | None, block: nn.Module,
+                store_dtype: torch.dtype, offload: bool, attend: KeptAttention | None, chunk: int,
+                *params: Tensor) -> Tensor:
         stored = x.detach().to(store_dtype)
-        pieces = _BlockPieces(block, cos, sin, chunk, x.dtype, x.device, attend)
+        pieces = _BlockPieces(block, cos, sin, chunk, x.dtype, x.device, attend, document_ids)
         with torch.no_grad():
             q, k, v = pieces.heads(stored)
             out = pieces.mlp_out(stored, pieces.attend(q, k, v))
@@ -225,19 +228,20 @@ class _RecomputeFunction(torch.autograd.Function):
             dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
             del q, k, v, o, do
             pieces.heads_backward(stored, (dq, dk, dv), g, grads)
-        return (g, None, None, None, None, None, None, None,
+        return (g, None, None, None, None, None, None, None, None,
                 *(grads.get(id(p)) if p.requires_grad else None for p in params))
 
 
 class _BlockPieces:
     """A transformer block (minigpt/model.py's Block) run as its pieces: `Block.qkv`, attention and
     `Block.after_attention`, the token-local ones over `chunk` tokens at a time. Inputs are the stored (B, N, C)
-    block input and, after attention, its output (B, H, N, D)."""
+    block input and, after attention, its output (B, H, N, D); the attention is within the block's window and the
+    batch's documents (`document_ids`, None without a document mask)."""
 
     def __init__(self, block: nn.Module, cos: Tensor, sin: Tensor, chunk: int, dtype: torch.dtype,
-                 device: torch.device, attend: KeptAttention | None):
+                 device: torch.device, attend: KeptAttention | None, document_ids: Tensor | None = None):
         self.block, self.cos, self.sin, self.chunk = block, cos, sin, chunk
-        self.dtype, self.device, self.attend_fn = dtype, device, attend
+        self.dtype, self.device, self.attend_fn, self.document_ids = dtype, device, attend, document_ids
 
     def x(self, stored: Tensor, s: int, e: int) -> Tensor:
         """Tokens s:e of the block input in the compute dtype (from host memory when offloaded)."""
@@ -247,24 +251,25 @@ class _BlockPieces:
         return self.block.qkv(x, self.cos[s:e], self.sin[s:e])
 
     def heads(self, stored: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k, v (B, N, H, D) of the block input, chunk by chunk (call without autograd). k and v are the two
+        """q, k, v (B, N, heads, D) of the block input, chunk by chunk (call without autograd). k and v are the two
         halves of one buffer, so ring attention can send them as one message without copying them."""
         qkv: list[Tensor] = []
         for s, e in _spans(stored.shape[1], self.chunk):
             parts = self._qkv(self.x(stored, s, e), s, e)
             if not qkv:
-                shape = (parts[0].shape[0], stored.shape[1], *parts[0].shape[2:])
-                kv = parts[1].new_empty((2, *shape))
-                qkv = [parts[0].new_empty(shape), kv[0], kv[1]]
+                q_shape, kv_shape = ((p.shape[0], stored.shape[1], *p.shape[2:]) for p in parts[:2])
+                kv = parts[1].new_empty((2, *kv_shape))
+                qkv = [parts[0].new_empty(q_shape), kv[0], kv[1]]
             for buf, p in zip(qkv, parts):
                 buf[:, s:e] = p
         return qkv[0], qkv[1], qkv[2]
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Attention over (B, N, H, D) q, k, v (kept attention if given); the output is (B, H, N, D)."""
+        """Attention over (B, N, heads, D) q, k, v (kept attention if given); the output is (B, H, N, D)."""
         if self.attend_fn is None:
-            return self.block.attn.attend_heads(q, k, v)
-        return self.attend_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+            return self.block.attn.attend_heads(q, k, v, self.document_ids)
+        return self.attend_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                              window=self.block.attn.window, document_ids=self.document_ids)
 
     def mlp_out(self, stored: Tensor, o: Tensor) -> Tensor:
         """The block's output (`Block.after_attention`) chunk by chunk (without autograd)."""
@@ -333,7 +338,8 @@ class BlockRecompute:
         """Block `index` is recomputed (only when gradients are being recorded)."""
         return bool(self.every) and index % self.every == 0 and torch.is_grad_enabled()
 
-    def __call__(self, block: nn.Module, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def __call__(self, block: nn.Module, x: Tensor, cos: Tensor, sin: Tensor,
+                 document_ids: Tensor | None = None) -> Tensor:
         attend = KeptAttention(self.attention, self.offload) if self.keep_attention else None
-        return _RecomputeFunction.apply(x, cos, sin, block, self.store_dtype, self.offload, attend, self.chunk,
-                                        *block.parameters())
+        return _RecomputeFunction.apply(x, cos, sin, document_ids, block, self.store_dtype, self.offload, attend,
+                                        self.chunk, *block.parameters())

@@ -111,50 +111,57 @@ def qkv_rotary(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, T
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention. forward: project_qkv, then rotate + attend_heads, or the backend's
-    attend_projection where it takes the projection itself (flash); Block applies project (c_proj) to the result.
-    A recomputed block calls heads (project_qkv + rotate) and attend_heads itself, to run the token-local part in
-    chunks."""
+    """Causal self-attention with n_head query heads over n_kv_head key/value heads (GQA; equal by default), within
+    `window` (None: all earlier tokens) and, when the batch has them, within documents. forward: project_qkv, then
+    rotate + attend_heads, or the backend's attend_projection where it takes the projection itself (flash); Block
+    applies project (c_proj) to the result. A recomputed block calls heads (project_qkv + rotate) and attend_heads
+    itself, to run the token-local part in chunks."""
 
-    def __init__(self, cfg: ModelConfig, attend: AttentionFn):
+    def __init__(self, cfg: ModelConfig, attend: AttentionFn, window: int | None = None):
         super().__init__()
-        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.window = window
+        self.c_attn = nn.Linear(cfg.n_embd, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim, bias=False)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.attend = attend
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, document_ids: Tensor | None = None) -> Tensor:
         """The heads' outputs y (B, H, N, D) for the block's normed input x: rotate, then attend_heads; or, where
         the backend takes the qkv projection itself (flash, eager, on a GPU), that path, which folds RoPE's
         backward into the attention's (kernels/flash_attention_qkv.py)."""
         qkv = self.project_qkv(x)
         from_projection = getattr(self.attend, "attend_projection", None)  # a plain function has none
-        y = from_projection(qkv, cos, sin) if from_projection is not None else None
-        return y if y is not None else self.attend_heads(*self.rotate(qkv, cos, sin))
+        y = None if from_projection is None else from_projection(
+            qkv, cos, sin, n_kv_head=self.n_kv_head, window=self.window, document_ids=document_ids)
+        return y if y is not None else self.attend_heads(*self.rotate(qkv, cos, sin), document_ids)
 
     def project_qkv(self, x: Tensor) -> Tensor:
-        """The qkv projection of x (B, N, C) as (B, N, 3, H, D)."""
+        """The qkv projection of x (B, N, C) as (B, N, H + 2·Hkv, D): the query heads, then the keys', the values'."""
         B, N, C = x.shape
-        return self.c_attn(x).view(B, N, 3, self.n_head, self.head_dim)
+        return self.c_attn(x).view(B, N, self.n_head + 2 * self.n_kv_head, self.head_dim)
 
     def heads(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k (rotated) and v of x, each (B, N, H, D)."""
+        """q, k (rotated) and v of x: (B, N, H, D), (B, N, Hkv, D), (B, N, Hkv, D)."""
         return self.rotate(self.project_qkv(x), cos, sin)
 
     def rotate(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k (rotated) and v as (B, N, H, D), each in its own buffer: the attention keeps all three for its
+        """q, k (rotated) and v as (B, N, heads, D), each in its own buffer: the attention keeps all three for its
         backward, and views would keep the whole qkv matmul output alive with them (3 KB more per token
         and layer). RoPE is applied in this layout so the caller's transposes are free strided views.
-        On a GPU, eager runs do the split and RoPE in one Triton pass each way (kernels/rotary.py: a dozen
-        elementwise passes fewer); compiled regions keep the PyTorch code, which Inductor fuses itself."""
-        if not torch.compiler.is_compiling() and rotary_fits(qkv, cos, sin):
-            return qkv_rotary(qkv, cos, sin)
-        q, k = apply_rotary(qkv[:, :, 0], cos, sin), apply_rotary(qkv[:, :, 1], cos, sin)
-        return q, k, qkv[:, :, 2].contiguous()
+        On a GPU, eager runs without GQA do the split and RoPE in one Triton pass each way (kernels/rotary.py: a
+        dozen elementwise passes fewer); compiled regions keep the PyTorch code, which Inductor fuses itself."""
+        H, Hkv = self.n_head, self.n_kv_head
+        if H == Hkv and not torch.compiler.is_compiling():
+            qkv3 = qkv.unflatten(2, (3, H))  # (B, N, 3, H, D), the fused kernel's layout
+            if rotary_fits(qkv3, cos, sin):
+                return qkv_rotary(qkv3, cos, sin)
+        q, k, v = qkv.split((H, Hkv, Hkv), dim=2)  # whose backward joins the three gradients, with no zeros
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.contiguous()
 
-    def attend_heads(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Attention over (B, N, H, D) q, k, v; the output y is (B, H, N, D), as the backends return it."""
-        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+    def attend_heads(self, q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor | None = None) -> Tensor:
+        """Attention over (B, N, heads, D) q, k, v; the output y is (B, H, N, D), as the backends return it."""
+        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, window=self.window,
+                           document_ids=document_ids)
 
     def project(self, y: Tensor) -> Tensor:
         """c_proj of the heads' outputs y (B, H, N, D) joined per token. flash and SDPA's fused kernels lay y out
@@ -176,21 +183,21 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, cfg: ModelConfig, attend: AttentionFn):
+    def __init__(self, cfg: ModelConfig, attend: AttentionFn, window: int | None = None):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
-        self.attn = CausalSelfAttention(cfg, attend)
+        self.attn = CausalSelfAttention(cfg, attend, window)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = MLP(cfg)
         self.mlp_chunk = cfg.mlp_chunk
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        return self.after_attention(x, self.attn(self.ln_1(x), cos, sin))
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, document_ids: Tensor | None = None) -> Tensor:
+        return self.after_attention(x, self.attn(self.ln_1(x), cos, sin, document_ids))
 
     # The token-local pieces around the attention call, for a recomputed block (minigpt/levers.py), which runs each
     # a chunk of tokens at a time (forward itself lets attn take the backend's own path from the projection).
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k, v (B, N, H, D) of the block input x."""
+        """q, k, v (B, N, heads, D) of the block input x."""
         return self.attn.heads(self.ln_1(x), cos, sin)
 
     def after_attention(self, x: Tensor, y: Tensor) -> Tensor:
@@ -213,7 +220,8 @@ class GPT(nn.Module):
         self.cfg, self.vocab_size = cfg, vocab_size
         self.wte = nn.Embedding(vocab_size, cfg.n_embd)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_base, cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_len)
-        self.blocks = nn.ModuleList(Block(cfg, attention) for _ in range(cfg.n_layer))
+        # model.window on the layers model.window_pattern marks S (every layer without a pattern)
+        self.blocks = nn.ModuleList(Block(cfg, attention, window) for window in cfg.layer_windows())
         self.recompute = BlockRecompute(cfg, attention)  # which blocks keep only their input (memory lever)
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
@@ -233,21 +241,23 @@ class GPT(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def hidden(self, idx: Tensor, positions: Tensor | None = None) -> Tensor:
-        """Residual stream after the last block, (B, N, C), for token ids (B, N) at `positions` (default 0..N-1)."""
+    def hidden(self, idx: Tensor, positions: Tensor | None = None, document_ids: Tensor | None = None) -> Tensor:
+        """Residual stream after the last block, (B, N, C), for token ids (B, N) at `positions` (default 0..N-1);
+        with `document_ids` (B, N) (non-decreasing ints, data.document_mask) a token attends within its document."""
         x = self.wte(idx)
         cos, sin = self.rotary(idx.shape[1], positions)
         for i, block in enumerate(self.blocks):
-            x = self.recompute(block, x, cos, sin) if self.recompute.applies(i) else block(x, cos, sin)
+            x = (self.recompute(block, x, cos, sin, document_ids) if self.recompute.applies(i)
+                 else block(x, cos, sin, document_ids))
         return x
 
     def head(self, h: Tensor) -> Tensor:
         """LM logits for residual states h (final norm + tied LM head)."""
         return self.lm_head(self.ln_f(h))
 
-    def forward(self, idx: Tensor, targets: Tensor) -> Tensor:
-        """Mean next-token cross-entropy of `targets` given `idx` (both (B, N))."""
-        return self.loss(self.hidden(idx), targets)
+    def forward(self, idx: Tensor, targets: Tensor, document_ids: Tensor | None = None) -> Tensor:
+        """Mean next-token cross-entropy of `targets` given `idx` (both (B, N)), within documents if given ids."""
+        return self.loss(self.hidden(idx, document_ids=document_ids), targets)
 
     def loss(self, h: Tensor, targets: Tensor) -> Tensor:
         """Mean cross-entropy of the LM head on residual states h (B, N, C) against targets (B, N)."""

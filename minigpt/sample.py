@@ -16,8 +16,8 @@ Decoding: each new token is drawn from the model's next-token distribution at th
 --temperature (0: greedy, the argmax) and cut to the --top-k most likely tokens (0: all); the model sees at most
 the trained seq_len tokens (a longer prompt or text is cropped to its last seq_len tokens: RoPE positions
 0..seq_len-1, as in training). An empty prompt starts from the tokenizer's document separator <|endoftext|>
-(BPE), or from a newline (bytes); the start token is not printed. A checkpoint trained with attention=flash
-samples with attention=sdpa where our kernel cannot run (no GPU, no Triton), and says so in one line.
+(BPE), or from a newline (bytes); the start token is not printed. A checkpoint trained with attention=flash or flex
+samples with attention=sdpa where that cannot run (no GPU, no Triton), and says so in one line.
 
 Output: the prompt and its continuation on stdout, each of --num-samples preceded by a `--- sample i of M ---`
 line when M > 1; what was loaded, and notes, on stderr.
@@ -28,18 +28,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
-from minigpt.attention import attention_names, get_attention
+from minigpt.attention import AttentionBackend, attention_names, get_attention
 from minigpt.checkpoint import (CheckpointError, CheckpointState, UnsafeCheckpointError, list_checkpoints,
                                 load_checkpoint, newest_intact, resume_candidates, step_of)
-from minigpt.config import ConfigError
-from minigpt.data import BYTES, EOT, TOKENIZER_FILE
+from minigpt.config import AttentionConfig, ConfigError, ModelConfig
+from minigpt.data import BYTES, EOT, TOKENIZER_FILE, document_ids
 
 CHECKPOINTS = "checkpoints"  # a run's default ckpt_dir (configs: ${run_dir}/checkpoints)
 BYTES_START = "\n"  # where an empty prompt starts with byte tokens (passkey text has no separator of its own)
@@ -157,13 +157,59 @@ class Sampler:
     checkpoint: Path
     step: int
     attention: str
+    separator: int | None = None  # trained with data.document_mask: the separator that ends a document
+
+
+def model_from_checkpoint(state: dict[str, Any], attention: str | None, path: Path,
+                          rope: dict[str, Any] | None = None) -> tuple[torch.nn.Module, AttentionBackend]:
+    """The GPT of the checkpoint's config and weights (on CPU) with the named attention backend (default: the
+    checkpoint's, with its options); vocab from the weights. `rope`: model.rope_* keys to evaluate with instead of
+    the checkpoint's (a length extension at evaluation; ConfigError if they make no sense). Returns (model, backend)."""
+    from minigpt.model import GPT
+
+    config = state.get("config") or {}
+    saved = config.get("model") or {}
+    try:
+        cfg = ModelConfig(**{f.name: saved[f.name] for f in fields(ModelConfig) if f.name in saved})
+        cfg.validate()
+        vocab = state["model"]["wte.weight"].shape[0]
+    except (TypeError, KeyError, ConfigError, AttributeError) as e:
+        raise CheckpointError(f"{path}: its model config or weights are incomplete ({type(e).__name__}: {e})") from e
+    if rope:
+        cfg = replace(cfg, **rope)
+        cfg.validate()
+    saved_attention = AttentionConfig(**(config.get("attention") or {}))
+    name = attention or saved_attention.name
+    backend = get_attention(name, **(saved_attention.options() if name == saved_attention.name else {}))
+    model = GPT(cfg, vocab, backend)
+    try:
+        model.load_state_dict(state["model"])
+    except (RuntimeError, KeyError) as e:
+        raise CheckpointError(f"{path}: the weights do not fit its own config ({str(e).splitlines()[0][:120]})") from e
+    return model, backend
+
+
+def runnable_attention(config: dict[str, Any], device: torch.device, dtype: torch.dtype, path: Path,
+                       warn: Callable[[str], None]) -> str:
+    """The attention the checkpoint was trained with, or sdpa (the same weights and math, one line through `warn`)
+    where that is flash or flex and cannot run here. SampleError for a backend this minigpt does not have."""
+    trained = (config.get("attention") or {}).get("name", "sdpa")
+    if trained not in attention_names():
+        raise SampleError(f"{path}: trained with attention={trained}, which this minigpt does not have")
+    if trained in ("flash", "flex"):
+        saved = config.get("model") or {}
+        head_dim = int(saved.get("n_embd", 0)) // max(1, int(saved.get("n_head", 1)))
+        reason = "no GPU here" if device.type != "cuda" else get_attention(trained).unsupported(device, dtype, head_dim)
+        if reason:
+            warn(f"note: trained with attention={trained}, which cannot run here ({reason.split(';')[0]}); using "
+                 f"attention=sdpa (the same weights and math)")
+            return "sdpa"
+    return trained
 
 
 def load_sampler(path: str | Path, device: str = "auto", warn: Callable[[str], None] = print) -> Sampler:
     """The model of PATH's checkpoint (see the module docstring) on `device` (auto | cpu | cuda), with its tokenizer.
-    A flash-trained model gets attention=sdpa where our kernel cannot run (one line through `warn`)."""
-    from minigpt.eval.passkey_eval import model_from_checkpoint
-
+    A flash- or flex-trained model gets attention=sdpa where that cannot run (one line through `warn`)."""
     if device == "cuda" and not torch.cuda.is_available():
         raise SampleError("--device cuda: no CUDA GPU is visible; use --device cpu (or auto)")
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device)
@@ -171,18 +217,7 @@ def load_sampler(path: str | Path, device: str = "auto", warn: Callable[[str], N
     ckpt, state, run_dir = find_checkpoint(Path(path), warn)
     config = state.get("config") or {}
     tokenizer = find_tokenizer(config, run_dir)
-    trained = (config.get("attention") or {}).get("name", "sdpa")
-    if trained not in attention_names():
-        raise SampleError(f"{ckpt}: trained with attention={trained}, which this minigpt does not have")
-    attention = trained
-    if trained == "flash":
-        saved = config.get("model") or {}
-        head_dim = int(saved.get("n_embd", 0)) // max(1, int(saved.get("n_head", 1)))
-        reason = "no GPU here" if dev.type != "cuda" else get_attention("flash").unsupported(dev, dtype, head_dim)
-        if reason:
-            attention = "sdpa"
-            warn(f"note: trained with attention=flash, which cannot run here ({reason.split(';')[0]}); sampling "
-                 f"with attention=sdpa (the same weights and math)")
+    attention = runnable_attention(config, dev, dtype, ckpt, warn)
     model, _ = model_from_checkpoint(state, attention, ckpt)
     if tokenizer.vocab_size > model.vocab_size:
         raise SampleError(f"{ckpt}: its model has {model.vocab_size} tokens, fewer than the tokenizer "
@@ -191,25 +226,30 @@ def load_sampler(path: str | Path, device: str = "auto", warn: Callable[[str], N
     if not isinstance(seq_len, int) or seq_len < 1:
         raise SampleError(f"{ckpt}: its config does not say the trained seq_len; not a minigpt training checkpoint")
     model.to(dev).eval()
-    return Sampler(model, tokenizer, seq_len, dev, dtype, ckpt, int(state["step"]), attention)
+    separator = tokenizer.start if (config.get("data") or {}).get("document_mask") else None  # <|endoftext|>
+    return Sampler(model, tokenizer, seq_len, dev, dtype, ckpt, int(state["step"]), attention, separator)
 
 
-def next_token_logits(model: Any, idx: Tensor, seq_len: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    """The model's logits (B, vocab) for the token after idx (B, N), from at most its last seq_len tokens."""
+def next_token_logits(model: Any, idx: Tensor, seq_len: int, dtype: torch.dtype = torch.float32,
+                      separator: int | None = None) -> Tensor:
+    """The model's logits (B, vocab) for the token after idx (B, N), from at most its last seq_len tokens; with a
+    `separator` (a model trained with data.document_mask) each token attends within its document, as in training."""
     window = idx[:, -seq_len:]
+    ids = None if separator is None else document_ids(window, separator)
     with torch.autocast(idx.device.type, dtype=dtype, enabled=dtype != torch.float32):
-        return model.head(model.hidden(window)[:, -1]).float()  # the LM head at one position only
+        return model.head(model.hidden(window, document_ids=ids)[:, -1]).float()  # the LM head at one position only
 
 
 @torch.no_grad()
 def generate(model: Any, idx: Tensor, max_new_tokens: int, seq_len: int, temperature: float = 0.8,
              top_k: int | None = 200, vocab_size: int | None = None, generator: torch.Generator | None = None,
-             dtype: torch.dtype = torch.float32) -> Tensor:
+             dtype: torch.dtype = torch.float32, separator: int | None = None) -> Tensor:
     """idx (B, N) with max_new_tokens tokens appended, each drawn from the next-token distribution of the last
     seq_len tokens: softmax(logits / temperature) over the top_k most likely (None or 0: all), or the argmax when
-    temperature is 0. Only the first vocab_size ids (the tokenizer's) can be drawn (a padded vocabulary has more)."""
+    temperature is 0. Only the first vocab_size ids (the tokenizer's) can be drawn (a padded vocabulary has more).
+    `separator`: as for next_token_logits."""
     for _ in range(max_new_tokens):
-        logits = next_token_logits(model, idx, seq_len, dtype)[:, :vocab_size]
+        logits = next_token_logits(model, idx, seq_len, dtype, separator)[:, :vocab_size]
         if temperature == 0:
             token = logits.argmax(dim=-1, keepdim=True)
         else:
@@ -234,7 +274,7 @@ def sample_texts(s: Sampler, prompt: str = "", max_new_tokens: int = 200, temper
         generator.manual_seed(seed)
     idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=s.device)
     out = generate(s.model, idx, max_new_tokens, s.seq_len, temperature, top_k, s.tokenizer.vocab_size, generator,
-                   s.dtype)
+                   s.dtype, s.separator)
     return [s.tokenizer.decode(row[len(ids):].tolist()) for row in out]
 
 

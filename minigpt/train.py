@@ -74,7 +74,7 @@ class Training:
     config_dict: dict[str, Any]  # the resolved config, stored in checkpoints
     device: torch.device
     dtype: torch.dtype
-    data: Any  # a data source (minigpt/data.py): batch(split, index, batch_size) -> (x, y)
+    data: Any  # a data source (minigpt/data.py): batch(split, index, batch_size) -> (x, y, document_ids or None)
     model: GPT  # with cfg.compile, its regions are compiled (GPT.compile_regions)
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
@@ -141,6 +141,12 @@ def build(cfg: TrainConfig, config_dict: dict[str, Any], summary: RunSummary, me
                     peak * mesh.world if peak else None, forward, mesh)
 
 
+def to_device(batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], device: torch.device
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A batch (x, y, document ids or None) on `device`."""
+    return tuple(None if b is None else b.to(device, non_blocking=True) for b in batch)
+
+
 @torch.no_grad()
 def evaluate(t: Training) -> dict[str, float]:
     """Mean val loss over cfg.eval_batches fixed batches, and passkey retrieval accuracy if the data has a key."""
@@ -149,9 +155,9 @@ def evaluate(t: Training) -> dict[str, float]:
     model.eval()
     losses, hits, total = [], 0, 0
     for i in range(cfg.eval_batches):
-        x, y = (b.to(t.device) for b in shard_batch(mesh, data, "val", i, cfg.batch_size))  # this rank's part
+        x, y, ids = to_device(shard_batch(mesh, data, "val", i, cfg.batch_size), t.device)  # this rank's part
         with torch.autocast(t.device.type, dtype=t.dtype, enabled=t.dtype != torch.float32):
-            h = model.hidden(x, positions)
+            h = model.hidden(x, positions, ids)
             losses.append(mean_loss(mesh, model, h, y))
             if data.answer is not None:  # all key digits must be the argmax predictions
                 batch_hits, batch_total = key_hits(mesh, model, h, y, data.answer, positions)
@@ -198,11 +204,11 @@ def train_step(t: Training, step: int) -> float:
         group["lr"] = lr_at(step, cfg)
     loss_sum = torch.zeros((), device=t.device)
     for micro in range(cfg.grad_accum):
-        x, y = (b.to(t.device, non_blocking=True)
-                for b in shard_batch(t.mesh, t.data, "train", step * cfg.grad_accum + micro, cfg.batch_size))
+        x, y, ids = to_device(shard_batch(t.mesh, t.data, "train", step * cfg.grad_accum + micro, cfg.batch_size),
+                              t.device)
         with t.forward.no_sync(last=micro == cfg.grad_accum - 1):  # DDP: gradients all-reduced once per step
             with torch.autocast(t.device.type, dtype=t.dtype, enabled=t.dtype != torch.float32):
-                loss = t.forward.loss(x, y) / cfg.grad_accum
+                loss = t.forward.loss(x, y, ids) / cfg.grad_accum
             t.scaler.scale(loss).backward()
         loss_sum += loss.detach()
     loss_value = mean(t.mesh, loss_sum).item()  # under torchrun: the mean over every rank's tokens

@@ -6,6 +6,8 @@ The same as `minigpt-bench` (logic in minigpt/benchmarks/bench.py). Examples:
     python scripts/bench_attention.py --explore             # also time candidate tile configs of our kernels
     python scripts/bench_attention.py --explore-only --full --dtype float16 --shortlist   # re-check tiles elsewhere
     python scripts/bench_attention.py --seq 4096 --head-dim 128 --providers flash sdpa-flash
+    python scripts/bench_attention.py --masks               # documents, windows, GQA: ours vs FlexAttention vs ideal
+    TRITON_INTERPRET=1 python scripts/bench_attention.py --masks --tiny --out /tmp/masks   # its dry run, on CPU
 """
 import sys
 

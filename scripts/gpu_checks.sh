@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (../shared/GPU.md): GPU tests, kernel benchmark, training runs, a 1M-token step.
 # Needs the project installed where this runs (pip install -e . or pip install .: the minigpt-* commands).
-#   bash scripts/gpu_checks.sh tests|explore|tiles|bench|train|long|memory|frontier|compile|scaling|ring|probe4 ...
+#   bash scripts/gpu_checks.sh tests|explore|tiles|bench|masks|train|long|memory|frontier|compile|scaling|ring|probe4 ...
 # Logs and results go under $OUT (default ./gpu_out, git-ignored), runs under runs/; the last lines printed are a
 # short table. Publishing into results/ is a separate, explicit step.
 set -uo pipefail
@@ -49,6 +49,7 @@ for step in "$@"; do
       minigpt-sweep --variants flash+levers+offload+keepattn --no-search --probe-seq-lens 4194304 --steps 1 \
         --nproc 4 --context 4 --trial-time-limit 1200 --out runs/probe4m_x4 > "$OUT/probe4.log" 2>&1; tail -4 "$OUT/probe4.log" ;;
     bench)   minigpt-bench --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -16 ;;
+    masks)   minigpt-bench --masks --out "$OUT" 2>&1 | tee "$OUT/masks.log" | tail -42 ;;   # documents, windows, GQA vs flex
     train)   # flash next to sdpa, eager and compiled, back to back in one job: "attention seq_len batch compile steps"
       SPECS=${TRAIN_SPECS:-"sdpa 8192 4 false 20;flash 8192 4 false 20;sdpa 8192 4 true 20;flash 8192 4 true 20;sdpa 32768 1 false 20;flash 32768 1 false 20;sdpa 32768 1 true 20;flash 32768 1 true 20;sdpa 131072 1 false 8;flash 131072 1 false 8;sdpa 131072 1 true 8;flash 131072 1 true 8"}
       IFS=';' read -ra specs <<< "$SPECS"

@@ -27,10 +27,11 @@ rc=0  # the curve and the grids all run; the script's code says whether one fail
 python3 -m minigpt.sweep.curves $(for s in $STAGES; do echo "$RUNS/$s"; done) --out "$RESULTS/passkey_curve" \
   --metrics eval/passkey_acc eval/passkey_grid_acc eval/val_loss --title "small-6l passkey recipe (attention=flash)" || rc=1
 if [[ " $STAGES " == *" 8k "* ]]; then
-  minigpt-eval-passkey --checkpoint "$RUNS/8k" --lengths 2048 4096 8192 16384 32768 --out "$RESULTS/grid_8k" --wandb || rc=1
+  minigpt-eval "$RUNS/8k" --no-loss --passkey-grid --passkey-lengths 2K,4K,8K,16K,32K --out "$RESULTS/grid_8k" \
+    --wandb || rc=1
 fi
 if [[ " $STAGES " == *" 32k "* ]]; then
-  minigpt-eval-passkey --checkpoint "$RUNS/32k" --lengths 8192 16384 32768 65536 131072 --out "$RESULTS/grid_32k" \
+  minigpt-eval "$RUNS/32k" --no-loss --passkey-grid --passkey-lengths 8K,16K,32K,64K,128K --out "$RESULTS/grid_32k" \
     --wandb || rc=1
 fi
 exit $rc

@@ -26,6 +26,14 @@ def rotate64(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     return torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
 
 
+def rope64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in float64 from tables, [x1, x2] -> [x1 cos - x2 sin, x1 sin + x2 cos]: x (B, N, H, D), cos and sin
+    (N, D/2) (or (N, 1, D/2)), e.g. a YaRN model's, whose temperature they carry."""
+    x1, x2 = x.double().chunk(2, dim=-1)
+    c, s = (t.double().reshape(x.shape[1], 1, -1) for t in (cos, sin))
+    return torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+
+
 def visible_mask(n_q: int, n_k: int, causal: bool, window: int | None = None, q_ids=None, k_ids=None,
                  q_offset: int = 0, k_offset: int = 0) -> torch.Tensor:
     """The (n_q, n_k) boolean mask of which keys each query sees, or (B, n_q, n_k) with document ids ((B, n) each):

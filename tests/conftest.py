@@ -34,7 +34,7 @@ except ImportError:
 NO_TRITON = "needs Triton, which is not installed (Linux: pip install triton)"
 # Test files of the kernels (they import minigpt_kernels, hence triton, at the top): skipped whole without Triton.
 KERNEL_TEST_FILES = ("test_flash_attention", "test_rotary", "test_sm90_build", "test_dispatch", "test_gpu",
-                     "test_ring_attention")
+                     "test_ring_attention", "test_ring_masks")
 
 
 class NeedsTriton(pytest.Module):
@@ -42,6 +42,17 @@ class NeedsTriton(pytest.Module):
 
     def collect(self):
         raise pytest.skip.Exception(NO_TRITON, allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def stop_signals_as_found():
+    """Each test leaves the stop signals' handlers as it found them: one that stops an in-process run must not leave
+    them ignored for the processes later tests start (a SIGHUP ignored by the parent reads as nohup in its child)."""
+    before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    yield
+    for s, handler in before.items():
+        if handler is not None and signal.getsignal(s) != handler:
+            signal.signal(s, handler)
 
 
 def pytest_report_header(config):
@@ -108,12 +119,14 @@ class RecordingLogger:
 # The fast tier: what `python -m pytest` runs by default (≤ 60 s on 2 cores). It covers the kernel's forward and
 # backward in the interpreter (one small shape), one CLI training run, checkpoint → resume equality, a bad override's
 # exit 2, fault paths (an unsafe checkpoint, a live run folder, an unquoted value), each data source, the config,
-# the layout rules and the tools' help. Everything else is marked `slow` here (run it with `python -m pytest -m slow`; .ci/run runs both).
+# the layout rules, the tools' help and the mask benchmark's pair counts. Everything else is marked `slow` here (run
+# it with `python -m pytest -m slow`; .ci/run runs both).
 # A new test is slow until it is named here: keep this tier fast.
 FAST_FILES = {"test_config.py", "test_data.py", "test_dispatch.py", "test_figures.py", "test_imports.py",
-              "test_results_rules.py", "test_usage.py"}
+              "test_results_rules.py", "test_ring_plan.py", "test_usage.py"}
 FAST_TESTS = (
     "test_flash_attention.py::test_matches_float64_reference[n130-d32-float16-causal]",
+    "test_flash_attention_qkv.py::test_layouts_it_does_not_take_raise_a_value_error_naming_the_problem",
     "test_train.py::test_resume_gives_the_same_losses",
     "test_checkpoint.py::test_resume_through_the_python_api_refuses_a_planted_checkpoint",
     "test_train.py::test_the_cli_trains_and_its_last_line_says_where_the_run_is",
@@ -122,9 +135,14 @@ FAST_TESTS = (
     "test_lifecycle.py::test_the_lock_counts_takes_and_reclaims_a_dead_owners_lock",
     "test_lifecycle.py::test_an_unquoted_value_says_how_to_quote_it",
     "test_lifecycle.py::test_blocked_stop_signals_are_unblocked_where_handled_and_in_started_children",
+    "test_lifecycle.py::test_a_stop_inside_the_python_api_leaves_the_handlers_as_found_and_a_command_ignores_later_ones",
     "test_rope_scaling.py::test_yarn_interpolates_long_wavelengths_keeps_short_ones_and_ramps_between",
     "test_rope_scaling.py::test_factor_one_is_plain_rope",
     "test_rope_scaling.py::test_resume_extend_continues_with_new_rope_and_seq_len",
+    "test_bench.py::test_visible_pairs_match_a_brute_force_count",
+    "test_eval.py::test_bin_means_docs_per_bin_and_an_interval_of_width_0_when_documents_agree",
+    "test_attention_masks.py::test_document_ids_come_from_the_separators",
+    "test_attention_masks.py::test_window_pattern_repeats_over_the_layers_and_is_cut",
 )
 SLOW_IN_FAST_FILES = ("test_figures.py::test_cli_writes_three_pictures_and_their_readme",
                       "test_config.py::test_cli_bad_override_is_one_line_and_nonzero[attention",

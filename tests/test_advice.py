@@ -25,7 +25,8 @@ from minigpt.run import _oom_line
 from minigpt.summary import RunSummary
 from test_faults import TINY, _start_and_signal, cli, finished_once, finished_run, one_line_error  # noqa: F401
 from test_lifecycle import UNREACHABLE, _unwritable
-from test_passkey_eval import run_dir  # noqa: F401 - the module's tiny checkpoint (minigpt-eval-passkey's advice)
+from test_eval import pycode_run  # noqa: F401 - a tiny pycode run (minigpt-eval's loss-by-position advice)
+from test_passkey_grid import run_dir  # noqa: F401 - a tiny passkey run (minigpt-eval's passkey advice)
 
 slow = pytest.mark.slow
 WANDB = [a for a in TINY if a != "logger=none"]
@@ -444,15 +445,19 @@ def test_the_converters_backup_exists_advice(tiny_config, tmp_path, monkeypatch)
 
 
 # ------------------------------------------------------------------------------------------------
-# minigpt-eval-passkey's argument lines, followed on a tiny checkpoint
+# minigpt-eval's lines, followed on tiny checkpoints
 # ------------------------------------------------------------------------------------------------
-def passkey(*argv: str) -> tuple[int, str]:
-    """minigpt-eval-passkey ARGV in a subprocess, on a tiny grid: (exit code, stderr's last line)."""
-    proc = subprocess.run([sys.executable, "-c", "import sys; from minigpt.cli import eval_passkey_main; "
-                           "sys.exit(eval_passkey_main())", *argv, "--depths", "0", "--keys-per-cell", "1"],
-                          capture_output=True, text=True, timeout=300)
+def evaluate(*argv: str) -> tuple[int, str]:
+    """minigpt-eval ARGV in a subprocess: (exit code, stderr's last line)."""
+    proc = subprocess.run([sys.executable, "-c", "import sys; from minigpt.cli import eval_main; sys.exit(eval_main())",
+                           *argv], capture_output=True, text=True, timeout=300)
     assert "Traceback" not in proc.stderr, proc.stderr
     return proc.returncode, (proc.stderr.strip().splitlines() or [""])[-1]
+
+
+def passkey(*argv: str) -> tuple[int, str]:
+    """minigpt-eval --passkey-grid alone, on a tiny grid."""
+    return evaluate(*argv, "--no-loss", "--passkey-grid", "--depths", "0", "--keys", "1")
 
 
 @slow
@@ -460,40 +465,52 @@ def passkey(*argv: str) -> tuple[int, str]:
     (["--device", "cuda"], "use --device cpu", [["--device", "cpu"]]),
     (["--dtype", "float16"], "use auto (float32) or bfloat16", [["--dtype", "auto"], ["--dtype", "bfloat16"]]),
 ], ids=["device-cuda", "float16-on-cpu"])
-def test_passkey_argument_advice(run_dir, tmp_path, refused, needle, followed):
+def test_eval_argument_advice(run_dir, tmp_path, refused, needle, followed):
     if torch.cuda.is_available():
         pytest.skip("a visible GPU: cuda and float16 are no error here")
-    args = ["--checkpoint", str(run_dir), "--lengths", "128"]
+    args = [str(run_dir), "--passkey-lengths", "128"]
     code, line = passkey(*args, *refused, "--out", str(tmp_path / "refused"))
     assert code == 2 and needle in line, line
     for i, fix in enumerate(followed):
         assert passkey(*args, *fix, "--out", str(tmp_path / f"o{i}"))[0] == 0
-        assert (tmp_path / f"o{i}" / "passkey_grid.json").exists()
+        assert (tmp_path / f"o{i}" / "passkey_filler" / "passkey_grid.json").exists()
 
 
 @slow
-def test_passkey_give_lengths_advice(run_dir, tmp_path):
+def test_eval_give_lengths_advice(pycode_run, tmp_path):
     """A checkpoint that does not say its seq_len: `give --lengths`."""
     from minigpt import checkpoint
 
-    state = checkpoint.load_checkpoint(next((run_dir / "checkpoints").glob("ckpt_*.pt")))
+    state = checkpoint.load_checkpoint(next((pycode_run / "checkpoints").glob("ckpt_*.pt")))
     del state["config"]["seq_len"]
-    ckpt = checkpoint._write(tmp_path / "ckpt_00000001.pt", state)
-    code, line = passkey("--checkpoint", str(ckpt), "--out", str(tmp_path / "o"))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "tokenizer.json").write_bytes((pycode_run / "tokenizer.json").read_bytes())
+    ckpt = checkpoint._write(tmp_path / "run" / "ckpt_00000001.pt", state)
+    code, line = evaluate(str(ckpt), "--out", str(tmp_path / "o"))
     assert code == 2 and "the checkpoint does not say its seq_len; give --lengths" in line, line
-    assert passkey("--checkpoint", str(ckpt), "--lengths", "128", "--out", str(tmp_path / "o"))[0] == 0
+    assert evaluate(str(ckpt), "--lengths", "64", "--resamples", "20", "--out", str(tmp_path / "o"))[0] == 0
+
+
+@slow
+def test_eval_too_few_documents_advice(pycode_run, tmp_path):
+    """Fewer held-out documents of the length than --min-docs: a shorter length, or --min-docs N, each runs."""
+    args = [str(pycode_run), "--resamples", "20", "--docs", "3", "--min-docs", "4"]
+    code, line = evaluate(*args, "--lengths", "64", "--out", str(tmp_path / "o"))
+    assert code == 2 and "has 3 documents of at least 64 tokens, fewer than 4" in line, line
+    assert "--min-docs 3" in line and "evaluate at most" not in line  # 64 is not the trouble: the count is
+    assert evaluate(*args[:-1], "3", "--lengths", "64", "--out", str(tmp_path / "o"))[0] == 0
 
 
 @slow
 @pytest.mark.parametrize("given", ["a checkpoint", "a run directory", "its checkpoints/"])
-def test_passkey_no_checkpoint_there_advice(run_dir, tmp_path, given):
+def test_eval_no_checkpoint_there_advice(run_dir, tmp_path, given):
     (tmp_path / "empty").mkdir()
-    code, line = passkey("--checkpoint", str(tmp_path / "empty"), "--lengths", "128", "--out", str(tmp_path / "o"))
-    assert code == 1
-    assert "no ckpt_*.pt there (give a checkpoint, a run directory or its checkpoints/)" in line, line
+    code, line = passkey(str(tmp_path / "empty"), "--passkey-lengths", "128", "--out", str(tmp_path / "o"))
+    assert code == 2
+    assert "no checkpoint there (ckpt_*.pt); give a run directory that saved one" in line, line
     path = {"a checkpoint": next((run_dir / "checkpoints").glob("ckpt_*.pt")), "a run directory": run_dir,
             "its checkpoints/": run_dir / "checkpoints"}[given]
-    assert passkey("--checkpoint", str(path), "--lengths", "128", "--out", str(tmp_path / "o"))[0] == 0
+    assert passkey(str(path), "--passkey-lengths", "128", "--out", str(tmp_path / "o"))[0] == 0
 
 
 # ------------------------------------------------------------------------------------------------

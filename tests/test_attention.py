@@ -38,6 +38,6 @@ def test_sdpa_pinned_math_backend():
 
 
 def test_registry():
-    assert set(BACKENDS) == {"naive", "sdpa", "flash"}
+    assert set(BACKENDS) == {"naive", "sdpa", "flash", "flex"}
     with pytest.raises(ValueError, match="choose one of"):
         get_attention("bogus")

@@ -60,7 +60,7 @@ def test_bad_override_names_the_key(override, expected):
     assert expected in message and "\n" not in message
 
 
-@pytest.mark.parametrize("override,allowed", [("seq_len=-5", ">= 1"), ("attention=bogus", "flash, naive, sdpa"),
+@pytest.mark.parametrize("override,allowed", [("seq_len=-5", ">= 1"), ("attention=bogus", "flash, flex, naive, sdpa"),
                                               ("batch_size=abc", "Integer")])
 def test_cli_bad_override_is_one_line_and_nonzero(override, allowed):
     proc = subprocess.run([sys.executable, "scripts/train.py", override], cwd=ROOT, capture_output=True, text=True, timeout=120)

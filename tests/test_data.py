@@ -14,9 +14,9 @@ from minigpt.data import DataError, PasskeyData, build_data
 
 def test_passkey_is_deterministic_and_plants_the_key():
     d = PasskeyData(seq_len=300, seed=7)
-    x1, y1 = d.batch("train", 3, 4)
-    x2, _ = d.batch("train", 3, 4)
-    x3, _ = d.batch("train", 4, 4)
+    x1, y1, _ = d.batch("train", 3, 4)
+    x2, *_ = d.batch("train", 3, 4)
+    x3, *_ = d.batch("train", 4, 4)
     assert x1.shape == (4, 300) and (x1 == x2).all() and not (x1 == x3).all()
     assert (x1[:, 1:] == y1[:, :-1]).all()
     for row in y1:
@@ -45,7 +45,7 @@ def test_text_source_trains_and_caches_tokenizer(tmp_path, tiny_config):
     cfg = DataConfig(name="text", path=str(corpus / "*.txt"), vocab_size=300, cache_dir=str(tmp_path / "cache"))
     data = build_data(cfg, seq_len=32, seed=0)
     assert 256 < data.vocab_size <= 300 and len(data.train) > len(data.val) > 32
-    x, y = data.batch("val", 0, 2)
+    x, y, _ = data.batch("val", 0, 2)
     assert x.shape == (2, 32) and int(x.max()) < data.vocab_size and (x[:, 1:] == y[:, :-1]).all()
     cached = list((tmp_path / "cache" / "tokenizers").glob("bpe-300-*.json"))
     assert len(cached) == 1
@@ -142,7 +142,7 @@ def test_hf_source_on_save_to_disk_directories(tmp_path):
     base = dict(name="hf", vocab_size=300, cache_dir=str(tmp_path / "cache"))
     for path in (one, both):
         data = build_data(DataConfig(**base, dataset=str(path)), seq_len=16, seed=0)
-        x, y = data.batch("train", 0, 3)
+        x, y, _ = data.batch("train", 0, 3)
         assert x.shape == (3, 16) and 256 < data.vocab_size <= 300 and int(x.max()) < data.vocab_size
         assert (x[:, 1:] == y[:, :-1]).all()
     val = build_data(DataConfig(**base, dataset=str(both), split="validation"), seq_len=16, seed=0)

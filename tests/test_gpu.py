@@ -471,7 +471,7 @@ def test_flash_attention_qkv_on_the_five_matmul_backward(B, N, H, D, acc_bytes, 
     (ref,) = torch.autograd.grad(reference_attention(*rot, True), ref_qkv, do.double())
     err, pair_err = rel_err(dqkv[:, :, 0], ref[:, :, 0]), rel_err(want_dqkv[:, :, 0], ref[:, :, 0])
     assert err < TOL[torch.bfloat16] and err <= 1.05 * pair_err + 1e-6, (err, pair_err)
-    assert torch.equal(FlashAttention().attend_projection(qkv, cos, sin), o)
+    assert torch.equal(FlashAttention().attend_projection(qkv.flatten(2, 3), cos, sin, n_kv_head=H), o)
 
 
 @pytest.mark.parametrize("B,N,H,D", [(2, 4100, 3, 64), (1, 777, 2, 128)])

@@ -2,7 +2,10 @@
 tests/test_gpu_masks.py): bf16/fp16 at 4K-16K tokens against a float32 masked SDPA reference (outputs and gradients),
 the launchers' block form at offsets, deterministic mode, and torch.compile(fullgraph=True) of a function that
 passes document_ids (no graph break: the tile spans are found on the device); on sm_90 the masked Gluon forward and
-five-matmul backward against float32 and the forced Triton path. The CPU twin is tests/test_flash_masks.py.
+five-matmul backward against float32 and the forced Triton path. The same for attention straight from the qkv
+projection (B, N, Hq + 2·Hkv, D) with RoPE inside (flash_attention_qkv): GQA, masks, YaRN, against the pair
+qkv_rotary + flash_attention and float32, and its memory (no K/V of Hq heads). The CPU twins are
+tests/test_flash_masks.py and tests/test_flash_attention_qkv.py.
 """
 import importlib
 
@@ -10,8 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attention_reference import masked_attention, rel_err, visible_mask
+from attention_reference import masked_attention, rel_err, rope64, visible_mask
+from minigpt.model import Rotary
 from minigpt_kernels.flash_attention import flash_attention
+from minigpt_kernels.flash_attention_qkv import flash_attention_qkv
+from minigpt_kernels.rotary import qkv_rotary
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 launch = importlib.import_module("minigpt_kernels.launch")
@@ -248,3 +254,97 @@ def test_the_masked_gluon_backward_matches_float32_and_the_triton_path(N, Hq, Hk
         assert torch.isfinite(got).all(), name
         assert rel_err(got.float(), ref) < TOL[torch.bfloat16], (name, N, window, docs)
         assert rel_err(got.float(), tri.float()) < TOL[torch.bfloat16], (name, N, window, docs)
+
+# ------------------------------------------------------------------------------------------------
+# flash_attention_qkv: the qkv projection (B, N, Hq + 2·Hkv, D), RoPE inside, GQA and masks
+# ------------------------------------------------------------------------------------------------
+def rope_tables(head_dim: int, n: int, rope: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's fp32 (N, 1, D/2) tables on the GPU: plain RoPE, or YaRN ×4 over an original length of n/4."""
+    r = Rotary(head_dim) if rope == "none" else Rotary(head_dim, 10000.0, "yarn", 4.0, n // 4)
+    return r.cuda()(n, torch.arange(n, device="cuda") + 11)
+
+
+# (B, N, Hq, Hkv, head_dim, window, documents, rope): groups 1 to 8, one K/V head, odd lengths
+QKV_CASES = [
+    (2, 4096, 8, 2, 64, None, "none", "none"),
+    (1, 4100, 12, 4, 128, 1024, "ragged", "yarn"),
+    (1, 8192, 8, 1, 64, 2048, "none", "yarn"),
+    (2, 8192, 4, 4, 128, None, "ragged", "none"),
+    (1, 8191, 6, 2, 128, 700, "tokens", "none"),
+    (1, 16384, 6, 2, 64, 4096, "ragged", "none"),
+    (1, 16384, 4, 4, 64, None, "none", "yarn"),  # multi-head, no masks: the five-matmul backward on an H100/H200
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("B,n,hq,hkv,head_dim,window,docs,rope", QKV_CASES,
+                         ids=[f"b{b}-n{n}-h{a}/{c}-d{d}-w{w}-{doc}-{r}" for b, n, a, c, d, w, doc, r in QKV_CASES])
+def test_flash_attention_qkv_gqa_and_masks_vs_the_pair_and_float32(B, n, hq, hkv, head_dim, window, docs, rope, dtype):
+    """The forward, dK and dV bitwise those of qkv_rotary + flash_attention (the same kernels); dQ too wherever GQA
+    or a mask runs the seven-matmul backward, else (the five-matmul one, dQ rotated back from its fp32 accumulator)
+    within the pair's error; all within the dtype's error of float32 RoPE + masked SDPA over K/V repeated per
+    group."""
+    g = torch.Generator(device="cuda").manual_seed(n + hq * 7 + hkv)
+    qkv = torch.randn(B, n, hq + 2 * hkv, head_dim, device="cuda", generator=g).to(dtype).requires_grad_()
+    cos, sin = rope_tables(head_dim, n, rope)
+    ids = documents(docs, B, n, seed=n)
+    do = torch.randn(B, hq, n, head_dim, device="cuda", generator=g).to(dtype)
+    o = flash_attention_qkv(qkv, cos, sin, n_kv_head=hkv, window=window, document_ids=ids)
+    (grad,) = torch.autograd.grad(o, qkv, do)
+    q, k, v = qkv_rotary(qkv, cos, sin, n_kv_head=hkv)
+    want = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window=window, document_ids=ids)
+    (want_grad,) = torch.autograd.grad(want, qkv, do)
+    assert o.shape == (B, hq, n, head_dim) and torch.equal(o, want)
+    assert torch.equal(grad[:, :, hq:], want_grad[:, :, hq:])  # dK, dV
+    masked = hkv != hq or window is not None or ids is not None
+
+    qkv32 = qkv.detach().float().requires_grad_()
+    q32, k32, v32 = qkv32.split((hq, hkv, hkv), dim=2)
+    q32, k32 = rope64(q32, cos, sin).float(), rope64(k32, cos, sin).float()
+    ref = sdpa_reference(q32.transpose(1, 2), k32.transpose(1, 2), v32.transpose(1, 2),
+                         visible_mask(n, n, True, window, ids, ids))
+    (grad_ref,) = torch.autograd.grad(ref, qkv32, do.float())
+    errs = {"o": rel_err(o, ref)}
+    for name, part, part_ref in zip("qkv", grad.split((hq, hkv, hkv), 2), grad_ref.split((hq, hkv, hkv), 2)):
+        errs[f"d{name}"] = rel_err(part, part_ref)
+    assert all(e < TOL[dtype] for e in errs.values()), errs
+    if masked:
+        assert torch.equal(grad, want_grad)
+    else:
+        assert errs["dq"] <= 1.05 * rel_err(want_grad[:, :, :hq], grad_ref[:, :, :hq]) + 1e-6, errs
+
+
+def test_flash_attention_qkv_gqa_deterministic_and_bitwise_repeatable():
+    qkv = torch.randn(2, 8192, 8 + 2 * 2, 128, device="cuda").to(torch.bfloat16).requires_grad_()
+    cos, sin = rope_tables(128, 8192, "yarn")
+    ids = documents("ragged", 2, 8192, seed=9)
+    do = torch.randn(2, 8, 8192, 128, device="cuda").to(torch.bfloat16)
+    runs = [torch.autograd.grad(flash_attention_qkv(qkv, cos, sin, n_kv_head=2, window=3000, document_ids=ids,
+                                                    deterministic=True), qkv, do)[0] for _ in range(2)]
+    assert torch.isfinite(runs[0]).all() and torch.equal(runs[0], runs[1])
+
+
+def test_flash_attention_qkv_gqa_memory_holds_no_kv_of_query_heads():
+    """One K/V head for 16 query heads at 16K tokens, head_dim 128: the forward allocates q (rotated), k, v and o
+    (and the LSE), the backward dqkv (and delta): a K, V, dK or dV of 16 heads (a repeat per group, 64 MiB each)
+    would show in either peak."""
+    B, n, hq, hkv, d = 1, 16384, 16, 1, 128
+    qkv = torch.randn(B, n, hq + 2 * hkv, d, device="cuda").to(torch.bfloat16).requires_grad_()
+    cos, sin = rope_tables(d, n, "none")
+    do = torch.randn(B, hq, n, d, device="cuda").to(torch.bfloat16)
+    flash_attention_qkv(qkv, cos, sin, n_kv_head=hkv, window=2048).backward(do)  # compiles the kernels first
+    heads = B * n * d * 2  # bytes of one head
+    slack = 8 << 20  # LSE, delta, TMA descriptors' scratch
+
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    o = flash_attention_qkv(qkv, cos, sin, n_kv_head=hkv, window=2048)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base <= (2 * hq + 2 * hkv) * heads + slack  # q, k, v, o
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    (grad,) = torch.autograd.grad(o, qkv, do)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base <= (hq + 2 * hkv) * heads + slack  # dqkv
+    assert torch.isfinite(grad).all()

@@ -52,5 +52,5 @@ def test_the_quickstart_subset_builds_from_this_interpreters_stdlib(tmp_path):
     data = build_data(cfg, seq_len=256, seed=0)
     m = data.manifest
     assert m["packages"] == {} and m["documents"]["val"] >= 4 and 1e6 < m["bytes"]["train"] < 3e6
-    x, y = data.batch("val", 0, 2)
+    x, y, ids = data.batch("val", 0, 2)
     assert x.shape == (2, 256) and (x[:, 1:] == y[:, :-1]).all()

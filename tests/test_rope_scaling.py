@@ -195,15 +195,17 @@ def test_resume_extend_still_refuses_another_architecture_key(tiny_config, tmp_p
     assert len(err) == 1 and "model.n_layer=" in err[0] and "rope" not in err[0]
 
 
-def test_the_passkey_eval_takes_a_length_extension_of_its_own(tiny_config, tmp_path, first_stage, capsys):
-    from minigpt.eval.passkey_eval import FILES, main
+def test_the_eval_takes_a_length_extension_of_its_own(tiny_config, tmp_path, first_stage, capsys):
+    from minigpt.eval.cli import main
+    from minigpt.eval.passkey_grid import FILES
+
     out = tmp_path / "grid"
-    args = ["--checkpoint", first_stage.ckpt_dir, "--lengths", "256", "--depths", "0.5", "--keys-per-cell", "1",
-            "--device", "cpu", "--out", str(out)]
+    args = [first_stage.ckpt_dir, "--no-loss", "--passkey-grid", "--passkey-lengths", "256", "--depths", "0.5",
+            "--keys", "1", "--device", "cpu", "--out", str(out)]
     assert main([*args, "--rope-scaling", "yarn", "--rope-factor", "2", "--rope-original-len", "128"]) == 0
-    run_info = json.loads((out / FILES[0]).read_text())["run"]
-    assert (run_info["rope_scaling"], run_info["rope_factor"], run_info["rope_original_len"]) == ("yarn", 2.0, 128)
-    assert "rope=yarn×2" in capsys.readouterr().out
+    run_info = json.loads((out / "passkey_filler" / FILES[0]).read_text())["run"]
+    assert run_info["rope"] == {"scaling": "yarn", "factor": 2.0, "original_len": 128}
+    assert "rope=yarn×2" in (out / "passkey_filler" / FILES[1]).read_text()
     with pytest.raises(SystemExit) as e:  # yarn needs the original length: a bad argument
         main([*args, "--rope-scaling", "yarn", "--rope-factor", "2"])
     assert e.value.code == 2 and "model.rope_original_len" in capsys.readouterr().err

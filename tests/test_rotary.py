@@ -5,7 +5,7 @@ import importlib
 import pytest
 import torch
 
-from attention_reference import rotate64
+from attention_reference import rope64, rotate64
 from minigpt.model import Rotary, apply_rotary
 
 rotary = importlib.import_module("minigpt_kernels.rotary")
@@ -21,6 +21,7 @@ CASES = [(1, 1, 1, 8, torch.float32), (2, 37, 3, 16, torch.float32), (1, 70, 2, 
 
 @pytest.mark.parametrize("B,N,H,D,dtype", CASES, ids=[f"b{c[0]}-n{c[1]}-h{c[2]}-d{c[3]}-{str(c[4])[6:]}" for c in CASES])
 def test_matches_a_float64_rotation_and_its_gradient(B, N, H, D, dtype):
+    """The model's multi-head layout (B, N, 3, H, D)."""
     g = torch.Generator().manual_seed(N * D + H)
     qkv = torch.randn(B, N, 3, H, D, generator=g).to(dtype).requires_grad_()
     positions = torch.arange(N) * 3 + 1000  # a rank's share of a longer sequence (context parallelism)
@@ -39,6 +40,42 @@ def test_matches_a_float64_rotation_and_its_gradient(B, N, H, D, dtype):
     (want,) = torch.autograd.grad((rotate64(ref[:, :, 0], angles), rotate64(ref[:, :, 1], angles), ref[:, :, 2]),
                                   ref, (dq.double(), dk.double(), dv.double()))
     assert dqkv.dtype == dtype and (dqkv.double() - want).abs().max() <= tol * 4
+
+
+# (B, N, Hq, Hkv, D, dtype, rope): group sizes 1, 2, 3, 4 and one K/V head, plain RoPE and YaRN
+GQA_CASES = [(2, 37, 2, 2, 16, torch.float32, "none"), (1, 33, 4, 2, 32, torch.float16, "yarn"),
+             (2, 45, 3, 1, 16, torch.float32, "yarn"), (1, 29, 6, 2, 64, torch.float32, "none"),
+             (1, 1, 4, 1, 8, torch.float16, "none")]
+
+
+@pytest.mark.parametrize("B,N,Hq,Hkv,D,dtype,rope", GQA_CASES,
+                         ids=[f"b{c[0]}-n{c[1]}-hq{c[2]}-hkv{c[3]}-d{c[4]}-{str(c[5])[6:]}-{c[6]}" for c in GQA_CASES])
+def test_grouped_heads_match_a_float64_rotation_and_its_gradient(B, N, Hq, Hkv, D, dtype, rope):
+    """The packed layout (B, N, Hq + 2·Hkv, D): q's Hq heads and k's Hkv rotated, v's Hkv copied; the gradient
+    rot⁻¹ of dq and dk, dv as it is, every packed head written exactly once (the poisoned buffers say so)."""
+    g = torch.Generator().manual_seed(N * D + Hq * 7 + Hkv)
+    qkv = torch.randn(B, N, Hq + 2 * Hkv, D, generator=g).to(dtype).requires_grad_()
+    positions = torch.arange(N) * 2 + 3
+    r = Rotary(D) if rope == "none" else Rotary(D, 10000.0, "yarn", 4.0, 16)
+    cos, sin = r(N, positions)
+    angles = torch.outer(positions.float(), r.inv_freq).double()  # the model's fp32 angles, then float64
+    cos64, sin64 = angles.cos() * r.attention_factor, angles.sin() * r.attention_factor
+    q, k, v = rotary.qkv_rotary(qkv, cos, sin, n_kv_head=Hkv)
+    assert q.shape == (B, N, Hq, D) and k.shape == v.shape == (B, N, Hkv, D)
+    assert all(t.dtype == dtype and t.is_contiguous() for t in (q, k, v))
+    xq, xk, xv = qkv.detach().split((Hq, Hkv, Hkv), dim=2)
+    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    assert (q.double() - rope64(xq, cos64, sin64)).abs().max() <= tol * 4
+    assert (k.double() - rope64(xk, cos64, sin64)).abs().max() <= tol * 4
+    assert torch.equal(v, xv)
+    dq = torch.randn(B, N, Hq, D, generator=g).to(dtype)
+    dk, dv = (torch.randn(B, N, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    (dqkv,) = torch.autograd.grad((q, k, v), qkv, (dq, dk, dv))
+    ref = qkv.detach().double().requires_grad_()
+    rq, rk, rv = ref.split((Hq, Hkv, Hkv), dim=2)
+    (want,) = torch.autograd.grad((rope64(rq, cos64, sin64), rope64(rk, cos64, sin64), rv), ref,
+                                  (dq.double(), dk.double(), dv.double()))
+    assert dqkv.shape == qkv.shape and dqkv.dtype == dtype and (dqkv.double() - want).abs().max() <= tol * 4
 
 
 def test_equals_the_models_pytorch_rotary_and_takes_gradients_of_any_strides():
@@ -69,6 +106,13 @@ def test_inputs_it_does_not_take_are_refused_and_the_model_falls_back(monkeypatc
     assert rotary._layout_fits(qkv, flat, sin.reshape(4, 8))
     assert not rotary._layout_fits(qkv, flat.t().contiguous(), sin.reshape(4, 8).t().contiguous())
     assert not rotary._layout_fits(qkv, cos.reshape(1, 32), sin.reshape(1, 32))  # one row of N·D/2 angles
+    # the packed layout: (B, N, Hq + 2·Hkv, D) with Hq a multiple of Hkv; the model's layout is MHA
+    packed = qkv.view(1, 4, 6, 16)
+    assert rotary._layout_fits(packed, cos, sin) and rotary._layout_fits(packed, cos, sin, 2)  # Hq = Hkv = 2
+    assert rotary._layout_fits(packed, cos, sin, 1)  # Hq 4, Hkv 1
+    assert not rotary._layout_fits(torch.randn(1, 4, 7, 16), cos, sin)  # not 3·H: n_kv_head needed
+    assert not rotary._layout_fits(torch.randn(1, 4, 7, 16), cos, sin, 2)  # Hq 3, not a multiple of 2
+    assert not rotary._layout_fits(qkv, cos, sin, 1)
     # tables that want a gradient: the kernel's backward gives none, the PyTorch rotation does, so they take that
     assert not rotary._layout_fits(qkv, cos.clone().requires_grad_(), sin)
     with pytest.raises(ValueError, match="no grad"):

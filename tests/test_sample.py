@@ -54,7 +54,7 @@ def test_generate_greedy_crop_and_a_missing_path(tmp_path, capsys):
     model = GPT(ModelConfig(name="t", n_layer=1, n_head=2, n_embd=32), 64, get_attention("sdpa")).eval()
     seen = []
     hidden = model.hidden
-    model.hidden = lambda idx, *a: (seen.append(idx.shape[1]), hidden(idx, *a))[1]
+    model.hidden = lambda idx, *a, **kw: (seen.append(idx.shape[1]), hidden(idx, *a, **kw))[1]
     prompt = torch.randint(0, 64, (1, 40))
     out = generate(model, prompt, 12, seq_len=16, temperature=0)
     assert out[0, :40].tolist() == prompt[0].tolist() and max(seen) == 16  # never more than seq_len tokens

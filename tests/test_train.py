@@ -52,7 +52,7 @@ def test_resume_gives_the_same_losses(tiny_config, tmp_path):
 
 
 def test_oom_gives_exit_3_and_status_oom(tiny_config, monkeypatch, capsys):
-    def boom(self, idx, targets):
+    def boom(self, idx, targets, document_ids=None):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
     monkeypatch.setattr(GPT, "forward", boom)
     cfg = tiny_config()
@@ -68,9 +68,9 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(tiny_config, monkeypatc
     real = GPT.forward
     calls = {"n": 0}
 
-    def nan_on_fifth(self, idx, targets):
+    def nan_on_fifth(self, idx, targets, document_ids=None):
         calls["n"] += 1
-        loss = real(self, idx, targets)
+        loss = real(self, idx, targets, document_ids)
         return loss * float("nan") if calls["n"] == 5 else loss
     monkeypatch.setattr(GPT, "forward", nan_on_fifth)
     assert run(cfg) == 1

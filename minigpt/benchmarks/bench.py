@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import platform
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Callable
 import torch
 
 from minigpt.attention import SDPA_KERNELS, attention_names, get_attention
+from minigpt.benchmarks.mask_cases import GROUPS
 from minigpt.files import atomic_write_text, markdown_table
 from minigpt.metrics import attention_flops, git_commit, versions
 
@@ -240,8 +242,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--full", action="store_true", help="explore non-causal attention (the table is always causal)")
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16", help="dtype to explore in")
     p.add_argument("--shortlist", action="store_true", help="explore only the shortlisted tile shapes, TMA loads")
+    p.add_argument("--masks", action="store_true", help="instead of the table: the mask suite (issue 33; documents, "
+                   "windows, GQA), ours vs FlexAttention against the ideal -> <out>/masks_<GPU>.{json,md} "
+                   "(minigpt/benchmarks/mask_bench.py; --head-dim picks the documents' and windows' head dims)")
+    p.add_argument("--tiny", action="store_true", help="with --masks: the same cases at tiny sizes, fp32, one rep: "
+                   "a dry run of the code (on CPU: TRITON_INTERPRET=1 in the environment)")
+    p.add_argument("--mask-groups", nargs="+", choices=GROUPS, default=list(GROUPS), help="with --masks: these "
+                   "sections only (with the dense references they need), to run the suite in parts")
+    p.add_argument("--time-limit", type=float, default=510.0, help="with --masks: seconds after which the cases "
+                   "not yet started are recorded as skipped (the table is still written)")
     p.add_argument("--out", type=Path, default=Path("runs/bench"))
     args = p.parse_args(argv)
+    if args.masks:
+        if not torch.cuda.is_available() and not (args.tiny and os.environ.get("TRITON_INTERPRET") == "1"):
+            p.error("--masks needs a CUDA GPU; to dry-run the code on CPU: TRITON_INTERPRET=1 ... --masks --tiny")
+        from minigpt.benchmarks.mask_bench import run_masks
+
+        run_masks(head_dims=args.head_dim, groups=args.mask_groups, out=args.out, tiny=args.tiny,
+                  time_limit_s=args.time_limit, progress=lambda line: print(line, flush=True))
+        return 0
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (it times GPU kernels); without one, test the kernels in Triton's interpreter: "
                 "python -m pytest tests/test_flash_attention.py")

@@ -157,8 +157,8 @@ def op_labels() -> Any:
     return OpLabels()
 
 
-def _step(t: Any, x: Any, y: Any, phases: list[dict[str, Any]] | None) -> None:
-    """One training step on (x, y) as train_step takes it; with `phases`, each phase's peak and time appended."""
+def _step(t: Any, x: Any, y: Any, ids: Any, phases: list[dict[str, Any]] | None) -> None:
+    """One training step on (x, y, document ids or None) as train_step takes it; with `phases`, each phase's peak and time appended."""
     import torch
 
     def mark(name: str, t0: float) -> float:
@@ -172,7 +172,7 @@ def _step(t: Any, x: Any, y: Any, phases: list[dict[str, Any]] | None) -> None:
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     with torch.autocast("cuda", dtype=t.dtype, enabled=t.dtype != torch.float32):
-        loss = t.forward.loss(x, y)
+        loss = t.forward.loss(x, y, ids)
     t0 = mark("forward + loss", t0)
     t.scaler.scale(loss).backward()
     t0 = mark("backward", t0)
@@ -187,21 +187,23 @@ def profile(overrides: list[str], warmup_tokens: int, cpp_stacks: bool, snapshot
     import torch
 
     from minigpt.compose import compose
+    from minigpt.cuda_allocator import use_allocator_settings
     from minigpt.distributed.sharding import shard_batch
     from minigpt.metrics import git_commit
     from minigpt.summary import RunSummary
-    from minigpt.train import build
+    from minigpt.train import build, to_device
 
     cfg = compose([*overrides, "logger=none", "save_checkpoints=false", "eval_batches=0"], run_dir=".")
     if cfg.torch_device().type != "cuda":
         raise RuntimeError("the memory profile records the CUDA caching allocator: it needs a CUDA GPU")
+    use_allocator_settings(cfg.cuda_alloc_conf)  # as the trainer does, before CUDA starts
     t = build(cfg, {}, RunSummary(status="running"))
-    x, y = (b.to(t.device) for b in shard_batch(t.mesh, t.data, "train", 0, cfg.batch_size))
+    x, y, ids = to_device(shard_batch(t.mesh, t.data, "train", 0, cfg.batch_size), t.device)
     # the warm-up makes the optimizer state, grows the allocator and compiles the regions for every shape the
     # measured step uses (compiling while the allocator history is recorded failed on torch 2.11: a SystemError
     # from the compiled loss inside a recomputed chunk), so by default it is a whole step at the full length
     w = warmup_tokens or x.shape[1]
-    _step(t, x[:, :w], y[:, :w], None)
+    _step(t, x[:, :w], y[:, :w], None if ids is None else ids[:, :w], None)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     baseline = torch.cuda.memory_allocated()
@@ -212,7 +214,7 @@ def profile(overrides: list[str], warmup_tokens: int, cpp_stacks: bool, snapshot
     step_peak = 0.0
     try:
         with op_labels() if labels else contextlib.nullcontext():
-            _step(t, x, y, phases)
+            _step(t, x, y, ids, phases)
         step_peak = max(p["peak_gib"] for p in phases)
         snap = torch.cuda.memory._snapshot()
     finally:

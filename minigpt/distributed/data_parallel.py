@@ -25,8 +25,8 @@ class ShardedLoss(nn.Module):
         self.model, self.scale = model, scale
         self.positions = positions  # a plain attribute, not a buffer: it differs between ranks
 
-    def forward(self, x: Tensor, y: Tensor) -> Tensor:
-        return self.model.summed_loss(self.model.hidden(x, self.positions), y) * self.scale
+    def forward(self, x: Tensor, y: Tensor, document_ids: Tensor | None = None) -> Tensor:
+        return self.model.summed_loss(self.model.hidden(x, self.positions, document_ids), y) * self.scale
 
 
 class TrainingForward:
@@ -47,8 +47,9 @@ class TrainingForward:
         on_gpu = device is not None and device.type == "cuda"
         self.ddp = DDP(sharded, device_ids=[torch.cuda.current_device()] if on_gpu else None, **no_buffer_sync)
 
-    def loss(self, x: Tensor, y: Tensor) -> Tensor:
-        return self.model(x, y) if self.ddp is None else self.ddp(x, y)
+    def loss(self, x: Tensor, y: Tensor, document_ids: Tensor | None = None) -> Tensor:
+        """The loss of tokens x against targets y, attending within documents where document_ids are given."""
+        return self.model(x, y, document_ids) if self.ddp is None else self.ddp(x, y, document_ids)
 
     def no_sync(self, last: bool) -> contextlib.AbstractContextManager:
         """DDP's gradient all-reduce only on the last micro-batch of a step (grad_accum)."""

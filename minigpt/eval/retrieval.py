@@ -17,12 +17,16 @@ For exact match, greedy decoding agrees with the argmax of one teacher-forced fo
 same inputs at every step, and the converse by the same induction; only ties and rounding can tell them apart.
 Greedy costs KEY_DIGITS forwards instead of one, and says what the model answered (`answers` in the JSON).
 
-The trainer logs a small grid at each eval (`passkey_grid=<keys per cell>`); minigpt/eval/passkey_eval.py
-scores any checkpoint over a larger one and draws the heatmap.
+The haystack around the needle is the synthetic filler in bytes (FillerBytes, what training's passkey data is) unless
+another is given: minigpt/eval/haystack.py makes haystacks of any tokenizer's tokens (the filler, or held-out pycode
+text), whose answer is the key's text after the question (" 12345" for a BPE) in up to KEY_SLOTS tokens.
+
+The trainer logs a small grid at each eval (`passkey_grid=<keys per cell>`); `minigpt-eval PATH --passkey-grid`
+(minigpt/eval/passkey_grid.py) scores any checkpoint over a larger one and draws the heatmap.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -46,6 +50,46 @@ def cell_prompts(length: int, depth: float, keys: int, seed: int) -> tuple[np.nd
     return np.stack([p for p, _ in pairs]), np.stack([k for _, k in pairs])
 
 
+def _text(tokens: Sequence[int]) -> str:
+    return "".join(chr(t) if 32 <= t < 127 else "?" for t in tokens)
+
+
+class Haystack(Protocol):
+    """Where the needle hides: the prompts of a cell, and how to read tokens as text."""
+
+    name: str
+    answer_tokens: int  # tokens decoded after each prompt
+
+    def cell(self, length: int, depth: float, keys: int, seed: int) -> tuple[np.ndarray, list[str]]:
+        """(keys, length - answer_tokens) prompt tokens and the text each key's answer should start with."""
+        ...
+
+    def text(self, tokens: Sequence[int]) -> str:
+        ...
+
+
+class FillerBytes:
+    """Training's passkey data (byte tokens, synthetic filler): the answer is the key's KEY_DIGITS digits."""
+
+    name = "filler"
+    answer_tokens = PasskeyData.KEY_DIGITS
+
+    def cell(self, length: int, depth: float, keys: int, seed: int) -> tuple[np.ndarray, list[str]]:
+        prompts, digits = cell_prompts(length, depth, keys, seed)
+        return prompts, [_text(k) for k in digits]
+
+    def text(self, tokens: Sequence[int]) -> str:
+        return _text(tokens)
+
+
+def score_answer(answer: str, expected: str) -> tuple[bool, int]:
+    """(exact match, digits right in place): the answer starts with the expected text and no digit follows it;
+    digits are compared where the expected text has one (a missing character is wrong)."""
+    exact = answer.startswith(expected) and not answer[len(expected) : len(expected) + 1].isdigit()
+    right = sum(i < len(answer) and answer[i] == c for i, c in enumerate(expected) if c.isdigit())
+    return exact, right
+
+
 @torch.no_grad()
 def greedy_decode(model: torch.nn.Module, prompts: Tensor, n: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """The n tokens greedy decoding appends to prompts (B, P), each forward over the fixed (B, P + n) buffer."""
@@ -58,22 +102,31 @@ def greedy_decode(model: torch.nn.Module, prompts: Tensor, n: int, dtype: torch.
     return buf[:, P:]
 
 
-def _text(tokens: Sequence[int]) -> str:
-    return "".join(chr(t) if 32 <= t < 127 else "?" for t in tokens)
+def summarize(cells: list[dict[str, Any]], keys_per_cell: int, seed: int, trained_length: int | None) -> dict[str, Any]:
+    """The grid's JSON from its cells: settings, cells, and the means over all cells, by length and by depth."""
+    lengths = sorted({c["length"] for c in cells})
+    depths = sorted({c["depth"] for c in cells})
+    mean = lambda rows: float(np.mean([c["accuracy"] for c in rows])) if rows else None  # noqa: E731
+    return {"lengths": lengths, "depths": depths, "keys_per_cell": keys_per_cell, "seed": seed,
+            "trained_length": trained_length, "cells": cells, "mean_accuracy": mean(cells),
+            "by_length": {str(n): mean([c for c in cells if c["length"] == n]) for n in lengths},
+            "by_depth": {str(d): mean([c for c in cells if c["depth"] == d]) for d in depths}}
 
 
 def passkey_grid(model: torch.nn.Module, lengths: Sequence[int], depths: Sequence[float] = DEFAULT_DEPTHS,
                  keys_per_cell: int = DEFAULT_KEYS_PER_CELL, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, seed: int = 0, batch_size: int = 8,
-                 trained_length: int | None = None, progress: Callable[[dict], None] | None = None) -> dict[str, Any]:
+                 trained_length: int | None = None, progress: Callable[[dict], None] | None = None,
+                 haystack: Haystack | None = None) -> dict[str, Any]:
     """Exact-match passkey accuracy of `model` (anything with `hidden(idx)` and `head(h)`) in every (length, depth)
-    cell; the model is left in the train/eval mode it came in. Returns a JSON-ready dict: `cells` (one per
-    length and depth: accuracy, digit_accuracy, hits, keys, the keys and the answers), `mean_accuracy` (over all
-    cells), `by_length` and `by_depth` means, and the grid's settings. Raises DataError for a length too short
-    to hold the task or a depth outside [0, 1]."""
+    cell of `haystack` (default: FillerBytes); the model is left in the train/eval mode it came in. Returns a
+    JSON-ready dict: `cells` (one per length and depth: accuracy, digit_accuracy, hits, keys, the keys and the
+    answers), `mean_accuracy` (over all cells), `by_length` and `by_depth` means, and the grid's settings. Raises
+    DataError for a length too short to hold the task or a depth outside [0, 1]."""
     if keys_per_cell < 1 or batch_size < 1 or not lengths or not depths:
         raise ValueError(f"passkey_grid: keys_per_cell={keys_per_cell} and batch_size={batch_size} must be >= 1, "
                          f"lengths and depths not empty")
+    haystack = haystack or FillerBytes()
     lengths, depths = sorted(set(int(n) for n in lengths)), sorted(set(float(d) for d in depths))
     device = torch.device(device)
     was_training = model.training
@@ -81,27 +134,25 @@ def passkey_grid(model: torch.nn.Module, lengths: Sequence[int], depths: Sequenc
     cells = []
     try:
         for length in lengths:
-            # every prompt of a length has length - KEY_DIGITS tokens: batch them across depths
-            made = [cell_prompts(length, d, keys_per_cell, seed) for d in depths]
-            prompts, keys = np.concatenate([p for p, _ in made]), np.concatenate([k for _, k in made])
+            # every prompt of a length has length - answer_tokens tokens: batch them across depths
+            made = [haystack.cell(length, d, keys_per_cell, seed) for d in depths]
+            prompts, expected = np.concatenate([p for p, _ in made]), [e for _, keys in made for e in keys]
             answers = np.concatenate([
                 greedy_decode(model, torch.from_numpy(prompts[i : i + batch_size].astype(np.int64)).to(device),
-                              PasskeyData.KEY_DIGITS, dtype).cpu().numpy()
+                              haystack.answer_tokens, dtype).cpu().numpy()
                 for i in range(0, len(prompts), batch_size)])
             for j, depth in enumerate(depths):
-                rows = slice(j * keys_per_cell, (j + 1) * keys_per_cell)
-                right = answers[rows] == keys[rows]
-                cell = {"length": length, "depth": depth, "accuracy": float(right.all(axis=1).mean()),
-                        "digit_accuracy": float(right.mean()), "hits": int(right.all(axis=1).sum()),
-                        "keys": keys_per_cell, "expected": [_text(k) for k in keys[rows]],
-                        "answers": [_text(a) for a in answers[rows]]}
+                rows = range(j * keys_per_cell, (j + 1) * keys_per_cell)
+                said = [haystack.text(answers[r]) for r in rows]
+                scores = [score_answer(a, expected[r]) for a, r in zip(said, rows)]
+                digits = sum(c.isdigit() for c in expected[rows[0]])
+                hits = sum(exact for exact, _ in scores)
+                cell = {"length": length, "depth": depth, "accuracy": hits / keys_per_cell,
+                        "digit_accuracy": sum(right for _, right in scores) / (digits * keys_per_cell),
+                        "hits": hits, "keys": keys_per_cell, "expected": [expected[r] for r in rows], "answers": said}
                 cells.append(cell)
                 if progress:
                     progress(cell)
     finally:
         model.train(was_training)
-    return {"lengths": lengths, "depths": depths, "keys_per_cell": keys_per_cell, "seed": seed,
-            "trained_length": trained_length, "cells": cells,
-            "mean_accuracy": float(np.mean([c["accuracy"] for c in cells])),
-            "by_length": {str(n): float(np.mean([c["accuracy"] for c in cells if c["length"] == n])) for n in lengths},
-            "by_depth": {str(d): float(np.mean([c["accuracy"] for c in cells if c["depth"] == d])) for d in depths}}
+    return summarize(cells, keys_per_cell, seed, trained_length)

@@ -1,6 +1,6 @@
 """Find the longest context each attention backend can train at batch 1, then report table, plots and W&B.
 
-    minigpt-sweep                                  # naive, sdpa, flash, each eager and +compile; gpt2-small
+    minigpt-sweep                                  # naive, sdpa, flash, flex, each eager and +compile; gpt2-small
     minigpt-sweep --variants sdpa flash flash+levers --start flash+levers=262144
     minigpt-sweep --variants flash+levers --no-search --probe-seq-lens 2097152   # 2M derived from 1-/2-layer probes
     minigpt-sweep --cpu                                            # tiny model on CPU (smoke test)
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     """The sweep's command line; returns the exit code (0 results, 1 a variant without one, 2 bad arguments)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    with StopSignals(again="already stopping (the running trial, then the report); please wait"):
+    with StopSignals(again="already stopping (the running trial, then the report); please wait", exiting=True):
         return _main(parser, args)
 
 

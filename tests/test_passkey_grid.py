@@ -1,6 +1,7 @@
 """The passkey grid: scoring against stand-in models that read the key, greedy decoding against step-by-step
-decoding, the key's placement at the asked depth, the files, the W&B run, and the command line on a real tiny
-checkpoint (bad arguments, missing and damaged checkpoints)."""
+decoding, the key's placement at the asked depth (bytes, and any tokenizer's tokens around the filler or pycode
+text), the files, the W&B run, and `minigpt-eval --passkey-grid` on real tiny checkpoints (a byte-level passkey run,
+and a BPE pycode run with both haystacks; bad arguments, missing and damaged checkpoints, out of memory)."""
 import json
 import os
 import re
@@ -16,15 +17,26 @@ from torch import nn
 from minigpt.attention import get_attention
 from minigpt.config import ModelConfig
 from minigpt.data import DataError, PasskeyData
-from minigpt.eval.passkey_eval import FILES, accuracy_matrix, grid_table, main, write_outputs
-from minigpt.eval.retrieval import cell_prompts, greedy_decode, passkey_grid
+from minigpt.eval.cli import main
+from minigpt.eval.haystack import KEY_SLOTS, QUESTION, filler_haystack, pycode_haystack
+from minigpt.eval.passkey_grid import FILES, accuracy_matrix, grid_table, write_outputs
+from minigpt.eval.retrieval import cell_prompts, greedy_decode, passkey_grid, score_answer
 from minigpt.model import GPT
+from test_eval import pycode_run  # noqa: F401 - the tiny pycode run (a BPE model)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIGITS = PasskeyData.KEY_DIGITS
 FIXED = len(PasskeyData.NEEDLE.format(key="0" * DIGITS)) + len(PasskeyData.QUESTION.format(key="0" * DIGITS))
 NEEDLE_KEY = re.compile(rb"The pass key is (\d{5})\. Remember it\. \1 is the pass key\.")
 ASKED = b" What is the pass key? The pass key is "
+
+
+def answer_logits(out, text: bytes, slot: int, answer: str, slots: int) -> None:
+    """One row's logits (out: (N, 256)) for an answer written from `slot` on: before its k-th character the argmax
+    is that character if the k characters before are the answer's own, else 'x'."""
+    for k in range(slots):
+        right_so_far = text[slot : slot + k] == answer[:k].encode()
+        out[slot + k - 1, ord(answer[k]) if right_so_far else ord("x")] = 1.0
 
 
 class Oracle(nn.Module):
@@ -46,10 +58,7 @@ class Oracle(nn.Module):
             key = NEEDLE_KEY.search(text).group(1).decode()
             depth = text.index(b" The pass key is ") / (N + 1 - FIXED)  # N = the sequence length
             answer = self.answer(key, depth)
-            slot = text.rindex(ASKED) + len(ASKED)
-            for k in range(DIGITS):
-                right_so_far = text[slot : slot + k] == answer[:k].encode()
-                out[b, slot + k - 1, ord(answer[k]) if right_so_far else ord("x")] = 1.0
+            answer_logits(out[b], text, text.rindex(ASKED) + len(ASKED), answer, DIGITS)
         return out
 
     def head(self, h):
@@ -151,9 +160,86 @@ def test_outputs_exist_and_say_what_was_measured(tmp_path):
     assert png.shape[0] > 200 and png.shape[1] > 200 and png[..., :3].std() > 0.1  # a picture, not a blank
 
 
+def test_answers_are_scored_by_their_text():
+    assert score_answer(" 12345.", " 12345") == (True, 5) and score_answer("12345", "12345") == (True, 5)
+    assert score_answer(" 123456", " 12345") == (False, 5)  # a sixth digit: another number
+    assert score_answer(" 12", " 12345") == (False, 2) and score_answer("x2345", "12345") == (False, 4)
+
+
 # ------------------------------------------------------------------------------------------------
-# The command line on a real tiny checkpoint
+# Haystacks in any tokenizer's tokens (here bytes, so the text is plain to read)
 # ------------------------------------------------------------------------------------------------
+def byte_codec():
+    from minigpt.sample import byte_tokenizer
+
+    tok = byte_tokenizer()
+    return tok.encode, tok.decode
+
+
+PYCODE_DOCS = [np.frombuffer(t.encode(), dtype=np.uint8).astype(np.int64)
+               for t in ("def f(x):\n    return x * 2\n" * 30, "import os\nprint(os.getcwd())\n" * 20)]
+
+
+@pytest.mark.parametrize("kind", ["filler", "pycode"])
+@pytest.mark.parametrize("length", [160, 700])
+def test_token_haystacks_plant_the_key_at_the_asked_depth(kind, length):
+    encode, decode = byte_codec()
+    hay = filler_haystack(encode, decode) if kind == "filler" else pycode_haystack(PYCODE_DOCS, ord("\n"), encode, decode)
+    for depth in (0.0, 0.3, 1.0):
+        prompts, expected = hay.cell(length, depth, 3, seed=4)
+        assert prompts.shape == (3, length - KEY_SLOTS)
+        for p, e in zip(prompts, expected):
+            text = decode(p.tolist())
+            key = NEEDLE_KEY.search(text.encode()).group(1).decode()
+            n_hay = length - KEY_SLOTS - len(PasskeyData.NEEDLE.format(key=key)) - len(QUESTION)
+            assert e == " " + key and text.endswith(QUESTION)
+            assert text.index(" The pass key is ") == round(depth * n_hay)
+            if kind == "pycode":
+                assert "def f(x)" in text or "import os" in text
+    assert (hay.cell(length, 0.3, 3, seed=4)[0] == hay.cell(length, 0.3, 3, seed=4)[0]).all()  # the same keys again
+    with pytest.raises(DataError, match="length 60"):
+        hay.cell(60, 0.5, 1, seed=0)
+
+
+class TextOracle(nn.Module):
+    """A stand-in byte model for TokenHaystack prompts: answers " <key>" (right) or " <other key>" after the
+    question, each character conditioned on the ones it wrote."""
+
+    vocab_size = 256
+
+    def __init__(self, right: bool):
+        super().__init__()
+        self.right = right
+
+    def hidden(self, idx):
+        B, N = idx.shape
+        out = torch.zeros(B, N, 256)
+        for b in range(B):
+            text = bytes(idx[b].tolist())
+            key = NEEDLE_KEY.search(text).group(1).decode()
+            answer = " " + (key if self.right else other(key))
+            answer_logits(out[b], text, text.rindex(QUESTION.encode()) + len(QUESTION), answer, KEY_SLOTS)
+        return out
+
+    def head(self, h):
+        return h
+
+
+def test_a_token_haystack_grid_scores_the_key_by_its_text():
+    encode, decode = byte_codec()
+    hay = pycode_haystack(PYCODE_DOCS, ord("\n"), encode, decode)
+    right = passkey_grid(TextOracle(True), [160, 300], DEPTHS, keys_per_cell=3, batch_size=4, seed=1, haystack=hay)
+    assert right["mean_accuracy"] == 1.0 and all(c["answers"] == c["expected"] for c in right["cells"])
+    wrong = passkey_grid(TextOracle(False), [160], DEPTHS, keys_per_cell=3, batch_size=4, seed=1, haystack=hay)
+    assert wrong["mean_accuracy"] == 0.0 and all(c["digit_accuracy"] == 0.0 for c in wrong["cells"])
+
+
+# ------------------------------------------------------------------------------------------------
+# `minigpt-eval --passkey-grid` on a real tiny byte-level checkpoint
+# ------------------------------------------------------------------------------------------------
+GRID = ["--no-loss", "--passkey-grid"]
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A 2-step tiny run (seq_len 128) and its checkpoint."""
@@ -170,18 +256,21 @@ def run_dir(tmp_path_factory):
 
 def test_cli_writes_the_grid_for_a_checkpoint(run_dir, tmp_path, capsys):
     out = tmp_path / "grid"
-    assert main(["--checkpoint", str(run_dir), "--lengths", "128", "160", "--depths", "0", "0.5", "1",
-                 "--keys-per-cell", "2", "--out", str(out)]) == 0
-    result = json.loads((out / FILES[0]).read_text())
+    assert main([str(run_dir), *GRID, "--passkey-lengths", "128,160", "--depths", "0", "0.5", "1", "--keys", "2",
+                 "--out", str(out)]) == 0
+    result = json.loads((out / "passkey_filler" / FILES[0]).read_text())
     assert result["trained_length"] == 128 and result["lengths"] == [128, 160] and len(result["cells"]) == 6
+    assert result["haystack"] == "filler" and result["oom"] == [] and result["run"]["tokenizer"] == "bytes"
     assert result["run"]["attention"] == "sdpa" and result["run"]["step"] == 2
     assert result["run"]["checkpoint"].endswith("ckpt_00000002.pt") and not os.path.isabs(result["run"]["checkpoint"])
-    assert all(c["keys"] == 2 and len(c["answers"][0]) == DIGITS for c in result["cells"])
-    assert "128 (trained)" in (out / FILES[1]).read_text() and (out / FILES[2]).stat().st_size > 10_000
-    # defaults: the trained length x 1/4, 1/2, 1, 2 that hold the task, into passkey/ of the run
-    assert main(["--checkpoint", str(run_dir / "checkpoints"), "--depths", "0.5", "--keys-per-cell", "1",
+    assert all(c["keys"] == 2 and len(c["answers"][0]) == DIGITS for c in result["cells"])  # training's own task
+    assert "128 (trained)" in (out / "passkey_filler" / FILES[1]).read_text()
+    assert (out / "passkey_filler" / FILES[2]).stat().st_size > 10_000
+    assert "passkey (filler) mean accuracy" in capsys.readouterr().out
+    # into eval/ of the run by default; another attention
+    assert main([str(run_dir / "checkpoints"), *GRID, "--passkey-lengths", "128,256", "--depths", "0.5", "--keys", "1",
                  "--attention", "naive"]) == 0
-    result = json.loads((run_dir / "passkey" / FILES[0]).read_text())
+    result = json.loads((run_dir / "eval" / "passkey_filler" / FILES[0]).read_text())
     assert result["lengths"] == [128, 256] and result["run"]["attention"] == "naive"
 
 
@@ -192,27 +281,26 @@ def test_wandb_run_holds_the_table_and_heatmap(run_dir, tmp_path):
     out = tmp_path / "w"
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     env.pop("WANDB_DIR", None)
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "eval_passkey.py"), "--checkpoint",
-                        str(run_dir), "--lengths", "128", "--depths", "0", "1", "--keys-per-cell", "2", "--out",
-                        str(out), "--wandb"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "eval.py"), str(run_dir), *GRID,
+                        "--passkey-lengths", "128", "--depths", "0", "1", "--keys", "2", "--out", str(out), "--wandb"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     run = offline_run(out)
-    assert run["name"] == "passkey-tiny-sdpa-step2" and run["exit_code"] == 0
-    assert {"passkey/grid/_type", "passkey/heatmap/_type"} <= run["history"]
-    grid_json = json.loads((out / FILES[0]).read_text())
-    assert json.loads(run["summary"]["passkey/mean_accuracy"]) == grid_json["mean_accuracy"]
-    assert "passkey/accuracy_n128" in run["summary"]
+    assert run["name"] == "eval-run-step-2" and run["exit_code"] == 0
+    assert {"passkey_filler/grid/_type", "passkey_filler/heatmap/_type"} <= run["history"]
+    grid_json = json.loads((out / "passkey_filler" / FILES[0]).read_text())
+    assert json.loads(run["summary"]["passkey_filler/mean_accuracy"]) == grid_json["mean_accuracy"]
 
 
 @pytest.mark.parametrize("argv, argument", [
-    (["--lengths", "50"], "--lengths"),
+    (["--passkey-lengths", "50"], "--passkey-lengths"),
     (["--depths", "0", "1.5"], "--depths"),
     (["--depths", "-0.1"], "--depths"),
-    (["--keys-per-cell", "0"], "--keys-per-cell"),
-    (["--batch-size", "0"], "--batch-size"),
+    (["--keys", "0"], "--keys"),
+    (["--batch-tokens", "0"], "--batch-tokens"),
     (["--attention", "bogus"], "--attention"),
     (["--device", "tpu"], "--device"),
-    (["--trained-length", "0"], "--trained-length"),
+    (["--haystack", "hay"], "--haystack"),
     (["--wandb"], "--wandb"),  # WANDB_MODE=online without credentials
     pytest.param(["--dtype", "float16"], "--dtype", marks=pytest.mark.skipif(torch.cuda.is_available(),
                                                                             reason="float16 is refused on CPU")),
@@ -222,34 +310,66 @@ def test_bad_arguments_exit_2_with_one_line(argv, argument, run_dir, tmp_path, c
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
     with pytest.raises(SystemExit) as e:
-        main(["--checkpoint", str(run_dir), *argv, "--out", str(tmp_path / "o")])
+        main([str(run_dir), *GRID, *argv, "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 2 and err[0].startswith("usage:")
     assert f"error: argument {argument}:" in err[1]
     assert not (tmp_path / "o").exists()
 
 
-def test_missing_or_damaged_checkpoint_exits_1_with_one_line(run_dir, tmp_path, capsys):
-    def fails(path, says):
-        assert main(["--checkpoint", str(path), "--lengths", "128", "--out", str(tmp_path / "o")]) == 1
+def test_missing_or_damaged_checkpoint_ends_with_one_line(run_dir, tmp_path, capsys):
+    def fails(path, code, says):
+        assert main([str(path), *GRID, "--passkey-lengths", "128", "--out", str(tmp_path / "o")]) == code
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and says in err[0], err
         assert not (tmp_path / "o").exists()
 
-    fails(tmp_path / "nope", "no such file or directory")
+    fails(tmp_path / "nope", 2, "no such file or directory")
     (tmp_path / "empty").mkdir()
-    fails(tmp_path / "empty", "no ckpt_*.pt")
+    fails(tmp_path / "empty", 2, "no checkpoint there")
     damaged = tmp_path / "damaged"
     shutil.copytree(run_dir / "checkpoints", damaged)
     ckpt = next(damaged.glob("ckpt_*.pt"))
     ckpt.write_bytes(ckpt.read_bytes()[:1000])
-    fails(ckpt, "truncated")
-    fails(damaged, "no intact checkpoint")
+    fails(ckpt, 1, "truncated")
+    fails(damaged, 1, "no intact checkpoint")
+
+
+def test_a_length_out_of_gpu_memory_is_recorded_and_the_others_go_on(run_dir, tmp_path, monkeypatch, capsys):
+    from minigpt.model import GPT
+
+    hidden = GPT.hidden
+    monkeypatch.setattr(GPT, "hidden", lambda self, idx, *a: hidden(self, idx, *a) if idx.shape[1] <= 150 else
+                        (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")))
+    out = tmp_path / "oom"
+    assert main([str(run_dir), *GRID, "--passkey-lengths", "128,256", "--depths", "0", "1", "--keys", "2",
+                 "--out", str(out)]) == 0
+    result = json.loads((out / "passkey_filler" / FILES[0]).read_text())
+    assert result["lengths"] == [128] and result["oom"] == [256] and len(result["cells"]) == 2
+    assert "out of GPU memory at 256" in (out / "passkey_filler" / FILES[1]).read_text()
+    assert "passkey filler at 256: out of GPU memory" in capsys.readouterr().err
+    assert main([str(run_dir), *GRID, "--passkey-lengths", "256", "--out", str(tmp_path / "none")]) == 3
 
 
 def test_script_refuses_bad_arguments_from_another_directory(tmp_path):
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "eval_passkey.py"), "--checkpoint", "x",
-                        "--depths", "2"], cwd=tmp_path, capture_output=True, text=True)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "eval.py"), "x", "--depths", "2"], cwd=tmp_path,
+                       capture_output=True, text=True)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     usage, error = p.stderr.strip().splitlines()
-    assert usage.startswith("usage: eval_passkey") and error.endswith("argument --depths: 2.0 is not a fraction in [0, 1]")
+    assert usage.startswith("usage: minigpt-eval") and error.endswith("argument --depths: 2.0 is not a fraction in [0, 1]")
+
+
+# ------------------------------------------------------------------------------------------------
+# A BPE model (the tiny pycode run of test_eval.py): both haystacks
+# ------------------------------------------------------------------------------------------------
+def test_the_grid_of_a_bpe_model_in_both_haystacks(pycode_run, tmp_path):
+    out = tmp_path / "both"
+    assert main([str(pycode_run), *GRID, "--haystack", "both", "--passkey-lengths", "160,256", "--depths", "0",
+                 "0.5", "1", "--keys", "20", "--out", str(out)]) == 0
+    for haystack in ("filler", "pycode"):
+        result = json.loads((out / f"passkey_{haystack}" / FILES[0]).read_text())
+        assert result["haystack"] == haystack and result["lengths"] == [160, 256] and result["depths"] == [0.0, 0.5, 1.0]
+        assert accuracy_matrix(result).shape == (3, 2) and len(result["cells"]) == 6
+        assert all(c["keys"] == 20 and len(c["answers"]) == len(c["expected"]) == 20 for c in result["cells"])
+        assert all(e.startswith(" ") and e[1:].isdigit() for c in result["cells"] for e in c["expected"])
+        assert len(result["run"]["tokenizer"]) == 16 and (out / f"passkey_{haystack}" / FILES[2]).exists()
