@@ -280,9 +280,9 @@ QKV_CASES = [
 @pytest.mark.parametrize("B,n,hq,hkv,head_dim,window,docs,rope", QKV_CASES,
                          ids=[f"b{b}-n{n}-h{a}/{c}-d{d}-w{w}-{doc}-{r}" for b, n, a, c, d, w, doc, r in QKV_CASES])
 def test_flash_attention_qkv_gqa_and_masks_vs_the_pair_and_float32(B, n, hq, hkv, head_dim, window, docs, rope, dtype):
-    """The forward, dK and dV bitwise those of qkv_rotary + flash_attention (the same kernels); dQ too wherever GQA
-    or a mask runs the seven-matmul backward, else (the five-matmul one, dQ rotated back from its fp32 accumulator)
-    within the pair's error; all within the dtype's error of float32 RoPE + masked SDPA over K/V repeated per
+    """The forward, dK and dV bitwise those of qkv_rotary + flash_attention (the same kernels); dQ too where GQA or a
+    mask runs the seven-matmul backward (off sm_90), else (the five-matmul one, dQ rotated back from its fp32
+    accumulator) within the pair's error; all within the dtype's error of float32 RoPE + masked SDPA over K/V repeated per
     group."""
     g = torch.Generator(device="cuda").manual_seed(n + hq * 7 + hkv)
     qkv = torch.randn(B, n, hq + 2 * hkv, head_dim, device="cuda", generator=g).to(dtype).requires_grad_()
@@ -308,9 +308,9 @@ def test_flash_attention_qkv_gqa_and_masks_vs_the_pair_and_float32(B, n, hq, hkv
     for name, part, part_ref in zip("qkv", grad.split((hq, hkv, hkv), 2), grad_ref.split((hq, hkv, hkv), 2)):
         errs[f"d{name}"] = rel_err(part, part_ref)
     assert all(e < TOL[dtype] for e in errs.values()), errs
-    if masked:
+    if masked and not HOPPER:  # the seven-matmul Triton backward, as for the pair
         assert torch.equal(grad, want_grad)
-    else:
+    else:  # the five-matmul backward (Gluon on sm_90 with or without masks): dQ from its fp32 accumulator
         assert errs["dq"] <= 1.05 * rel_err(want_grad[:, :, :hq], grad_ref[:, :, :hq]) + 1e-6, errs
 
 
