@@ -326,8 +326,8 @@ def test_flash_attention_qkv_gqa_deterministic_and_bitwise_repeatable():
 
 def test_flash_attention_qkv_gqa_memory_holds_no_kv_of_query_heads():
     """One K/V head for 16 query heads at 16K tokens, head_dim 128: the forward allocates q (rotated), k, v and o
-    (and the LSE), the backward dqkv (and delta): a K, V, dK or dV of 16 heads (a repeat per group, 64 MiB each)
-    would show in either peak."""
+    (and the LSE), the backward dqkv (and delta; on sm_90 the five-matmul backward's fp32 dQ accumulator): a K, V, dK
+    or dV of 16 heads (a repeat per group, 64 MiB each) would show in either peak."""
     B, n, hq, hkv, d = 1, 16384, 16, 1, 128
     qkv = torch.randn(B, n, hq + 2 * hkv, d, device="cuda").to(torch.bfloat16).requires_grad_()
     cos, sin = rope_tables(d, n, "none")
@@ -346,5 +346,6 @@ def test_flash_attention_qkv_gqa_memory_holds_no_kv_of_query_heads():
     torch.cuda.reset_peak_memory_stats()
     (grad,) = torch.autograd.grad(o, qkv, do)
     torch.cuda.synchronize()
-    assert torch.cuda.max_memory_allocated() - base <= (hq + 2 * hkv) * heads + slack  # dqkv
+    dq_accumulator = 2 * hq * heads if HOPPER else 0  # the five-matmul Gluon backward's fp32 dQ (Hq heads, no more)
+    assert torch.cuda.max_memory_allocated() - base <= (hq + 2 * hkv) * heads + dq_accumulator + slack  # dqkv
     assert torch.isfinite(grad).all()
