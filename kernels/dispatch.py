@@ -9,8 +9,10 @@ tests pin it on a CPU (tests/test_dispatch.py). The table's rows are tried in or
     interpreter  >  fp32  >  masks or GQA  >  non-causal  >  sm_90 warp-specialized (Gluon)  >  causal by length  >
     every length
 
-Calls with masks (a sliding window, document ids, blocks at offsets) or GQA (`masked=True`) run the Triton kernels
-only: the rows marked `masks` take them, and no Gluon or dS-path row applies (their kernels take neither yet).
+Calls with masks (a sliding window, document ids, blocks at offsets) or GQA (`masked=True`) take the rows marked
+`masks`: on sm_90 the Gluon forward and five-matmul backward (rows `sm90-masks`) for a causal sequence against
+itself (launch.gluon_masks_ready; the backward not in deterministic mode), else the Triton kernels; no dense Gluon or
+dS-path row applies.
 
 Paths: the forward runs "triton" (triton_kernels.fwd_kernel) or "gluon" (gluon/forward.py, persistent where its tiles
 say so); the backward "triton" (the seven-matmul backward: dQ kernel, then dK/dV kernel; its dQ kernel is the Gluon
@@ -63,7 +65,8 @@ class Entry:
     """One row of the table: `kernel` ("fwd", "dq", "dkdv", "dkdvdq": the five-matmul backward, "via_ds": the dQ
     kernel of the dS path) at these head_dims runs `tiles` where `when` holds and the length is within `lengths`.
     when: "interpreter" (Triton's CPU interpreter), "fp32", "non-causal" (2-byte), "sm90" (causal 2-byte on sm_90,
-    with inputs that fit the Gluon kernels; via_ds: any CUDA inputs), "causal" (2-byte), "any" (2-byte).
+    with inputs that fit the Gluon kernels; via_ds: any CUDA inputs), "sm90-masks" (the same with masks or GQA that
+    the Gluon forward and five-matmul backward take), "causal" (2-byte), "any" (2-byte).
     why: the reason, naming its kernels/NOTES.md section. masks: the row applies only to calls with masks or GQA."""
     kernel: str
     head_dims: tuple[int, ...]
@@ -100,8 +103,18 @@ TABLE: tuple[Entry, ...] = (
     Entry("dkdv", (256,), "fp32", _tc(16, 32, 4, 1), f"shared memory at head_dim 256 ({_NOTES})"),
     Entry("dq", (16, 32, 64, 128), "fp32", _tc(64, 32, 4, 2, tma=True), f"half the tile area fits smem ({_NOTES})"),
     Entry("dq", (256,), "fp32", _tc(32, 16, 4, 1), f"shared memory at head_dim 256 ({_NOTES})"),
-    # masks (window, documents, offsets) or GQA, 2-byte inputs: the Triton kernels, the dense rows' tiles without the
-    # dK/dV register cap (its per-group loop and id loads need more), not tuned with masks yet
+    # masks (window, documents, offsets) or GQA, 2-byte inputs: on sm_90 the Gluon kernels for a causal sequence against
+    # itself, else the Triton kernels, the dense rows' tiles without the dK/dV register cap (its per-group loop and id
+    # loads need more), not tuned with masks yet
+    Entry("fwd", (64, 128), "sm90-masks", _tc(128, 128, 4, 3, **_GLUON),
+          "masks/GQA on the ping-pong forward: 2 consumers, a plain grid, only the key tiles the rows see (NOTES.md, "
+          "'One kernel per direction')", masks=True),
+    Entry("dkdvdq", (64,), "sm90-masks", _tc(64, 128, 4, 3, **_GLUON),
+          "masks/GQA on the five-matmul backward: a plain grid, each key block's query tiles that see it (NOTES.md, "
+          "'Masks and GQA in the Gluon backward')", masks=True),
+    Entry("dkdvdq", (128,), "sm90-masks", _tc(64, 128, 4, 2, **_GLUON),
+          "masks/GQA on the five-matmul backward, dQ split, the dense plain grid's 2 stages (NOTES.md, 'Masks and GQA "
+          "in the Gluon backward')", masks=True),
     Entry("fwd", (16, 32, 64), "any", _tc(64, 64, 4, 3, tma=True), _MASKS, masks=True),
     Entry("fwd", (128,), "any", _tc(128, 64, 8, 3, tma=True), _MASKS, masks=True),
     Entry("fwd", (256,), "any", _tc(64, 32, 4, 2), _MASKS, masks=True),
@@ -176,6 +189,7 @@ def _entry(kernel: str, head_dim: int, seq_len: int | None, dtype: torch.dtype, 
              "non-causal": not interpret and two_byte and not causal,
              "sm90": not interpret and two_byte and causal and capability == SM90 and not masked
              and (gluon_inputs or kernel == "via_ds"),
+             "sm90-masks": not interpret and two_byte and causal and capability == SM90 and masked and gluon_inputs,
              "causal": not interpret and two_byte and causal,
              "any": not interpret and two_byte}
     for e in TABLE:
@@ -200,17 +214,21 @@ def plan(kernel: str, head_dim: int, seq_len: int | None, dtype: torch.dtype, ca
     Gluon kernels (launch.gluon_inputs: CUDA, TMA-aligned, one length, a fresh result; the table adds sm_90, causal,
     fp16/bf16). deterministic: no five-matmul backward. batch_heads: B·H (the dS path's buffer size).
     interpret: Triton's CPU interpreter (default: TRITON_INTERPRET=1). path: forces a path for "fwd" and "bwd"
-    (default: $MINIGPT_FLASH_PATH; see PATHS). masked: the call has masks or GQA (the Triton kernels only; a forced
-    gluon or via_ds path raises)."""
+    (default: $MINIGPT_FLASH_PATH; see PATHS). masked: the call has masks or GQA: the Gluon forward and (not
+    deterministic) five-matmul backward where gluon_inputs says they take them (launch.gluon_masks_ready), else the
+    Triton kernels; a forced via_ds path, or a forced gluon path the call does not fit, raises."""
     interpret = INTERPRET if interpret is None else interpret
     if path is None:
         path = os.environ.get(PATH_ENV) or "auto"
     if path not in PATHS:
         raise ValueError(f"{PATH_ENV}={path!r}: allowed values are {', '.join(PATHS)}")
-    if masked:
-        if path in ("gluon", "via_ds") and kernel in ("fwd", "bwd"):
-            raise _cannot(path, "masks (window, document ids, offsets) and GQA run the Triton kernels only")
-        gluon_inputs = False
+    if masked:  # the Gluon forward and five-matmul backward (not deterministic) where the inputs fit, else Triton
+        gluon_ok = gluon_inputs and (kernel == "fwd" or (kernel == "bwd" and not deterministic))
+        if (path == "via_ds" or (path == "gluon" and not gluon_ok)) and kernel in ("fwd", "bwd"):
+            raise _cannot(path, "masks (window, document ids, offsets) and GQA run the Triton kernels, but for the "
+                                "Gluon forward and the five-matmul backward (not deterministic) of a causal sequence "
+                                "against itself on sm_90")
+        gluon_inputs = gluon_ok and path != "triton"
     if kernel in ("dq", "dkdv"):  # one kernel alone: the Gluon dQ kernel where the table says so
         e = _entry(kernel, head_dim, seq_len, dtype, causal, capability, gluon_inputs, interpret, masked)
         return Plan("gluon" if e.tiles.specialized else "triton", e.tiles, why=e.why)
@@ -230,6 +248,8 @@ def _forward(head_dim, seq_len, dtype, causal, capability, gluon_inputs, interpr
     e = _entry("fwd", head_dim, seq_len, dtype, causal, capability, gluon_inputs and path in ("auto", "gluon"),
                interpret, masked)
     if path == "gluon" and not e.tiles.specialized:
+        if masked:
+            raise _cannot(path, "the masked Gluon forward takes causal fp16/bf16 inputs at head_dim 64 or 128 on sm_90")
         g = _first_gluon("fwd", head_dim)
         if g is None or _entry("fwd", head_dim, g.lengths[0], dtype, causal, capability, gluon_inputs,
                                interpret) is not g:
@@ -243,7 +263,15 @@ def _forward(head_dim, seq_len, dtype, causal, capability, gluon_inputs, interpr
 def _backward(head_dim, seq_len, dtype, causal, deterministic, capability, gluon_inputs, batch_heads, interpret, path,
               max_ds_bytes, masked=False) -> Plan:
     forced = "" if path == "auto" else f"{PATH_ENV}={path}"
-    if masked:  # the seven-matmul Triton backward, the masks rows' tiles
+    if masked:
+        if gluon_inputs and path in ("auto", "gluon"):  # the five-matmul backward (plan: not deterministic)
+            e = _entry("dkdvdq", head_dim, seq_len, dtype, causal, capability, True, interpret, True)
+            if e is not None:
+                return Plan("gluon", e.tiles, why=forced or e.why)
+        if path == "gluon":
+            raise _cannot(path, "the masked five-matmul backward takes causal fp16/bf16 inputs at head_dim 64 or 128 "
+                                "on sm_90")
+        # the seven-matmul Triton backward, the masks rows' tiles
         dkdv = _entry("dkdv", head_dim, seq_len, dtype, causal, capability, False, interpret, True)
         dq = _entry("dq", head_dim, seq_len, dtype, causal, capability, False, interpret, True)
         return Plan("triton", dkdv.tiles, dq.tiles, forced or dq.why)

@@ -17,10 +17,14 @@ same document); `q_offset` and `k_offset`, the global positions of the first que
 against a key block elsewhere in the sequence (ring attention): causal and window then compare global positions,
 and a causal launch may have Nq != Nk. A row that sees no key gets o = 0 and lse = −inf. The kernels find each tile's
 span of visible keys (or queries) on the device and skip the tiles outside it (triton_kernels.py, "Masks").
+Causal masked and GQA calls of a sequence against itself (gluon_masks_ready) take the Gluon forward and, unless
+deterministic, the five-matmul backward on sm_90 (dispatch.py's sm90-masks rows; MINIGPT_FLASH_PATH=triton keeps
+the Triton kernels).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -65,6 +69,21 @@ def specialized_ready(q: Tensor, k: Tensor, v: Tensor, causal: bool, accumulate:
             and capability(q.device) == (9, 0) and tma_ready(q, k, v, *also)
             and all(t.stride(-1) == 1 for t in (q, k, v, *also))
             and gluon_forward is not None)
+
+
+def gluon_masks_ready(q: Tensor, k: Tensor, v: Tensor, causal: bool, q_doc_ids: Tensor | None,
+                      k_doc_ids: Tensor | None, q_offset: int | None, k_offset: int | None, accumulate: bool = False,
+                      out: tuple[Tensor, Tensor] | None = None, also: tuple[Tensor, ...] = ()) -> bool:
+    """Whether the Gluon forward (and the five-matmul backward, with `also` = (do,)) takes this call with masks or
+    GQA: a causal sequence against itself (no offsets, the same document ids for queries and keys), K/V heads
+    dividing q's, and inputs specialized_ready takes."""
+    same_ids = q_doc_ids is k_doc_ids or (
+        q_doc_ids is not None and k_doc_ids is not None and q_doc_ids.data_ptr() == k_doc_ids.data_ptr()
+        and q_doc_ids.shape == k_doc_ids.shape and q_doc_ids.stride() == k_doc_ids.stride())
+    kv_heads = (k.shape == v.shape and k.shape[0] == q.shape[0] and k.shape[2:] == q.shape[2:]
+                and q.shape[1] % k.shape[1] == 0)
+    return (not q_offset and not k_offset and same_ids and kv_heads
+            and specialized_ready(q, q, q, causal, accumulate, out, also=(k, v, *also)))
 
 
 def _capability(t: Tensor) -> tuple[int, int] | None:
@@ -269,9 +288,12 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
     masked = _masked(q, k, causal, window, q_doc_ids, q_offset, k_offset)
-    ready = not masked and specialized_ready(q, k, v, causal, accumulate, out)
+    if masked:
+        ready = gluon_masks_ready(q, k, v, causal, q_doc_ids, k_doc_ids, q_offset, k_offset, accumulate, out)
+    else:
+        ready = specialized_ready(q, k, v, causal, accumulate, out)
     if cfg is not None and cfg.specialized and not ready:
-        raise ValueError(_NOT_SPECIALIZED.format("forward") + ", nor masks or GQA")
+        raise ValueError(_NOT_SPECIALIZED.format("forward") + "; with masks or GQA, only of a sequence against itself")
     cfg = cfg or plan("fwd", D, N_Q, q.dtype, causal, capability=_capability(q), gluon_inputs=ready,
                       masked=masked).tiles
     margs, mflags = _mask_args(q, k, causal, window, q_doc_ids, k_doc_ids, q_offset, k_offset, "fwd",
@@ -288,6 +310,11 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
                              f"{tuple(lse.shape)} {lse.dtype} with strides {lse.stride()}")
     if cfg.specialized:
         triton.set_allocator(tma_scratch)  # its TMA descriptors are made on the device, like _use_tma's
+        if masked:  # margs: (ids, ids, strides, shift, window, steps, counts), as _mask_args checked them
+            gluon_forward.launch_forward_masked(q, k, v, o, lse, sm_scale * LOG2E, cfg.block_m // 64, cfg.block_n,
+                                                cfg.num_stages, margs[5] if mflags["WINDOWED"] else None,
+                                                margs[0] if mflags["DOCS"] else None)
+            return o, lse
         launch = gluon_forward.launch_forward_persistent if cfg.persistent else gluon_forward.launch_forward_pingpong
         launch(q, k, v, o, lse, sm_scale * LOG2E, cfg.block_m // 64, cfg.block_n, cfg.num_stages)
         return o, lse
@@ -317,7 +344,8 @@ def launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse:
     out=(dq, dk, dv): write the gradients there (q's, k's, v's shapes, contiguous last dimensions) and return them;
     fp32_dq: where the five-matmul backward runs, return its fp32 dQ accumulator in out's dq's stead (see
     launch_backward_fused). Masks and GQA (window, q_doc_ids, k_doc_ids, q_offset, k_offset; the module docstring):
-    the seven-matmul backward, the masks' tiles of the table."""
+    the five-matmul backward for a causal sequence against itself on sm_90 (gluon_masks_ready; not deterministic),
+    else the seven-matmul backward, the masks' tiles of the table."""
     if do.stride(-1) != 1:
         do = do.contiguous()
     B, H, N = lse.shape
@@ -330,10 +358,12 @@ def launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse:
         options = dict(deterministic=deterministic or torch.are_deterministic_algorithms_enabled(),
                        capability=_capability(q), batch_heads=B * H, masked=masked)
         p = plan("bwd", *args, gluon_inputs=True, **options)  # the inputs are checked only where a Gluon kernel runs
-        if (p.path == "gluon" or p.dq_tiles.specialized) and not specialized_ready(q, k, v, causal, also=(do,)):
+        if (p.path == "gluon" or p.dq_tiles.specialized) and not (
+                gluon_masks_ready(q, k, v, causal, q_doc_ids, k_doc_ids, q_offset, k_offset, also=(do,)) if masked
+                else specialized_ready(q, k, v, causal, also=(do,))):
             p = plan("bwd", *args, gluon_inputs=False, **options)
         if p.path == "gluon":
-            return launch_backward_fused(do, q, k, v, o, lse, sm_scale, p.tiles, out=out, fp32_dq=fp32_dq)
+            return launch_backward_fused(do, q, k, v, o, lse, sm_scale, p.tiles, out=out, fp32_dq=fp32_dq, **masks)
         if p.path == "via_ds":
             return launch_backward_via_ds(do, q, k, v, o, lse, sm_scale, p.tiles, p.dq_tiles, out=out)
         dkdv_cfg, dq_cfg = p.tiles, p.dq_tiles
@@ -354,7 +384,9 @@ FUSED_DQ_ACC_BYTES = 256 << 20
 
 def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, sm_scale: float,
                           cfg: TileConfig | None = None, out: tuple[Tensor, Tensor, Tensor] | None = None,
-                          fp32_dq: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                          fp32_dq: bool = False, *, window: int | None = None, q_doc_ids: Tensor | None = None,
+                          k_doc_ids: Tensor | None = None, q_offset: int | None = None,
+                          k_offset: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The causal five-matmul backward (kernels/NOTES.md Q): (dq, dk, dv) in the memory layouts of q, k, v. A delta
     kernel, then the dK/dV/dQ kernel of gluon/backward.py, which adds dQ into a zeroed fp32 accumulator
     (a TMA reduce-add per query tile and block of 128 keys), then one cast into dq. No kernel recomputes QKᵀ and dO·Vᵀ
@@ -363,32 +395,47 @@ def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
     columns between its consumers. out=(dq, dk, dv): write the gradients there.
     fp32_dq: return the fp32 accumulator (q's shape and memory order) as dq, without the cast, when it holds
     every head at once (a caller that transforms dQ anyway, e.g. rotates it back, then rounds it only once);
-    otherwise dq as usual."""
+    otherwise dq as usual. Masks and GQA (the module docstring) of a causal sequence against itself
+    (gluon_masks_ready): one program per key block and K/V head (a plain grid) sums dK, dV over the head's group of
+    query heads and visits only the query tiles that see its keys (gluon/backward.py, launch_dkdv_dq_masked)."""
     if do.stride(-1) != 1:
         do = do.contiguous()
     B, H, N, D = q.shape
-    if not specialized_ready(q, k, v, True, also=(do,)):
+    masked = _masked(q, k, True, window, q_doc_ids, q_offset, k_offset)
+    if not (gluon_masks_ready(q, k, v, True, q_doc_ids, k_doc_ids, q_offset, k_offset, also=(do,)) if masked
+            else specialized_ready(q, k, v, True, also=(do,))):
         raise ValueError("flash_attention: the warp-specialized dK/dV/dQ kernel takes causal fp16/bf16 inputs with "
-                         "head_dim 64 or 128, TMA-aligned, on an sm_90 GPU (see specialized_ready)")
+                         "head_dim 64 or 128, TMA-aligned, on an sm_90 GPU (see specialized_ready); with masks or "
+                         "GQA, only of a sequence against itself (gluon_masks_ready)")
     if cfg is not None and not (cfg.specialized and cfg.block_m == 64 and cfg.block_n == 128 and cfg.num_stages >= 2):
         raise ValueError(f"flash_attention: the dK/dV/dQ kernel runs 128 keys per program over 64-query tiles with at "
                          f"least 2 stages (TileConfig(64, 128, 4, stages, specialized=True)), got {cfg}")
     # the table's tiles for this length, or its first Gluon row's below the table's lengths
-    c = cfg or plan("bwd", D, N, q.dtype, True, capability=_capability(q), gluon_inputs=True, path="gluon").tiles
+    c = cfg or plan("bwd", D, N, q.dtype, True, capability=_capability(q), gluon_inputs=True, path="gluon",
+                    masked=masked).tiles
     dq, dk, dv = _grad_outputs(out, False, ("dq", "dk", "dv"), (q, k, v))
+    kv_group = H // k.shape[1]  # query heads per K/V head (GQA)
     group = max(1, min(H, FUSED_DQ_ACC_BYTES // (B * N * D * 4)))  # heads per launch
+    group = max(kv_group, group // kv_group * kv_group)  # whole GQA groups: a K/V head's dK, dV in one launch
     keep_acc = fp32_dq and group == H
     acc = torch.empty(B * group * N * D, dtype=torch.float32, device=q.device)
     triton.set_allocator(tma_scratch)
-    launch = gluon_backward.launch_dkdv_dq_persistent if c.persistent else gluon_backward.launch_dkdv_dq
+    if masked:  # checked (ids' shape, dtype, device; the window) and normalized (a window wider than N: none)
+        margs, mflags = _mask_args(q, k, True, window, q_doc_ids, k_doc_ids, q_offset, k_offset, "dkdvdq",
+                                   (c.block_m, c.block_n))
+        masks = dict(window=margs[5] if mflags["WINDOWED"] else None, document_ids=margs[0] if mflags["DOCS"] else None)
+        launch = functools.partial(gluon_backward.launch_dkdv_dq_masked, **masks)
+    else:
+        launch = gluon_backward.launch_dkdv_dq_persistent if c.persistent else gluon_backward.launch_dkdv_dq
     for h0 in range(0, H, group):
         hs = slice(h0, min(H, h0 + group))
+        kvs = slice(h0 // kv_group, hs.stop // kv_group)  # their K/V heads
         dq_acc = _in_layout_of(q, acc[:B * (hs.stop - h0) * N * D], hs.stop - h0).zero_()
         do_h, delta = launch_backward_delta(do[:, hs], o[:, hs], lse[:, hs])
         (lse_h, stride_lse), (delta, stride_delta) = _rows_in(lse[:, hs]), _rows_in(delta)
         (lse_h, stride_lse), (delta, stride_delta) = _rows_for_tma(lse_h, stride_lse), _rows_for_tma(delta, stride_delta)
-        launch(do_h, q[:, hs], k[:, hs], v[:, hs], lse_h, stride_lse, delta, stride_delta, dk[:, hs], dv[:, hs], dq_acc,
-               sm_scale, sm_scale * LOG2E, c.block_m, c.num_stages)
+        launch(do_h, q[:, hs], k[:, kvs], v[:, kvs], lse_h, stride_lse, delta, stride_delta, dk[:, kvs], dv[:, kvs],
+               dq_acc, sm_scale, sm_scale * LOG2E, c.block_m, c.num_stages)
         if keep_acc:
             return dq_acc, dk, dv
         dq[:, hs].copy_(dq_acc)

@@ -35,7 +35,7 @@ from minigpt_kernels.gluon import forward as fwd
 
 SM90 = GPUTarget("cuda", 90, 32)
 FP32_POINTERS = {"LSE", "DELTA", "DQ_ACC"}
-INT32_POINTERS = {"WORK", "WORK_START"}
+INT32_POINTERS = {"WORK", "WORK_START", "IDS", "DOC_ENDS"}
 
 
 @dataclass(frozen=True)
@@ -52,24 +52,32 @@ def table_variants() -> list[Variant]:
     and gluon/backward.py derive them from a TileConfig), plus fp16 where the forward has three consumers (the
     hand-packed P of NOTES.md Z)."""
     out = []
-    for kind, d, cfg in ((e.kernel, e.head_dims[0], e.tiles) for e in TABLE if e.tiles.specialized):
+    for kind, d, cfg, masks in ((e.kernel, e.head_dims[0], e.tiles, e.masks) for e in TABLE if e.tiles.specialized):
         mode = "persistent" if cfg.persistent else "plain"
         if kind == "fwd":
             consumers = cfg.block_m // 64
             c = dict(HEAD_DIM=d, NUM_CONSUMERS=consumers, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
-                     CONSUMER_REGS=common.CONSUMER_REGS[consumers], PRODUCER_REGS=common.PRODUCER_REGS)
-            if cfg.persistent:
-                c["SKIP"] = fwd.consumers_can_stop_early(consumers, cfg.block_n)
-            kernel = fwd.persistent_fwd_kernel if cfg.persistent else fwd.pingpong_fwd_kernel
+                     CONSUMER_REGS=common.CONSUMER_REGS[consumers], PRODUCER_REGS=common.PRODUCER_REGS,
+                     SKIP=cfg.persistent and fwd.consumers_can_stop_early(consumers, cfg.block_n),
+                     PERSISTENT=cfg.persistent, GQA=False, WINDOWED=False, DOCS=False)
+            kernel = fwd.pingpong_fwd_kernel  # one kernel; plain and persistent differ in their work lists
             out.append(Variant(f"fwd {mode} D{d} C{consumers}", kernel, c))
             if consumers == 3:
                 out.append(Variant(f"fwd {mode} D{d} C{consumers} fp16", kernel, c, "fp16"))
+            if not cfg.persistent or d == 128:  # the masked launch: a plain grid, GQA, windows and documents
+                masked = dict(c, SKIP=False, PERSISTENT=False, GQA=True, WINDOWED=True, DOCS=True)
+                out.append(Variant(f"fwd masked D{d} C{consumers}", kernel, masked))
         elif kind == "dkdvdq":
             c = dict(HEAD_DIM=d, BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, PRODUCER_REGS=common.PRODUCER_REGS,
                      REDUCER_REGS=bwd.REDUCER_REGS,
-                     CONSUMER_REGS=bwd.SPLIT_CONSUMER_REGS if d > 64 else bwd.FUSED_CONSUMER_REGS)
-            kernel = bwd.dkdvdq_persistent_kernel if cfg.persistent else bwd.dkdvdq_kernel
-            out.append(Variant(f"dkdvdq {mode} D{d} s{cfg.num_stages}", kernel, c))
+                     CONSUMER_REGS=bwd.SPLIT_CONSUMER_REGS if d > 64 else bwd.FUSED_CONSUMER_REGS,
+                     KV_BUFS=2 if cfg.persistent and d == 64 else 1, PERSISTENT=cfg.persistent,
+                     GQA=False, WINDOWED=False, DOCS=False)  # as the launchers
+            if masks:  # the masked launch (launch_dkdv_dq_masked): a plain grid, GQA, windows and documents
+                out.append(Variant(f"dkdvdq masked D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel,
+                                   dict(c, GQA=True, WINDOWED=True, DOCS=True)))
+            else:
+                out.append(Variant(f"dkdvdq {mode} D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel, c))
         else:  # "dq": the head_dim-128 dQ kernel of the deterministic backward
             c = dict(HEAD_DIM=d, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, PRODUCER_REGS=common.PRODUCER_REGS,
                      CONSUMER_REGS=common.CONSUMER_REGS[bwd.CONSUMERS.value])

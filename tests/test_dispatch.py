@@ -131,8 +131,10 @@ def test_every_row_says_why_and_keeps_the_kernels_tiling():
         assert c.specialized or outer % inner == 0, e  # the Triton kernels' rule (Gluon's: 64-row consumers)
         assert not c.specialized or c.block_m % 64 == 0, e
         assert c.maxnreg is None or (24 <= c.maxnreg <= 255 and c.maxnreg % 8 == 0), e
-        assert not c.specialized or (e.when == "sm90" and set(e.head_dims) <= {64, 128}), e
-        assert e.when in ("interpreter", "fp32", "non-causal", "sm90", "causal", "any"), e
+        assert not c.specialized or (e.when in ("sm90", "sm90-masks") and set(e.head_dims) <= {64, 128}), e
+        assert e.when in ("interpreter", "fp32", "non-causal", "sm90", "sm90-masks", "causal", "any"), e
+        # the masked Gluon kernels: the forward and the five-matmul backward
+        assert (e.when == "sm90-masks") <= (e.masks and e.kernel in ("fwd", "dkdvdq")), e
 
 
 @pytest.mark.parametrize("kernel", ["fwd", "dq", "dkdv"])

@@ -258,21 +258,80 @@ def test_a_forward_continued_over_a_second_key_block_is_the_row_slice_of_the_who
     assert rel_err(o, o_ref[:, :, rows]) < 1e-5 and (lse.double() - lse_ref[:, :, rows]).abs().max() < 1e-5
 
 
-def test_masks_and_gqa_run_the_triton_kernels():
-    """Where the dense call runs the Gluon kernels or the dS path, the masked one runs Triton's; a path forced to
-    Gluon or via_ds refuses masks; the dense plans are unchanged (tests/test_dispatch.py pins them)."""
+def test_masks_and_gqa_run_the_gluon_kernels_on_sm90_where_they_fit_else_triton():
+    """On sm_90, a masked call whose inputs fit (launch.gluon_masks_ready) runs the Gluon forward and five-matmul
+    backward (rows sm90-masks, a plain grid) at every length; deterministic mode, unfit inputs and a forced Triton
+    path run Triton's; a path forced to via_ds refuses masks, as does a forced gluon path the call does not fit; the
+    dense plans are unchanged (tests/test_dispatch.py pins them)."""
     sm90 = dict(capability=(9, 0), gluon_inputs=True, interpret=False)
-    for kernel, d, n in (("fwd", 64, 8192), ("bwd", 64, 8192), ("bwd", 128, 512)):
+    for kernel, d, n, stages in (("fwd", 64, 8192, 3), ("bwd", 64, 8192, 3), ("bwd", 128, 512, 2),
+                                 ("bwd", 64, 100, 3), ("fwd", 128, 100, 3)):
         dense = dispatch.plan(kernel, d, n, torch.bfloat16, True, **sm90)
         masked = dispatch.plan(kernel, d, n, torch.bfloat16, True, masked=True, **sm90)
-        assert dense.path in ("gluon", "via_ds") and masked.path == "triton", (kernel, n)
-        assert "masks/GQA" in masked.why and not masked.tiles.specialized
-        assert masked.dq_tiles is None or not masked.dq_tiles.specialized
-    for path in ("gluon", "via_ds"):
-        for kernel in ("fwd", "bwd"):
-            with pytest.raises(ValueError, match="masks"):
-                dispatch.plan(kernel, 64, 8192, torch.bfloat16, True, masked=True, path=path, **sm90)
-    assert dispatch.plan("fwd", 64, 8192, torch.bfloat16, True, masked=True, path="triton", **sm90).path == "triton"
+        assert n < 1024 or dense.path in ("gluon", "via_ds"), (kernel, n)
+        assert masked.path == "gluon" and masked.tiles.specialized and not masked.tiles.persistent, (kernel, n)
+        assert masked.tiles.num_stages == stages and "masks/GQA" in masked.why
+        for why, options in (("deterministic", dict(deterministic=True)), ("unfit", dict(gluon_inputs=False)),
+                             ("forced triton", dict(path="triton"))):
+            if kernel == "fwd" and why == "deterministic":
+                continue
+            triton = dispatch.plan(kernel, d, n, torch.bfloat16, True, masked=True, **{**sm90, **options})
+            assert triton.path == "triton" and not triton.tiles.specialized, (kernel, n, why)
+            assert triton.dq_tiles is None or not triton.dq_tiles.specialized
+    for kernel in ("dq", "dkdv"):  # launched alone (ring attention): Triton's
+        assert dispatch.plan(kernel, 64, 8192, torch.bfloat16, True, masked=True, **sm90).path == "triton"
+    for kernel in ("fwd", "bwd"):
+        with pytest.raises(ValueError, match="masks"):
+            dispatch.plan(kernel, 64, 8192, torch.bfloat16, True, masked=True, path="via_ds", **sm90)
+        with pytest.raises(ValueError, match="allowed values"):
+            dispatch.plan(kernel, 64, 8192, torch.float32, True, masked=True, path="gluon", **sm90)
+    with pytest.raises(ValueError, match="masks"):
+        dispatch.plan("bwd", 64, 8192, torch.bfloat16, True, masked=True, path="gluon", deterministic=True, **sm90)
+    assert dispatch.plan("bwd", 64, 8192, torch.bfloat16, True, masked=True, path="gluon", **sm90).path == "gluon"
+
+
+@pytest.mark.parametrize("hq,hkv,window,docs,cap_heads,launches", [
+    (4, 2, 5, "ragged", 2, 2), (4, 1, 100, "none", 2, 1), (6, 3, None, "tokens", 3, 3), (4, 4, 9, "none", 8, 1)])
+def test_the_masked_five_matmul_backward_runs_whole_gqa_groups_per_launch(monkeypatch, hq, hkv, window, docs, cap_heads,
+                                                                           launches):
+    """launch_backward_fused's host side with masks and GQA, its Gluon kernel (launch_dkdv_dq_masked) stubbed by a
+    float64 reference over the slices it is given: the query heads run in launches of whole GQA groups (the dQ
+    accumulator's cap, FUSED_DQ_ACC_BYTES, rounded up to a group) with their K/V heads, a window wider than any
+    distance reaches the kernel as none, the ids as given; the gradients are the whole call's."""
+    B, n, D = 2, 45, 16
+    _, q, k, v = qkv_rows(B, n, hq, hkv, D, torch.float32, seed=15)
+    q, k, v = (t.detach() for t in (q, k, v))
+    ids = documents(docs, B, n)
+    scale = D ** -0.5
+    visible = visible_mask(n, n, True, window, ids, ids)
+    calls = []
+
+    def kernel(do, q, k, v, lse, stride_lse, delta, stride_delta, dk, dv, dq_acc, sm_scale, qk_scale, block_m, stages,
+               window, document_ids):
+        calls.append((q.shape[1], k.shape[1], window, document_ids))
+        leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        vis = visible_mask(n, n, True, window, document_ids, document_ids)
+        grads = torch.autograd.grad(masked_attention(*leaves, vis, sm_scale)[0], leaves, do.double())
+        dq_acc += grads[0].float()
+        dk.copy_(grads[1])
+        dv.copy_(grads[2])
+
+    monkeypatch.setattr(launch.gluon_backward, "launch_dkdv_dq_masked", kernel)
+    monkeypatch.setattr(launch, "specialized_ready", lambda *a, **kw: True)  # as if on an H100/H200
+    monkeypatch.setattr(launch, "FUSED_DQ_ACC_BYTES", cap_heads * B * n * D * 4)
+    o, lse = masked_attention(q, k, v, visible, scale)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(16))
+    got = launch.launch_backward_fused(do, q, k, v, o.float(), lse.float(), scale,
+                                       dispatch.TileConfig(64, 128, 4, 3, tma=True, specialized=True), window=window,
+                                       q_doc_ids=ids, k_doc_ids=ids)
+    group = hq // hkv
+    assert [c[:2] for c in calls] == [(hq // launches, hkv // launches)] * launches and (hq // launches) % group == 0
+    assert all(c[2] == (window if window is not None and window < n else None) for c in calls)
+    assert all((c[3] is None) == (ids is None) and (ids is None or torch.equal(c[3], ids)) for c in calls)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    refs = torch.autograd.grad(masked_attention(*leaves, visible, scale)[0], leaves, do.double())
+    for name, g, r in zip("qkv", got, refs):
+        assert g.shape == r.shape and rel_err(g, r) < 1e-5, f"d{name}"
 
 
 def test_torch_compile_traces_the_masked_custom_ops_without_a_graph_break():

@@ -1,8 +1,9 @@
 """GPU-only checks of sliding windows, document ids and GQA in our FlashAttention (issue 33; python -m pytest -m gpu
 tests/test_gpu_masks.py): bf16/fp16 at 4K-16K tokens against a float32 masked SDPA reference (outputs and gradients),
 the launchers' block form at offsets, deterministic mode, and torch.compile(fullgraph=True) of a function that
-passes document_ids (no graph break: the tile spans are found on the device). The same for attention straight from
-the qkv projection (B, N, Hq + 2·Hkv, D) with RoPE inside (flash_attention_qkv): GQA, masks, YaRN, against the pair
+passes document_ids (no graph break: the tile spans are found on the device); on sm_90 the masked Gluon forward and
+five-matmul backward against float32 and the forced Triton path. The same for attention straight from the qkv
+projection (B, N, Hq + 2·Hkv, D) with RoPE inside (flash_attention_qkv): GQA, masks, YaRN, against the pair
 qkv_rotary + flash_attention and float32, and its memory (no K/V of Hq heads). The CPU twins are
 tests/test_flash_masks.py and tests/test_flash_attention_qkv.py.
 """
@@ -161,6 +162,99 @@ def test_torch_compile_with_document_ids_has_no_graph_break():
     assert rel_err(compiled, eager.double()) < 1e-2 and rel_err(g_compiled, g_eager.double()) < 1e-2
 
 
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the masked Gluon forward is written for sm_90 (wgmma)")
+@pytest.mark.parametrize("N, Hq, Hkv, D, window, docs", [
+    (777, 4, 4, 64, None, "ragged"), (4100, 4, 2, 64, 100, "ragged"), (8192, 8, 2, 128, 1000, "none"),
+    (4096, 4, 1, 64, 1, "none"), (5000, 4, 4, 128, None, "tokens"), (4096, 4, 4, 64, None, "one"),
+    (3000, 2, 2, 64, 5000, "none"), (6000, 6, 3, 128, 300, "ragged"), (2048, 4, 4, 64, 129, "none")])
+def test_the_masked_gluon_forward_matches_float32_and_the_triton_path(N, Hq, Hkv, D, window, docs, monkeypatch):
+    """Causal masked and GQA calls of a sequence against itself run the Gluon forward on sm_90 (each query tile over
+    the key tiles its rows see): its output against float32 masked SDPA and against the forced Triton path, on odd
+    lengths, windows of 1 to wider than N, documents of one token, ragged, or one."""
+    gluon_forward = launch.gluon_forward
+    ran = []
+    real = gluon_forward.launch_forward_masked
+    monkeypatch.setattr(gluon_forward, "launch_forward_masked", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    _, q, k, v = qkv_rows(2, N, Hq, Hkv, D, torch.bfloat16, seed=N + D)
+    ids = documents(docs, 2, N, seed=N)
+    with torch.no_grad():
+        o = flash_attention(q, k, v, causal=True, window=window, document_ids=ids)
+        monkeypatch.setenv("MINIGPT_FLASH_PATH", "triton")
+        o_triton = flash_attention(q, k, v, causal=True, window=window, document_ids=ids)
+    assert ran == [1], "the masked call did not run the Gluon forward"
+    visible = visible_mask(N, N, causal=True, window=window, q_ids=None if ids is None else ids.cpu(),
+                           k_ids=None if ids is None else ids.cpu())
+    ref = sdpa_reference(q, k, v, visible)
+    assert torch.isfinite(o).all()
+    assert rel_err(o.float(), ref) < TOL[torch.bfloat16], (N, window, docs)
+    assert rel_err(o.float(), o_triton.float()) < TOL[torch.bfloat16], (N, window, docs)
+
+
+# (N, Hq, Hkv, D, window, documents, layout, split): odd lengths, windows of 1 to wider than N, documents of one
+# token, ragged or one, GQA groups 1, 2, 4 and one K/V head; "rows": q, k, v head-transposed views of one
+# (B, N, Hq + 2·Hkv, D) leaf (the model's), "heads": contiguous (B, H, N, D) leaves; split: a dQ accumulator cap of
+# two heads, so the backward runs in head groups (whole GQA groups each)
+BACKWARD_CASES = [
+    (777, 4, 4, 64, None, "ragged", "rows", False), (4100, 4, 2, 64, 100, "ragged", "rows", True),
+    (8192, 8, 2, 128, 1000, "none", "rows", True), (4096, 4, 1, 64, 1, "none", "heads", False),
+    (5000, 4, 4, 128, None, "tokens", "rows", False), (4096, 4, 4, 64, None, "one", "rows", False),
+    (3000, 2, 2, 64, 5000, "none", "heads", False), (6000, 6, 3, 128, 300, "ragged", "heads", False),
+    (2048, 4, 4, 64, 129, "none", "rows", False), (1000, 8, 2, 128, 64, "ragged", "rows", False),
+    (3001, 4, 1, 128, 2, "tokens", "rows", False), (2500, 8, 2, 64, 700, "one", "rows", False)]
+
+
+@pytest.mark.skipif(not HOPPER, reason="the masked Gluon backward is written for sm_90 (wgmma)")
+@pytest.mark.parametrize("N, Hq, Hkv, D, window, docs, layout, split", BACKWARD_CASES,
+                         ids=[f"n{n}-h{a}/{b}-d{d}-w{w}-{doc}-{lay}{'-split' if s else ''}"
+                              for n, a, b, d, w, doc, lay, s in BACKWARD_CASES])
+def test_the_masked_gluon_backward_matches_float32_and_the_triton_path(N, Hq, Hkv, D, window, docs, layout, split,
+                                                                       monkeypatch):
+    """Causal masked and GQA calls of a sequence against itself run the five-matmul Gluon backward on sm_90 (each key
+    block over the query tiles that see it, dK/dV summed over the GQA group in one program): its gradients against
+    float32 masked SDPA's and against the forced Triton path's (the seven-matmul backward)."""
+    gluon_backward = launch.gluon_backward
+    ran = []
+    real = gluon_backward.launch_dkdv_dq_masked
+    monkeypatch.setattr(gluon_backward, "launch_dkdv_dq_masked", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    B = 2
+    if split:  # two heads' fp32 dQ accumulator per launch, rounded up to whole GQA groups
+        monkeypatch.setattr(launch, "FUSED_DQ_ACC_BYTES", 2 * B * N * D * 4)
+    qkv, q, k, v = qkv_rows(B, N, Hq, Hkv, D, torch.bfloat16, seed=N + D + Hkv)
+    if layout == "heads":
+        q, k, v = (t.detach().contiguous().requires_grad_() for t in (q, k, v))
+        leaves = (q, k, v)
+    else:
+        leaves = (qkv,)
+    ids = documents(docs, B, N, seed=N)
+    do = torch.randn(q.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(N)).bfloat16()
+
+    def grads():  # (dq, dk, dv) as (B, heads, N, D)
+        o = flash_attention(q, k, v, causal=True, window=window, document_ids=ids)
+        got = torch.autograd.grad(o, leaves, do)
+        if layout == "heads":
+            return got
+        return tuple(t.transpose(1, 2) for t in got[0].split((Hq, Hkv, Hkv), dim=2))
+
+    gluon = grads()
+    launches = len(ran)
+    monkeypatch.setenv("MINIGPT_FLASH_PATH", "triton")
+    triton = grads()
+    group = Hq // Hkv
+    assert launches == (-(-Hq // max(group, 2 // group * group)) if split else 1) and len(ran) == launches, \
+        "the masked call did not run the Gluon backward (or the Triton path did)"
+
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    visible = visible_mask(N, N, causal=True, window=window, q_ids=None if ids is None else ids.cpu(),
+                           k_ids=None if ids is None else ids.cpu())
+    refs = torch.autograd.grad(sdpa_reference(q32, k32, v32, visible), (q32, k32, v32), do.float())
+    for name, got, tri, ref in zip(("dq", "dk", "dv"), gluon, triton, refs):
+        assert torch.isfinite(got).all(), name
+        assert rel_err(got.float(), ref) < TOL[torch.bfloat16], (name, N, window, docs)
+        assert rel_err(got.float(), tri.float()) < TOL[torch.bfloat16], (name, N, window, docs)
+
 # ------------------------------------------------------------------------------------------------
 # flash_attention_qkv: the qkv projection (B, N, Hq + 2·Hkv, D), RoPE inside, GQA and masks
 # ------------------------------------------------------------------------------------------------
@@ -186,9 +280,9 @@ QKV_CASES = [
 @pytest.mark.parametrize("B,n,hq,hkv,head_dim,window,docs,rope", QKV_CASES,
                          ids=[f"b{b}-n{n}-h{a}/{c}-d{d}-w{w}-{doc}-{r}" for b, n, a, c, d, w, doc, r in QKV_CASES])
 def test_flash_attention_qkv_gqa_and_masks_vs_the_pair_and_float32(B, n, hq, hkv, head_dim, window, docs, rope, dtype):
-    """The forward, dK and dV bitwise those of qkv_rotary + flash_attention (the same kernels); dQ too wherever GQA
-    or a mask runs the seven-matmul backward, else (the five-matmul one, dQ rotated back from its fp32 accumulator)
-    within the pair's error; all within the dtype's error of float32 RoPE + masked SDPA over K/V repeated per
+    """The forward, dK and dV bitwise those of qkv_rotary + flash_attention (the same kernels); dQ too where GQA or a
+    mask runs the seven-matmul backward (off sm_90), else (the five-matmul one, dQ rotated back from its fp32
+    accumulator) within the pair's error; all within the dtype's error of float32 RoPE + masked SDPA over K/V repeated per
     group."""
     g = torch.Generator(device="cuda").manual_seed(n + hq * 7 + hkv)
     qkv = torch.randn(B, n, hq + 2 * hkv, head_dim, device="cuda", generator=g).to(dtype).requires_grad_()
@@ -214,9 +308,9 @@ def test_flash_attention_qkv_gqa_and_masks_vs_the_pair_and_float32(B, n, hq, hkv
     for name, part, part_ref in zip("qkv", grad.split((hq, hkv, hkv), 2), grad_ref.split((hq, hkv, hkv), 2)):
         errs[f"d{name}"] = rel_err(part, part_ref)
     assert all(e < TOL[dtype] for e in errs.values()), errs
-    if masked:
+    if masked and not HOPPER:  # the seven-matmul Triton backward, as for the pair
         assert torch.equal(grad, want_grad)
-    else:
+    else:  # the five-matmul backward (Gluon on sm_90 with or without masks): dQ from its fp32 accumulator
         assert errs["dq"] <= 1.05 * rel_err(want_grad[:, :, :hq], grad_ref[:, :, :hq]) + 1e-6, errs
 
 
@@ -232,8 +326,8 @@ def test_flash_attention_qkv_gqa_deterministic_and_bitwise_repeatable():
 
 def test_flash_attention_qkv_gqa_memory_holds_no_kv_of_query_heads():
     """One K/V head for 16 query heads at 16K tokens, head_dim 128: the forward allocates q (rotated), k, v and o
-    (and the LSE), the backward dqkv (and delta): a K, V, dK or dV of 16 heads (a repeat per group, 64 MiB each)
-    would show in either peak."""
+    (and the LSE), the backward dqkv (and delta; on sm_90 the five-matmul backward's fp32 dQ accumulator): a K, V, dK
+    or dV of 16 heads (a repeat per group, 64 MiB each) would show in either peak."""
     B, n, hq, hkv, d = 1, 16384, 16, 1, 128
     qkv = torch.randn(B, n, hq + 2 * hkv, d, device="cuda").to(torch.bfloat16).requires_grad_()
     cos, sin = rope_tables(d, n, "none")
@@ -252,5 +346,6 @@ def test_flash_attention_qkv_gqa_memory_holds_no_kv_of_query_heads():
     torch.cuda.reset_peak_memory_stats()
     (grad,) = torch.autograd.grad(o, qkv, do)
     torch.cuda.synchronize()
-    assert torch.cuda.max_memory_allocated() - base <= (hq + 2 * hkv) * heads + slack  # dqkv
+    dq_accumulator = 2 * hq * heads if HOPPER else 0  # the five-matmul Gluon backward's fp32 dQ (Hq heads, no more)
+    assert torch.cuda.max_memory_allocated() - base <= (hq + 2 * hkv) * heads + dq_accumulator + slack  # dqkv
     assert torch.isfinite(grad).all()

@@ -15,31 +15,46 @@ Two kernels, each splitting its warps by role (`gl.warp_specialize`) like the pi
   consumers' dSᵀ_t transposed, computes dQ_t = dS_t K over the 128 keys and adds it into an fp32 accumulator with a
   TMA reduce-add; the caller zeroes the accumulator and casts it to dq. So no kernel recomputes QKᵀ and dO·Vᵀ for dQ,
   at the price of an fp32 accumulator and a dQ whose summation order varies from run to run (not deterministic).
-  Its persistent variant (NOTES.md T; below 16K tokens) runs one program per SM over a host-made list of key blocks
-  (schedule.py), with K and V double-buffered so that a block's loads overlap the last one's tail.
+  Each program walks a list of key blocks: one per program as a plain grid (`launch_dkdv_dq`), or, persistent
+  (`launch_dkdv_dq_persistent`, NOTES.md T; below 16K tokens), one program per SM over a host-made list (schedule.py),
+  with K and V double-buffered so that a block's loads overlap the last one's tail.
 - **dK/dV/dQ at head_dim 128** (NOTES.md V, W): there dK and dV take 128 registers per consumer, and a dQ warpgroup
   does not fit beside them. So, as in FlashAttention-3, each consumer computes half of dQ's columns itself from both
   consumers' dS (dS_t K[:, its half]) and reduce-adds them. It does so one tile behind: step t computes Sᵀ_t, dPᵀ_t,
   Pᵀ_t, dSᵀ_t, then issues dQ_{t−1} (both consumers stored dSᵀ_{t−1} by then) with dV_t and dK_t, so the consumers
-  need not meet at every tile. Its persistent variant (below 8K tokens) has one K/V buffer, for shared memory.
+  need not meet at every tile. The same kernel, with one K/V buffer (for shared memory) also when persistent (below
+  8K tokens).
 - **dQ** (head_dim 128, the seven-matmul backward's dQ half, deterministic): one program owns 128 query rows (two
   consumers of 64), keeps Q and dO, streams K_j, V_j; per tile S_j, dP_j and the previous tile's dQ matmul are
   issued and dS_j is computed while the dQ matmul runs. Each consumer also writes its rows' delta for the Triton
   dK/dV kernel.
+
+Masks and GQA (`launch_dkdv_dq_masked`, a plain grid; the same kernel with the constexprs GQA, WINDOWED, DOCS, which
+leave the dense code as it was): query i sees key j iff j <= i < end_j, end_j = min(j + window, the end of j's
+document), so each key block [start_n, start_n + 128) is seen by the queries [start_n, end of its last key) and
+visits only those query tiles. The documents' ends come from one binary search per token on the device before the
+launch (torch.searchsorted of the non-decreasing ids: no host sync), so the kernel reads them with one load per key
+instead of searching per item. A tile runs without the elementwise mask where every row of it sees every key of the
+consumer (past its last key and below end_key0). With GQA an item is a K/V head's key block: its roles walk the
+group's query heads in turn through the same ring (counters run on), the producer remaking the Q/dO/LSE/delta
+descriptors per query head once the copies through the old ones have landed, so dK and dV sum over the group in
+registers and no per-query-head K/V copy exists.
 
 The consumers run free: ordering their matmuls by turns (as the forward does) was 5–12% slower here, since each step
 already holds four (dK/dV) or three (dQ) matmuls against one exponential per score. Every matmul is retired within
 its step (a wgmma result in flight at the loop's back-edge makes ptxas serialize them all, NOTES.md F). The register
 file is split by role (setmaxnreg).
 
-Scope: causal, fp16/bf16, head_dim 64 or 128 (dK/dV/dQ; the dQ kernel at 128), one length for queries and keys, TMA-aligned inputs,
-sm_90; the dK/dV/dQ kernel reads LSE and delta rows through TMA, so their starts must be 16-byte aligned.
-dispatch.py's table picks these kernels; launch.py falls back to the Triton kernels otherwise.
+Scope: causal, fp16/bf16, head_dim 64 or 128 (dK/dV/dQ; the dQ kernel at 128), one length for queries and keys (the
+dK/dV/dQ kernel: windows, document ids and GQA too), TMA-aligned inputs, sm_90; the dK/dV/dQ kernel reads LSE and
+delta rows through TMA, so their starts must be 16-byte aligned. dispatch.py's table picks these kernels; launch.py
+falls back to the Triton kernels otherwise.
 """
 from __future__ import annotations
 
 import functools
 
+import torch
 from torch import Tensor
 from triton._C.libtriton import ir
 from triton.experimental import gluon
@@ -49,8 +64,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from minigpt_kernels.device import strides3
-from minigpt_kernels.gluon.common import CONSUMER_REGS, PRODUCER_REGS, head_rows, mma_layout, tma_load
-from minigpt_kernels.gluon.schedule import device_schedule, sm_count
+from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, head_rows, mma_layout, program_items,
+                                          tma_load)
+from minigpt_kernels.gluon.schedule import device_one_each, device_schedule, sm_count
 
 TILE = gl.constexpr(64)  # keys (dK/dV) or query rows (dQ) per consumer warpgroup: the M of one wgmma
 CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program (the warp_specialize lists below name two)
@@ -75,18 +91,37 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _pT_dsT(sT, dpT, lse_smem, delta_smem, keys, rows, masked, qk_scale, dtype: gl.constexpr):
+def _pT_dsT(sT, dpT, lse_smem, delta_smem, keys, rows, masked, qk_scale, dtype: gl.constexpr, tmask,
+            WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """Pᵀ and dSᵀ of one tile (keys × queries) from Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, rounded to the input dtype. Rows past N
     read LSE = 0 and delta = 0 (TMA zero fill), so Pᵀ = 1 there; their Q and dO rows are 0 too, so they add exactly 0
-    to dV (Pᵀ dO), and dSᵀ = Pᵀ ∘ (V dOᵀ − delta) = 0 adds 0 to dK and dQ."""
+    to dV (Pᵀ dO), and dSᵀ = Pᵀ ∘ (V dOᵀ − delta) = 0 adds 0 to dK and dQ, whatever the mask says of them.
+    tmask = (span, -, ONE_COMPARE) where WINDOWED or DOCS (_tile_mask): query i sees key j iff j <= i < j + span_j."""
     col_layout: gl.constexpr = gl.SliceLayout(0, sT.type.layout)
     # Pᵀ = exp2(K Qᵀ · scale·log2e − LSE)
     pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse_smem.load(col_layout), 0))
-    if masked:  # a tile that crosses this consumer's diagonal: query i sees key j iff i >= j
-        pT = gl.where(gl.expand_dims(rows, 0) >= gl.expand_dims(keys, 1), pT, 0.0)
+    if masked:  # a tile where some query i misses some key j of this consumer: P_ij = 0 there
+        if WINDOWED or DOCS:  # causal, the window and the document: j <= i < j + span_j
+            if tmask[2]:  # as one unsigned compare: 0 <= i − j < span_j
+                d = gl.expand_dims(rows, 0) - gl.expand_dims(keys, 1)
+                visible = d.to(gl.uint32, bitcast=True) < _expand_span(tmask[0]).to(gl.uint32, bitcast=True)
+            else:
+                visible = (gl.expand_dims(rows, 0) >= gl.expand_dims(keys, 1)) & \
+                    (gl.expand_dims(rows, 0) < gl.expand_dims(keys, 1) + _expand_span(tmask[0]))
+        else:  # causal: i >= j
+            visible = gl.expand_dims(rows, 0) >= gl.expand_dims(keys, 1)
+        pT = gl.where(visible, pT, 0.0)
     # dSᵀ = Pᵀ ∘ (dPᵀ − delta)
     dsT = pT * (dpT - gl.expand_dims(delta_smem.load(col_layout), 0))
     return pT.to(dtype), dsT.to(dtype)
+
+
+@gluon.jit
+def _expand_span(span):
+    """_tile_mask's span (a scalar: the window; or one per key), broadcastable over a tile's columns."""
+    if isinstance(span, gl.tensor) and span.type.is_block():
+        span = gl.expand_dims(span, 1)
+    return span
 
 
 @gluon.jit
@@ -102,7 +137,8 @@ def _hand_over(ds_smem, ds_ready, ds_free, dsT16, t, ME: gl.constexpr):
 
 @gluon.jit
 def _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, t, ME: gl.constexpr,
-                 STAGES: gl.constexpr, zero_s, keys, cols, masked, qk_scale, a_layout: gl.constexpr):
+                 STAGES: gl.constexpr, zero_s, keys, cols, masked, qk_scale, a_layout: gl.constexpr, tmask,
+                 WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """Query tile t (ring position t) with nothing else in flight: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, then Pᵀ, dSᵀ and the
     hand-over (a key block's first tile; every tile of the head_dim-128 kernel). Returns (Pᵀ, dSᵀ) as register
     operands of the dV, dK matmuls."""
@@ -111,7 +147,7 @@ def _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds
     dpT = warpgroup_mma(v, do_smem.index(t % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     sT, dpT = warpgroup_mma_wait(0, deps=(sT, dpT))
     pT16, dsT16 = _pT_dsT(sT, dpT, lse_smem.index(t % STAGES), delta_smem.index(t % STAGES), keys, cols, masked,
-                          qk_scale, q_smem.dtype)
+                          qk_scale, q_smem.dtype, tmask, WINDOWED, DOCS)
     _hand_over(ds_smem, ds_ready, ds_free, dsT16, t, ME)
     return gl.convert_layout(pT16, a_layout), gl.convert_layout(dsT16, a_layout)
 
@@ -119,7 +155,7 @@ def _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds
 @gluon.jit
 def _dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready, ds_free, t,
                ME: gl.constexpr, STAGES: gl.constexpr, zero_s, dv, dk, pT16, dsT16, keys, cols, masked, qk_scale,
-               a_layout: gl.constexpr):
+               a_layout: gl.constexpr, tmask, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """One query tile at ring position t: issue Sᵀ_t = K Q_tᵀ, dPᵀ_t = V dO_tᵀ, then dV += Pᵀ_{t−1} dO_{t−1} and
     dK += dSᵀ_{t−1} Q_{t−1}; wait for Sᵀ_t, dPᵀ_t only (wgmma groups retire in order) and compute Pᵀ_t, dSᵀ_t and the
     hand-over while dV and dK still run; then release tile t−1's buffers. Returns (dV, dK, Pᵀ_t, dSᵀ_t)."""
@@ -132,7 +168,7 @@ def _dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_sme
     dk = warpgroup_mma(dsT16, q_smem.index(prev), dk, is_async=True)
     sT, dpT = warpgroup_mma_wait(2, deps=(sT, dpT))
     pT16_t, dsT16_t = _pT_dsT(sT, dpT, lse_smem.index(stage), delta_smem.index(stage), keys, cols, masked, qk_scale,
-                              q_smem.dtype)
+                              q_smem.dtype, tmask, WINDOWED, DOCS)
     _hand_over(ds_smem, ds_ready, ds_free, dsT16_t, t, ME)
     dv, dk, pT16, dsT16 = warpgroup_mma_wait(0, deps=(dv, dk, pT16, dsT16))
     mbarrier.arrive(empty.index(prev), count=1)  # tile t−1's buffers no longer read by this consumer
@@ -189,165 +225,12 @@ def _reduce_add_dq(staging, dq, dq_desc, row, col, sm_scale, PENDING: gl.constex
 
 
 @gluon.jit
-def _dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """Consumer warpgroup ME: dK, dV of keys start_n + 64·ME ... + 63 over query tiles 0 .. num_tiles−1 (tile t holds
-    queries start_n + t·BLOCK_M ...), handing each tile's dSᵀ to the dQ warpgroup."""
-    (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty, ds_smem, ds_ready, ds_free,
-     DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-     N, start_n, num_tiles, qk_scale, sm_scale) = shared
-    s_layout: gl.constexpr = mma_layout(BLOCK_M, 4)   # Sᵀ, dPᵀ: 64 keys × BLOCK_M queries
-    d_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)  # dK, dV: 64 keys × HEAD_DIM
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)  # Pᵀ, dSᵀ in registers
-    # query tiles (counted from the program's first key) that reach below this consumer's last key get the mask
-    MASKED_TILES: gl.constexpr = (TILE * (ME + 1) + BLOCK_M - 1) // BLOCK_M
-    key0 = start_n + ME * TILE
-    keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
-    cols = start_n + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-    zero_s = gl.zeros([TILE, BLOCK_M], gl.float32, layout=s_layout)
-    dk = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
-    dv = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
-    k = k_smem.index(ME)
-    v = v_smem.index(ME)
-    mbarrier.wait(kv_ready.index(ME), 0)
-    pT16, dsT16 = _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, 0, ME,
-                              STAGES, zero_s, keys, cols, 0 < MASKED_TILES, qk_scale, a_layout)
-    for t in range(1, num_tiles):
-        dv, dk, pT16, dsT16 = _dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready,
-                                         ds_free, t, ME, STAGES, zero_s, dv, dk, pT16, dsT16, keys, cols + t * BLOCK_M,
-                                         t < MASKED_TILES, qk_scale, a_layout)
-    dv, dk = _dkdv_last(q_smem, do_smem, num_tiles - 1, STAGES, dv, dk, pT16, dsT16)
-    _write_dkdv(dk, dv, DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0,
-                sm_scale, HEAD_DIM)
-
-
-@gluon.jit
-def _dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
-    """The dQ warpgroup: per query tile t, dQ_t = scale · dS_t K over the program's 128 keys (both consumers' dSᵀ_t,
-    read transposed from shared memory), staged in fp32 shared memory and added into the accumulator's rows by a TMA
-    reduce-add, which runs while the next tile's matmul does."""
-    (k_smem, ds_smem, dq_smem, kv_ready, ds_ready, ds_free, dq_desc, start_n, num_tiles, sm_scale) = dqs
-    dq_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)  # dQ_t: BLOCK_M (= 64) queries × HEAD_DIM
-    zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
-    for c in gl.static_range(CONSUMERS):
-        mbarrier.wait(kv_ready.index(c), 0)
-    for t in range(num_tiles):
-        _dq_tile(k_smem.index(0), k_smem.index(1), ds_smem, dq_smem, ds_ready, ds_free, dq_desc, t,
-                 start_n + t * BLOCK_M, 0, zero, sm_scale)  # rows past N are clipped by TMA
-    tma.store_wait(0)
-
-
-@gluon.jit
-def _dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """The producer warp: each consumer's K and V rows once, then query tile t (Q, dO, LSE, delta) into buffer
-    t % STAGES as soon as both consumers have released what it held (tile t − STAGES). Rows past N read as 0."""
-    (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-     kv_ready, ready, empty, start_n, num_tiles) = loads
-    dtype: gl.constexpr = q_smem.dtype
-    kv_bytes: gl.constexpr = 2 * TILE * HEAD_DIM * dtype.primitive_bitwidth // 8
-    # TMA counts a whole box, rows past N (zero-filled) included
-    tile_bytes: gl.constexpr = 2 * BLOCK_M * HEAD_DIM * dtype.primitive_bitwidth // 8 + 2 * BLOCK_M * 4
-    for c in gl.static_range(CONSUMERS):
-        mbarrier.expect(kv_ready.index(c), kv_bytes)
-        tma_load(k_desc, [start_n + c * TILE, 0], kv_ready.index(c), k_smem.index(c))
-        tma_load(v_desc, [start_n + c * TILE, 0], kv_ready.index(c), v_smem.index(c))
-    for t in range(num_tiles):
-        stage = t % STAGES
-        row = start_n + t * BLOCK_M
-        # round r = t // STAGES of this buffer waits for round r − 1's release; a fresh barrier passes parity 1
-        mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)
-        bar = ready.index(stage)
-        mbarrier.expect(bar, tile_bytes)
-        tma_load(q_desc, [row, 0], bar, q_smem.index(stage))
-        tma_load(do_desc, [row, 0], bar, do_smem.index(stage))
-        tma_load(lse_desc, [row], bar, lse_smem.index(stage))
-        tma_load(delta_desc, [row], bar, delta_smem.index(stage))
-
-
-@gluon.jit
 def _init_hand_over(ds_ready, ds_free, SPLIT_DQ: gl.constexpr):
     """The dSᵀ hand-over's two buffers: ready once both consumers stored theirs; free once their reader is done with
     them, the dQ warpgroup, or at head_dim 128 (SPLIT_DQ) both consumers, which compute dQ themselves."""
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=CONSUMERS)
         mbarrier.init(ds_free.index(i), count=CONSUMERS if SPLIT_DQ else 1)
-
-
-@gluon.jit
-def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC,
-                   stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                   stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
-                   stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                   stride_accb, stride_acch, stride_accn, stride_lse, stride_delta, H, N, qk_scale, sm_scale,
-                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, REDUCER_REGS: gl.constexpr):
-    """dK, dV of one block of 128 keys of one (batch, head), causal, over the queries from the block's first key on,
-    and this block's share of dQ for those queries, added into DQ_ACC. Program 0 holds the first keys (most queries),
-    so the longest programs start first. At head_dim 128 a dQ warpgroup does not fit the register file beside two
-    consumers holding dK and dV (128 registers each): each consumer computes half of dQ's columns itself (NOTES.md V;
-    REDUCER_REGS unused)."""
-    dtype: gl.constexpr = Q.dtype.element_ty
-    SPLIT_DQ: gl.constexpr = HEAD_DIM > 64
-    DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_DQ else HEAD_DIM  # columns per dQ reduce-add
-    start_n = gl.program_id(0) * (CONSUMERS * TILE)
-    bh = gl.program_id(1)
-    b = (bh // H).to(gl.int64)
-    h = (bh % H).to(gl.int64)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], dtype)
-    qd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, BLOCK_M], dtype)
-    acc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
-    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    k_desc = head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, TILE, HEAD_DIM, kv_layout)
-    v_desc = head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, TILE, HEAD_DIM, kv_layout)
-    q_desc = head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, BLOCK_M, HEAD_DIM, qd_layout)
-    do_desc = head_rows(DO, b, h, stride_dob, stride_doh, stride_don, N, BLOCK_M, HEAD_DIM, qd_layout)
-    dq_desc = tma.make_tensor_descriptor(DQ_ACC + b * stride_accb + h * stride_acch, shape=[N, HEAD_DIM],
-                                         strides=[stride_accn, 1], block_shape=[BLOCK_M, DQ_COLS], layout=acc_layout)
-    lse_desc = tma.make_tensor_descriptor(LSE + bh.to(gl.int64) * stride_lse, shape=[N], strides=[1],
-                                          block_shape=[BLOCK_M], layout=row_layout)
-    delta_desc = tma.make_tensor_descriptor(DELTA + bh.to(gl.int64) * stride_delta, shape=[N], strides=[1],
-                                            block_shape=[BLOCK_M], layout=row_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, TILE, HEAD_DIM], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, TILE, HEAD_DIM], kv_layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qd_layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], qd_layout)
-    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, TILE, BLOCK_M], ds_layout)  # dSᵀ: 2 tiles in flight
-    # dQ staging for the reduce: two tiles in flight, or one per consumer (SPLIT_DQ)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_COLS], acc_layout)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(CONSUMERS):
-        mbarrier.init(kv_ready.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=CONSUMERS)
-    _init_hand_over(ds_ready, ds_free, SPLIT_DQ)
-    fence_async_shared()
-    num_tiles = gl.cdiv(N - start_n, BLOCK_M)  # query tiles from the block's first key to the end
-
-    shared = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty, ds_smem, ds_ready, ds_free,
-              DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-              N, start_n, num_tiles, qk_scale, sm_scale)
-    loads = (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
-             delta_smem, kv_ready, ready, empty, start_n, num_tiles)
-    dqs = (k_smem, ds_smem, dq_smem, kv_ready, ds_ready, ds_free, dq_desc, start_n, num_tiles, sm_scale)
-    # the first consumer is the default partition; the lists are literals for the compiler
-    if SPLIT_DQ:
-        gl.warp_specialize([(_dkdv_dq_split_consumer, (shared, dqs, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES)),
-                            (_dkdv_dq_split_consumer, (shared, dqs, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES)),
-                            (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES))],
-                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    else:
-        gl.warp_specialize([(_dkdv_consumer, (shared, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES)),
-                            (_dkdv_consumer, (shared, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES)),
-                            (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES)),
-                            (_dq_reducer, (dqs, HEAD_DIM, BLOCK_M))],
-                           [4, 1, 4], [CONSUMER_REGS, PRODUCER_REGS, REDUCER_REGS])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -366,7 +249,8 @@ def _dq_split_issue(k0, k1, ds_smem, ds_ready, t, zero_q):
 @gluon.jit
 def _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready, ds_free,
                         dq_smem, dq_desc, t, dq_row, dq_col, ME: gl.constexpr, STAGES: gl.constexpr, zero_s, zero_q, dv,
-                        dk, keys, cols, masked, qk_scale, sm_scale, a_layout: gl.constexpr):
+                        dk, keys, cols, masked, qk_scale, sm_scale, a_layout: gl.constexpr, tmask,
+                        WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """Query tile t ≥ 1 (ring position t), with the previous tile's dQ one step behind: Sᵀ_t, dPᵀ_t, Pᵀ_t, dSᵀ_t and
     the hand-over (_tile_scores); then issue this consumer's columns of dQ_{t−1}, dV += Pᵀ_t dO_t and dK += dSᵀ_t Q_t;
     retire dQ_{t−1} (wgmma groups retire in order) and start its reduce-add (rows from dq_row on, columns from dq_col
@@ -374,7 +258,7 @@ def _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, rea
     softmax can overlap the other's matmuls (they met at every tile before). Returns (dV, dK)."""
     stage = t % STAGES
     pT16, dsT16 = _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, t, ME,
-                               STAGES, zero_s, keys, cols, masked, qk_scale, a_layout)
+                               STAGES, zero_s, keys, cols, masked, qk_scale, a_layout, tmask, WINDOWED, DOCS)
     dq = _dq_split_issue(k0, k1, ds_smem, ds_ready, t - 1, zero_q)
     dv = warpgroup_mma(pT16, do_smem.index(stage), dv, is_async=True)
     dk = warpgroup_mma(dsT16, q_smem.index(stage), dk, is_async=True)
@@ -389,20 +273,23 @@ def _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, rea
 @gluon.jit
 def _split_key_block(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready, ds_free,
                      dq_smem, dq_desc, g, num_tiles, row0, col, ME: gl.constexpr, STAGES: gl.constexpr, zero_s, zero_q,
-                     dv, dk, keys, cols, qk_scale, sm_scale, a_layout: gl.constexpr, BLOCK_M: gl.constexpr):
-    """One key block of the head_dim-128 kernel: its query tiles at ring positions g ... g + num_tiles − 1, tile 0
-    without a dQ behind it, the steps, then the last tile's dQ. Its dQ columns go to accumulator rows row0 ... and
-    columns col ...; every read of K and V has retired on return. Returns (dV, dK)."""
+                     dv, dk, keys, cols, qk_scale, sm_scale, a_layout: gl.constexpr, BLOCK_M: gl.constexpr, tmask,
+                     WINDOWED: gl.constexpr, DOCS: gl.constexpr):
+    """One key block's share of one query head in the head_dim-128 kernel: its query tiles at ring positions g ...
+    g + num_tiles − 1, tile 0 without a dQ behind it, the steps, then the last tile's dQ. Its dQ columns go to
+    accumulator rows row0 ... and columns col ...; every read of K and V has retired on return. Returns (dV, dK)."""
     MASKED_TILES: gl.constexpr = (TILE * (ME + 1) + BLOCK_M - 1) // BLOCK_M
+    MASKS: gl.constexpr = WINDOWED or DOCS
     pT16, dsT16 = _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, g, ME,
-                               STAGES, zero_s, keys, cols, 0 < MASKED_TILES, qk_scale, a_layout)
+                               STAGES, zero_s, keys, cols, 0 < MASKED_TILES, qk_scale, a_layout, tmask, WINDOWED, DOCS)
     dv, dk = _dkdv_last(q_smem, do_smem, g, STAGES, dv, dk, pT16, dsT16)
     mbarrier.arrive(empty.index(g % STAGES), count=1)
     for t in range(1, num_tiles):
         dv, dk = _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
                                      ds_ready, ds_free, dq_smem, dq_desc, g + t, row0 + (t - 1) * BLOCK_M, col, ME,
-                                     STAGES, zero_s, zero_q, dv, dk, keys, cols + t * BLOCK_M, t < MASKED_TILES,
-                                     qk_scale, sm_scale, a_layout)
+                                     STAGES, zero_s, zero_q, dv, dk, keys, cols + t * BLOCK_M,
+                                     _masked_tile(t, MASKED_TILES, tmask, MASKS), qk_scale, sm_scale, a_layout, tmask,
+                                     WINDOWED, DOCS)
     last = g + num_tiles - 1
     dq = _dq_split_issue(k0, k1, ds_smem, ds_ready, last, zero_q)
     dq = warpgroup_mma_wait(0, deps=(dq,))
@@ -411,102 +298,212 @@ def _split_key_block(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready,
     return dv, dk
 
 
-@gluon.jit
-def _dkdv_dq_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                            STAGES: gl.constexpr):
-    """Consumer warpgroup ME of the head_dim-128 kernel: dK, dV of keys start_n + 64·ME ... + 63, and columns 64·ME ...
-    of each query tile's dQ, over query tiles 0 .. num_tiles−1."""
-    (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, empty, ds_smem, ds_ready, ds_free,
-     DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-     N, start_n, num_tiles, qk_scale, sm_scale) = shared
-    dq_smem, dq_desc = dqs[2], dqs[6]
-    HALF: gl.constexpr = HEAD_DIM // 2
-    s_layout: gl.constexpr = mma_layout(BLOCK_M, 4)   # Sᵀ, dPᵀ: 64 keys × BLOCK_M queries
-    d_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)  # dK, dV: 64 keys × HEAD_DIM
-    q_layout: gl.constexpr = mma_layout(HALF, 4)      # dQ's columns: BLOCK_M queries × HEAD_DIM/2
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)  # Pᵀ, dSᵀ in registers
-    key0 = start_n + ME * TILE
-    keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
-    cols = start_n + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-    zero_s = gl.zeros([TILE, BLOCK_M], gl.float32, layout=s_layout)
-    zero_q = gl.zeros([BLOCK_M, HALF], gl.float32, layout=q_layout)
-    dk = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
-    dv = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
-    k = k_smem.index(ME)
-    v = v_smem.index(ME)
-    k0 = k_smem.index(0).slice(ME * HALF, HALF, dim=1)  # this consumer's dQ columns, of both consumers' keys
-    k1 = k_smem.index(1).slice(ME * HALF, HALF, dim=1)
-    for c in gl.static_range(CONSUMERS):  # dQ reads the other consumer's keys too
-        mbarrier.wait(kv_ready.index(c), 0)
-    dv, dk = _split_key_block(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready,
-                              ds_free, dq_smem, dq_desc, 0, num_tiles, start_n, ME * HALF, ME, STAGES, zero_s, zero_q,
-                              dv, dk, keys, cols, qk_scale, sm_scale, a_layout, BLOCK_M)
-    tma.store_wait(0)
-    _write_dkdv(dk, dv, DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0,
-                sm_scale, HEAD_DIM)
-
-
 # ------------------------------------------------------------------------------------------------
-# The persistent dK/dV/dQ kernel: one program per SM walking a host-made list of (batch·head, 128-key block) items
+# The dK/dV/dQ kernel: each program walks a list of (batch·head, 128-key block) items, one (a plain grid) or many.
+# With GQA an item's head is a K/V head, whose group of query heads the item's roles walk in turn; with masks
+# (WINDOWED, DOCS) an item visits only the query tiles that see its keys.
 # ------------------------------------------------------------------------------------------------
 @gluon.jit
-def _key_block(WORK, index, n_kblocks, N, BLOCK_M: gl.constexpr):
-    """Item `index` of the list: (batch·head, first key, query tiles from that key to the end)."""
+def _item_heads(H, group, GQA: gl.constexpr):
+    """The heads the work list's items run over: the K/V heads with GQA (H query heads in groups of `group`), else
+    the H heads."""
+    if GQA:
+        heads = H // group
+    else:
+        heads = H
+    return heads
+
+
+@gluon.jit
+def _batch_ends(mask, b, DOCS: gl.constexpr):
+    """Batch b's row of document ends (mask = (window, DOC_ENDS, stride_ends)); DOC_ENDS itself without DOCS (never
+    read)."""
+    if DOCS:
+        ends = mask[1] + b * mask[2]
+    else:
+        ends = mask[1]
+    return ends
+
+
+@gluon.jit
+def _query_end(start_n, N, mask, ends, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
+    """The end of the queries that see a key of the block from start_n. Query i sees key j iff j <= i (causal),
+    i < j + window (WINDOWED: i − window < j), and i lies before the end of j's document (DOCS); each bound grows
+    with j, so the block's last key j gives the block's: min(N, j + window, the end of j's document). Every key
+    sees itself, so the span is [start_n, end), never empty, and contiguous (the union of [j, end_j), j = start_n
+    ... last, with end_j > j non-decreasing)."""
+    last = gl.minimum(start_n + CONSUMERS * TILE, N) - 1
+    end = N
+    if WINDOWED:
+        end = gl.minimum(end, last + mask[0])
+    if DOCS:  # the first query after the last key's document (at least last + 1 also for ids that decrease,
+        # which the contract excludes: every role must take the same tiles, >= 1, or the pipeline would hang)
+        end = gl.minimum(end, gl.maximum(gl.load(ends + last), last + 1))
+    return end
+
+
+@gluon.jit
+def _key_block(WORK, index, n_kblocks, N, BLOCK_M: gl.constexpr, heads, mask, WINDOWED: gl.constexpr,
+               DOCS: gl.constexpr):
+    """Item `index` of the list: (batch·head, first key, query tiles from that key on): to the end (causal), or
+    with masks to the end of the queries that see the block (_query_end). heads: _item_heads."""
     item = gl.load(WORK + index)
     start_n = (item % n_kblocks) * (CONSUMERS * TILE)
-    return item // n_kblocks, start_n, gl.cdiv(N - start_n, BLOCK_M)
+    bh = item // n_kblocks
+    if WINDOWED or DOCS:
+        ends = _batch_ends(mask, (bh // heads).to(gl.int64), DOCS)
+        num_tiles = gl.cdiv(_query_end(start_n, N, mask, ends, WINDOWED, DOCS) - start_n, BLOCK_M)
+    else:
+        num_tiles = gl.cdiv(N - start_n, BLOCK_M)
+    return bh, start_n, num_tiles
 
 
 @gluon.jit
-def _persistent_dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                              STAGES: gl.constexpr):
-    """_dkdv_consumer over this program's items. The ring and hand-over counters run on across items (g: the query
-    tiles of the items before); K and V alternate between two buffers, released to the producer (kv_free) after the
-    item's last matmul that reads them."""
+def _tile_mask(mask, bh, heads, key0, keys, start_n, N, BLOCK_M: gl.constexpr, WINDOWED: gl.constexpr,
+               DOCS: gl.constexpr, ONE_COMPARE: gl.constexpr):
+    """What _pT_dsT and _masked_tile read for one consumer's keys key0 ... key0 + 63 of the item (bh, start_n):
+    (span, full_tiles, ONE_COMPARE). Key j is seen by the queries j <= i < end_j = j + span_j, end_j = min(j +
+    window, the end of j's document) (span: the window alone without documents; 0 for keys past N). Ends never
+    decrease with j, so every query i >= key0 + 63 (the causal part, _masked_tile's) with i < end_key0 sees all
+    these keys; full_tiles counts the query tiles (from the block's first) whose rows before N all lie below
+    end_key0.
+    ONE_COMPARE: _pT_dsT tests j <= i < j + span_j as one unsigned compare of i − j: at head_dim 128, where with two
+    compares ptxas packs the tile's predicates into bits (147 LOP3, 807 instructions a tile against 632); at 64 the
+    two compares spill less (21 STL in the kernel against 119, loops of 487 and 473 against 474 and 432 with 16
+    LDL; triton 3.9).
+    Unused placeholders without masks."""
+    if WINDOWED or DOCS:
+        if WINDOWED:  # i − window < j  ⇔  i < j + window
+            span = mask[0]
+            full_end = gl.minimum(key0 + mask[0], N)
+        if DOCS:  # ids[i] == ids[j] with i >= j  ⇔  i < the end of j's document
+            ends = _batch_ends(mask, (bh // heads).to(gl.int64), DOCS)
+            doc_span = gl.maximum(gl.load(ends + keys, mask=keys < N, other=0) - keys, 0)
+            doc_end = gl.load(ends + gl.minimum(key0, N - 1))
+            if WINDOWED:
+                span = gl.minimum(doc_span, span)
+                full_end = gl.minimum(full_end, doc_end)
+            else:
+                span = doc_span
+                full_end = doc_end
+        # tile t holds rows start_n + t·BLOCK_M ... + BLOCK_M − 1, clipped to N: all are full if full_end reaches N
+        full_tiles = gl.where(full_end >= N, gl.cdiv(N - start_n, BLOCK_M),
+                              gl.maximum(full_end - start_n, 0) // BLOCK_M)
+        tmask = (span, full_tiles, ONE_COMPARE)
+    else:
+        tmask = (0, 0, ONE_COMPARE)
+    return tmask
+
+
+@gluon.jit
+def _masked_tile(t, MASKED_TILES: gl.constexpr, tmask, MASKS: gl.constexpr):
+    """Whether query tile t of the block needs the elementwise mask for this consumer's keys: it reaches below the
+    consumer's last key (t < MASKED_TILES: the causal diagonal), or, with masks, one of its rows misses one of the
+    keys by the window or the documents (t >= full_tiles, _tile_mask)."""
+    masked = t < MASKED_TILES
+    if MASKS:
+        masked = masked | (t >= tmask[1])
+    return masked
+
+
+@gluon.jit
+def _group_origin(bh, heads, group, qh, acc_rows_b, acc_rows_h, acc_cols_h, start_n):
+    """GQA: (row, column) of the dQ accumulator where query head qh of item bh's group (query head
+    (bh % heads)·group + qh of batch bh // heads) adds query start_n's row."""
+    h = (bh % heads) * group + qh
+    return (bh // heads) * acc_rows_b + h * acc_rows_h + start_n, h * acc_cols_h
+
+
+@gluon.jit
+def _dkdv_query_head(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready, ds_free, kv_free,
+                     buf, release_kv, g, num_tiles, ME: gl.constexpr, STAGES: gl.constexpr, zero_s, dk, dv, keys, cols,
+                     qk_scale, a_layout: gl.constexpr, BLOCK_M: gl.constexpr, tmask, WINDOWED: gl.constexpr,
+                     DOCS: gl.constexpr):
+    """One query head's share of a key block (head_dim 64): its query tiles at ring positions g ... g + num_tiles − 1
+    (tile t holds queries cols + t·BLOCK_M), dV += Pᵀ dO and dK += dSᵀ Q, each tile's dSᵀ handed to the dQ
+    warpgroup; tile 0 alone, then a step per tile, then the last tile's dV, dK. release_kv: the block's last query
+    head, whose last Sᵀ, dPᵀ are the last reads of K and V: release their buffer (kv_free[buf]) once those have
+    retired. Returns (dV, dK)."""
+    # query tiles (counted from the block's first key) that reach below this consumer's last key get the mask
+    MASKED_TILES: gl.constexpr = (TILE * (ME + 1) + BLOCK_M - 1) // BLOCK_M
+    MASKS: gl.constexpr = WINDOWED or DOCS
+    pT16, dsT16 = _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, g,
+                               ME, STAGES, zero_s, keys, cols, 0 < MASKED_TILES, qk_scale, a_layout, tmask, WINDOWED,
+                               DOCS)
+    for t in range(1, num_tiles):
+        dv, dk, pT16, dsT16 = _dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
+                                         ds_ready, ds_free, g + t, ME, STAGES, zero_s, dv, dk, pT16, dsT16, keys,
+                                         cols + t * BLOCK_M, _masked_tile(t, MASKED_TILES, tmask, MASKS), qk_scale,
+                                         a_layout, tmask, WINDOWED, DOCS)
+    if release_kv:
+        mbarrier.arrive(kv_free.index(buf), count=1)  # the last Sᵀ, dPᵀ (K, V) have retired
+    dv, dk = _dkdv_last(q_smem, do_smem, g + num_tiles - 1, STAGES, dv, dk, pT16, dsT16)
+    mbarrier.arrive(empty.index((g + num_tiles - 1) % STAGES), count=1)
+    return dv, dk
+
+
+@gluon.jit
+def _dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                              STAGES: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr,
+                              WINDOWED: gl.constexpr, DOCS: gl.constexpr):
+    """Consumer warpgroup ME (head_dim 64): for each of this program's items, dK, dV of keys start_n + 64·ME ... + 63
+    over the query tiles from the block's first key on (tile t holds queries start_n + t·BLOCK_M ...), handing each
+    tile's dSᵀ to the dQ warpgroup; with GQA over each query head of the K/V head's group in turn, into the same
+    dK, dV. The ring and hand-over counters run on across items and query heads (g: the query tiles streamed
+    before); K and V take turns in KV_BUFS buffers (2 where a program has many items), each released to the
+    producer (kv_free) after the item's last matmul that reads it."""
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty, ds_smem, ds_ready,
      ds_free, DK, DV, H, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-     N, qk_scale, sm_scale, WORK, first, count, n_kblocks) = shared
+     N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks, mask, group) = shared
+    first, count = program_items(WORK_START, PERSISTENT)
     s_layout: gl.constexpr = mma_layout(BLOCK_M, 4)
     d_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
-    MASKED_TILES: gl.constexpr = (TILE * (ME + 1) + BLOCK_M - 1) // BLOCK_M
+    KV_BUFS: gl.constexpr = k_smem.shape[0] // CONSUMERS
     zero_s = gl.zeros([TILE, BLOCK_M], gl.float32, layout=s_layout)
+    heads = _item_heads(H, group, GQA)
     g = 0
     for i in range(count):
-        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M)
-        buf = i % 2
+        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M, heads, mask, WINDOWED, DOCS)
+        buf = i % KV_BUFS
         key0 = start_n + ME * TILE
         keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
         cols = start_n + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        tmask = _tile_mask(mask, bh, heads, key0, keys, start_n, N, BLOCK_M, WINDOWED, DOCS, False)
         dk = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
         dv = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
         k = k_smem.index(buf * CONSUMERS + ME)
         v = v_smem.index(buf * CONSUMERS + ME)
-        mbarrier.wait(kv_ready.index(buf * CONSUMERS + ME), (i // 2) & 1)
-
-        pT16, dsT16 = _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, g,
-                                  ME, STAGES, zero_s, keys, cols, 0 < MASKED_TILES, qk_scale, a_layout)
-        for t in range(1, num_tiles):
-            dv, dk, pT16, dsT16 = _dkdv_step(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
-                                             ds_ready, ds_free, g + t, ME, STAGES, zero_s, dv, dk, pT16, dsT16, keys,
-                                             cols + t * BLOCK_M, t < MASKED_TILES, qk_scale, a_layout)
-        mbarrier.arrive(kv_free.index(buf), count=1)  # the last Sᵀ, dPᵀ (K, V) have retired
-        dv, dk = _dkdv_last(q_smem, do_smem, g + num_tiles - 1, STAGES, dv, dk, pT16, dsT16)
-        mbarrier.arrive(empty.index((g + num_tiles - 1) % STAGES), count=1)
-        g += num_tiles
-        _write_dkdv(dk, dv, DK, DV, (bh // H).to(gl.int64), (bh % H).to(gl.int64), stride_dkb, stride_dkh, stride_dkn,
-                    stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM)
+        mbarrier.wait(kv_ready.index(buf * CONSUMERS + ME), (i // KV_BUFS) & 1)
+        if GQA:  # the group's query heads in turn, each num_tiles ring positions on
+            for qh in range(group):
+                dv, dk = _dkdv_query_head(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
+                                          ds_ready, ds_free, kv_free, buf, qh == group - 1, g, num_tiles, ME, STAGES,
+                                          zero_s, dk, dv, keys, cols, qk_scale, a_layout, BLOCK_M, tmask, WINDOWED,
+                                          DOCS)
+                g += num_tiles
+        else:
+            dv, dk = _dkdv_query_head(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready,
+                                      ds_free, kv_free, buf, True, g, num_tiles, ME, STAGES, zero_s, dk, dv, keys,
+                                      cols, qk_scale, a_layout, BLOCK_M, tmask, WINDOWED, DOCS)
+            g += num_tiles
+        _write_dkdv(dk, dv, DK, DV, (bh // heads).to(gl.int64), (bh % heads).to(gl.int64), stride_dkb, stride_dkh,
+                    stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM)
 
 
 @gluon.jit
-def _persistent_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                               STAGES: gl.constexpr):
-    """_dkdv_dq_split_consumer over this program's items (head_dim 128). The ring and hand-over counters run on across
-    items (g); K and V have one buffer (shared memory holds no second one beside the dQ staging), released to the
-    producer (kv_free) after the item's last dQ matmul, the last that reads them."""
+def _dkdv_dq_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                               STAGES: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr,
+                               WINDOWED: gl.constexpr, DOCS: gl.constexpr):
+    """Consumer warpgroup ME of the head_dim-128 kernel: for each of this program's items, dK, dV of keys start_n +
+    64·ME ... + 63, and columns 64·ME ... of each query tile's dQ; with GQA over each query head of the K/V head's
+    group in turn (its dQ into that head's accumulator rows). The ring and hand-over counters run on across items
+    and query heads (g); K and V have one buffer (shared memory holds no second one beside the dQ staging), released
+    to the producer (kv_free) after the item's last dQ matmul, the last that reads them."""
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty, ds_smem, ds_ready,
      ds_free, DK, DV, H, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-     N, qk_scale, sm_scale, WORK, first, count, n_kblocks) = shared
+     N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks, mask, group) = shared
+    first, count = program_items(WORK_START, PERSISTENT)
     dq_smem, dq_desc, acc_rows_b, acc_rows_h, acc_cols_h = dqs[2], dqs[7], dqs[10], dqs[11], dqs[12]
     HALF: gl.constexpr = HEAD_DIM // 2
     s_layout: gl.constexpr = mma_layout(BLOCK_M, 4)
@@ -519,88 +516,164 @@ def _persistent_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.const
     v = v_smem.index(ME)
     k0 = k_smem.index(0).slice(ME * HALF, HALF, dim=1)
     k1 = k_smem.index(1).slice(ME * HALF, HALF, dim=1)
+    heads = _item_heads(H, group, GQA)
     g = 0
     for i in range(count):
-        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M)
+        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M, heads, mask, WINDOWED, DOCS)
         key0 = start_n + ME * TILE
         keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
         cols = start_n + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-        row0 = (bh // H) * acc_rows_b + (bh % H) * acc_rows_h + start_n  # the item's first query in the accumulator
-        col = (bh % H) * acc_cols_h + ME * HALF
+        tmask = _tile_mask(mask, bh, heads, key0, keys, start_n, N, BLOCK_M, WINDOWED, DOCS, True)
+        if not GQA:  # the item's first query in the accumulator
+            row0 = (bh // heads) * acc_rows_b + (bh % heads) * acc_rows_h + start_n
+            col = (bh % heads) * acc_cols_h + ME * HALF
         dk = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
         dv = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
         for c in gl.static_range(CONSUMERS):
             mbarrier.wait(kv_ready.index(c), i & 1)
-        dv, dk = _split_key_block(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
-                                  ds_ready, ds_free, dq_smem, dq_desc, g, num_tiles, row0, col, ME, STAGES, zero_s,
-                                  zero_q, dv, dk, keys, cols, qk_scale, sm_scale, a_layout, BLOCK_M)
-        mbarrier.arrive(kv_free.index(0), count=1)  # this consumer's last reads of K and V have retired
-        g += num_tiles
-        _write_dkdv(dk, dv, DK, DV, (bh // H).to(gl.int64), (bh % H).to(gl.int64), stride_dkb, stride_dkh, stride_dkn,
-                    stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM)
+        if GQA:  # the group's query heads in turn (query head (bh % heads)·group + qh), each num_tiles positions on
+            for qh in range(group):
+                row0, col = _group_origin(bh, heads, group, qh, acc_rows_b, acc_rows_h, acc_cols_h, start_n)
+                dv, dk = _split_key_block(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
+                                          ds_ready, ds_free, dq_smem, dq_desc, g, num_tiles, row0, col + ME * HALF,
+                                          ME, STAGES, zero_s, zero_q, dv, dk, keys, cols, qk_scale, sm_scale,
+                                          a_layout, BLOCK_M, tmask, WINDOWED, DOCS)
+                g += num_tiles
+            mbarrier.arrive(kv_free.index(0), count=1)  # this consumer's last reads of K and V have retired
+        else:
+            dv, dk = _split_key_block(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
+                                      ds_ready, ds_free, dq_smem, dq_desc, g, num_tiles, row0, col, ME, STAGES,
+                                      zero_s, zero_q, dv, dk, keys, cols, qk_scale, sm_scale, a_layout, BLOCK_M,
+                                      tmask, WINDOWED, DOCS)
+            mbarrier.arrive(kv_free.index(0), count=1)  # this consumer's last reads of K and V have retired
+            g += num_tiles
+        _write_dkdv(dk, dv, DK, DV, (bh // heads).to(gl.int64), (bh % heads).to(gl.int64), stride_dkb, stride_dkh,
+                    stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _persistent_dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
-    """_dq_reducer over this program's items. The accumulator is one 2-D array (rows of one head's queries, see
-    dkdvdq_persistent_kernel), so its descriptor is made once; a key block's last query tile may reach past its
-    head's N rows into the next head's or batch's first ones, where it adds exact zeros (queries past N have dS = 0; a
-    non-finite K would make those rows NaN, as it does its own)."""
+def _dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr,
+                WINDOWED: gl.constexpr, DOCS: gl.constexpr):
+    """The dQ warpgroup (head_dim 64): per query tile t of each item (and, with GQA, of each query head of its
+    group), dQ_t = scale · dS_t K over the item's 128 keys (both consumers' dSᵀ_t, read transposed from shared
+    memory), staged in fp32 shared memory and added into the accumulator's rows by a TMA reduce-add, which runs
+    while the next tile's matmul does. The accumulator is one 2-D array (rows of one head's queries, see
+    dkdvdq_kernel), so its descriptor is made once; a key block's last query tile may reach past its head's N rows
+    into the next head's or batch's first ones, where it adds exact zeros (queries past N have dS = 0; a non-finite
+    K would make those rows NaN, as it does its own), as do the rows a mask hides from every key of the block."""
     (k_smem, ds_smem, dq_smem, kv_ready, kv_free, ds_ready, ds_free, dq_desc, N, H, acc_rows_b, acc_rows_h,
-     acc_cols_h, sm_scale, WORK, first, count, n_kblocks) = dqs
+     acc_cols_h, sm_scale, WORK, WORK_START, n_kblocks, mask, group) = dqs
+    first, count = program_items(WORK_START, PERSISTENT)
     dq_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)
+    KV_BUFS: gl.constexpr = k_smem.shape[0] // CONSUMERS
     zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
+    heads = _item_heads(H, group, GQA)
     g = 0
     for i in range(count):
-        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M)
-        buf = i % 2
+        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M, heads, mask, WINDOWED, DOCS)
+        buf = i % KV_BUFS
         for c in gl.static_range(CONSUMERS):
-            mbarrier.wait(kv_ready.index(buf * CONSUMERS + c), (i // 2) & 1)
-        row0 = (bh // H) * acc_rows_b + (bh % H) * acc_rows_h + start_n
-        col = (bh % H) * acc_cols_h
-        for t in range(num_tiles):
-            _dq_tile(k_smem.index(buf * CONSUMERS), k_smem.index(buf * CONSUMERS + 1), ds_smem, dq_smem, ds_ready,
-                     ds_free, dq_desc, g + t, row0 + t * BLOCK_M, col, zero, sm_scale)
-        mbarrier.arrive(kv_free.index(buf), count=1)  # its last dQ matmul (K) has retired
-        g += num_tiles
+            mbarrier.wait(kv_ready.index(buf * CONSUMERS + c), (i // KV_BUFS) & 1)
+        if GQA:  # the group's query heads in turn, each into its own accumulator rows
+            for qh in range(group):
+                row0, col = _group_origin(bh, heads, group, qh, acc_rows_b, acc_rows_h, acc_cols_h, start_n)
+                for t in range(num_tiles):
+                    _dq_tile(k_smem.index(buf * CONSUMERS), k_smem.index(buf * CONSUMERS + 1), ds_smem, dq_smem,
+                             ds_ready, ds_free, dq_desc, g + t, row0 + t * BLOCK_M, col, zero, sm_scale)
+                g += num_tiles
+            mbarrier.arrive(kv_free.index(buf), count=1)  # its last dQ matmul (K) has retired
+        else:
+            row0 = (bh // heads) * acc_rows_b + (bh % heads) * acc_rows_h + start_n
+            col = (bh % heads) * acc_cols_h
+            for t in range(num_tiles):
+                _dq_tile(k_smem.index(buf * CONSUMERS), k_smem.index(buf * CONSUMERS + 1), ds_smem, dq_smem, ds_ready,
+                         ds_free, dq_desc, g + t, row0 + t * BLOCK_M, col, zero, sm_scale)
+            mbarrier.arrive(kv_free.index(buf), count=1)  # its last dQ matmul (K) has retired
+            g += num_tiles
     tma.store_wait(0)
 
 
 @gluon.jit
-def _persistent_dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """_dkdvdq_producer over this program's items: the next item's K, V into the other buffer once its last users
-    released it (kv_free), then its query tiles into the ring. The per-head descriptors are rewritten in place once
-    every copy through them has landed."""
+def _landed(ready, g, STAGES: gl.constexpr):
+    """Wait until the query tiles at ring positions g − STAGES ... g − 1 have landed. The tiles before them were
+    consumed before their buffers were refilled, so then every copy issued so far through the Q/dO/LSE/delta
+    descriptors has landed, and the descriptors may be rewritten in place."""
+    for t in range(gl.maximum(g - STAGES, 0), g):
+        mbarrier.wait(ready.index(t % STAGES), (t // STAGES) & 1)
+
+
+@gluon.jit
+def _query_descs(loads, b, h, bh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """TMA descriptors of query head h of batch b (bh = b·H + h): its Q and dO rows in BLOCK_M-row tiles, its LSE and
+    delta rows; rows past N read as 0."""
     (Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
      stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_lse, stride_delta, H, N,
      k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty,
-     WORK, first, count, n_kblocks) = loads
+     WORK, WORK_START, n_kblocks, mask, group) = loads
+    qd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], q_smem.dtype)
+    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    q_desc = head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, BLOCK_M, HEAD_DIM, qd_layout)
+    do_desc = head_rows(DO, b, h, stride_dob, stride_doh, stride_don, N, BLOCK_M, HEAD_DIM, qd_layout)
+    lse_desc = tma.make_tensor_descriptor(LSE + bh.to(gl.int64) * stride_lse, shape=[N], strides=[1],
+                                          block_shape=[BLOCK_M], layout=row_layout)
+    delta_desc = tma.make_tensor_descriptor(DELTA + bh.to(gl.int64) * stride_delta, shape=[N], strides=[1],
+                                            block_shape=[BLOCK_M], layout=row_layout)
+    return q_desc, do_desc, lse_desc, delta_desc
+
+
+@gluon.jit
+def _stream_query_tiles(descs, q_smem, do_smem, lse_smem, delta_smem, ready, empty, g, num_tiles, start_n,
+                        STAGES: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Query tiles 0 ... num_tiles − 1 from start_n (Q, dO, LSE, delta through `descs`) into ring positions g ...,
+    each once both consumers have released what its buffer held (position − STAGES)."""
+    q_desc, do_desc, lse_desc, delta_desc = descs
+    HEAD_DIM: gl.constexpr = q_smem.shape[2]
+    tile_bytes: gl.constexpr = 2 * BLOCK_M * HEAD_DIM * q_smem.dtype.primitive_bitwidth // 8 + 2 * BLOCK_M * 4
+    for t in range(num_tiles):
+        gt = g + t
+        stage = gt % STAGES
+        row = start_n + t * BLOCK_M
+        mbarrier.wait(empty.index(stage), ((gt // STAGES) & 1) ^ 1)
+        bar = ready.index(stage)
+        mbarrier.expect(bar, tile_bytes)
+        tma_load(q_desc, [row, 0], bar, q_smem.index(stage))
+        tma_load(do_desc, [row, 0], bar, do_smem.index(stage))
+        tma_load(lse_desc, [row], bar, lse_smem.index(stage))
+        tma_load(delta_desc, [row], bar, delta_smem.index(stage))
+
+
+@gluon.jit
+def _dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                     PERSISTENT: gl.constexpr, GQA: gl.constexpr, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
+    """The producer warp, over this program's items: the item's K and V rows into buffer i % KV_BUFS once their last
+    users released it (kv_free), then query tile t (Q, dO, LSE, delta) into ring buffer t % STAGES as soon as both
+    consumers have released what it held (tile t − STAGES); rows past N read as 0. With GQA, K and V of the item's
+    K/V head h, then the query tiles of each query head h·group + qh of its group in turn. The per-head descriptors
+    are rewritten in place once every copy through them has landed (between items, and between query heads)."""
+    (Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_lse, stride_delta, H, N,
+     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty,
+     WORK, WORK_START, n_kblocks, mask, group) = loads
+    first, count = program_items(WORK_START, PERSISTENT)
     dtype: gl.constexpr = q_smem.dtype
     KV_BUFS: gl.constexpr = k_smem.shape[0] // CONSUMERS  # 2, or 1 at head_dim 128
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], dtype)
-    qd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     kv_bytes: gl.constexpr = 2 * TILE * HEAD_DIM * dtype.primitive_bitwidth // 8
-    tile_bytes: gl.constexpr = 2 * BLOCK_M * HEAD_DIM * dtype.primitive_bitwidth // 8 + 2 * BLOCK_M * 4
+    heads = _item_heads(H, group, GQA)
     g = 0
     for i in range(count):
-        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M)
-        b = (bh // H).to(gl.int64)
-        h = (bh % H).to(gl.int64)
+        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M, heads, mask, WINDOWED, DOCS)
+        b = (bh // heads).to(gl.int64)
+        h = (bh % heads).to(gl.int64)
         if i > 0:  # every copy through the descriptors below has landed: the last K/V and the tiles in the ring
             for c in gl.static_range(CONSUMERS):
                 mbarrier.wait(kv_ready.index(((i - 1) % KV_BUFS) * CONSUMERS + c), ((i - 1) // KV_BUFS) & 1)
-            for t in range(gl.maximum(g - STAGES, 0), g):
-                mbarrier.wait(ready.index(t % STAGES), (t // STAGES) & 1)
+            _landed(ready, g, STAGES)
         k_desc = head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, TILE, HEAD_DIM, kv_layout)
         v_desc = head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, TILE, HEAD_DIM, kv_layout)
-        q_desc = head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, BLOCK_M, HEAD_DIM, qd_layout)
-        do_desc = head_rows(DO, b, h, stride_dob, stride_doh, stride_don, N, BLOCK_M, HEAD_DIM, qd_layout)
-        lse_desc = tma.make_tensor_descriptor(LSE + bh.to(gl.int64) * stride_lse, shape=[N], strides=[1],
-                                              block_shape=[BLOCK_M], layout=row_layout)
-        delta_desc = tma.make_tensor_descriptor(DELTA + bh.to(gl.int64) * stride_delta, shape=[N], strides=[1],
-                                                block_shape=[BLOCK_M], layout=row_layout)
+        if not GQA:
+            descs = _query_descs(loads, b, h, bh, HEAD_DIM, BLOCK_M)
         buf = i % KV_BUFS
         mbarrier.wait(kv_free.index(buf), ((i // KV_BUFS) & 1) ^ 1)  # item i − KV_BUFS's users are done with it
         for c in gl.static_range(CONSUMERS):
@@ -609,40 +682,46 @@ def _persistent_dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.const
                       k_smem.index(buf * CONSUMERS + c))
             tma_load(v_desc, [start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
                       v_smem.index(buf * CONSUMERS + c))
-        for t in range(num_tiles):
-            gt = g + t
-            stage = gt % STAGES
-            row = start_n + t * BLOCK_M
-            mbarrier.wait(empty.index(stage), ((gt // STAGES) & 1) ^ 1)
-            bar = ready.index(stage)
-            mbarrier.expect(bar, tile_bytes)
-            tma_load(q_desc, [row, 0], bar, q_smem.index(stage))
-            tma_load(do_desc, [row, 0], bar, do_smem.index(stage))
-            tma_load(lse_desc, [row], bar, lse_smem.index(stage))
-            tma_load(delta_desc, [row], bar, delta_smem.index(stage))
-        g += num_tiles
+        if GQA:  # query head h·group + qh (its rows b·H + h·group + qh of LSE, delta), qh = 0 ... group − 1
+            for qh in range(group):
+                _landed(ready, g, STAGES)  # the last query head's copies (the descriptors are rewritten)
+                descs = _query_descs(loads, b, h * group + qh, b * H + h * group + qh, HEAD_DIM, BLOCK_M)
+                _stream_query_tiles(descs, q_smem, do_smem, lse_smem, delta_smem, ready, empty, g, num_tiles, start_n,
+                                    STAGES, BLOCK_M)
+                g += num_tiles
+        else:
+            _stream_query_tiles(descs, q_smem, do_smem, lse_smem, delta_smem, ready, empty, g, num_tiles, start_n,
+                                STAGES, BLOCK_M)
+            g += num_tiles
 
 
 @gluon.jit
-def dkdvdq_persistent_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
+def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
                               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
                               stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                               stride_lse, stride_delta, H, N, n_kblocks, acc_rows, acc_cols, acc_rows_b, acc_rows_h,
-                              acc_cols_h, qk_scale, sm_scale,
+                              acc_cols_h, qk_scale, sm_scale, group, DOC_ENDS, stride_ends, window,
                               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, REDUCER_REGS: gl.constexpr):
-    """dkdvdq_kernel's work, program p taking items WORK[WORK_START[p] : WORK_START[p+1]] (item = bh · n_kblocks +
-    key block). DQ_ACC: fp32, one 2-D (acc_rows, acc_cols) array in which head h of batch b adds its query n into row
-    b·acc_rows_b + h·acc_rows_h + n at columns h·acc_cols_h ...: (B·H·N, HEAD_DIM) with (H·N, N, 0) for (B, H, N, D)
-    memory, (B·N, H·HEAD_DIM) with (N, 0, HEAD_DIM) for (B, N, H, D) rows (the model's layout). At head_dim 128 the
-    consumers compute dQ themselves, as in dkdvdq_kernel, and K, V have one buffer (REDUCER_REGS unused)."""
+                              KV_BUFS: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                              PRODUCER_REGS: gl.constexpr, REDUCER_REGS: gl.constexpr, GQA: gl.constexpr,
+                              WINDOWED: gl.constexpr, DOCS: gl.constexpr):
+    """dK, dV of blocks of 128 keys of one (batch, head), causal, over the queries from the block's first key on, and
+    each block's share of dQ for those queries, added into DQ_ACC; program p takes items WORK[WORK_START[p] :
+    WORK_START[p+1]] (item = bh · n_kblocks + key block). DQ_ACC: fp32, one 2-D (acc_rows, acc_cols) array in which
+    head h of batch b adds its query n into row b·acc_rows_b + h·acc_rows_h + n at columns h·acc_cols_h ...: (B·H·N,
+    HEAD_DIM) with (H·N, N, 0) for (B, H, N, D) memory, (B·N, H·HEAD_DIM) with (N, 0, HEAD_DIM) for (B, N, H, D) rows
+    (the model's layout). At head_dim 128 the consumers compute dQ themselves (a dQ warpgroup does not fit the
+    register file beside two consumers holding dK and dV, 128 registers each; NOTES.md V) and REDUCER_REGS is unused.
+    KV_BUFS: K/V buffers, 2 to load an item's keys during the last one's tail (head_dim 64 with many items per
+    program), else 1. H: query heads. GQA: an item's bh is b·(H / group) + h over the K/V heads (K, V, DK, DV), and
+    it sums its dK, dV over the query heads h·group ... h·group + group − 1 (Q, DO, LSE, DELTA, DQ_ACC). WINDOWED:
+    query i sees key j only if i − window < j; DOCS: only if both lie in one document, i.e. (i >= j) i < DOC_ENDS[b,
+    j], the end of j's document (B, N) int32, rows stride_ends apart (launch_dkdv_dq_masked finds them from the
+    ids). Without them the last four are unused."""
     dtype: gl.constexpr = Q.dtype.element_ty
     SPLIT_DQ: gl.constexpr = HEAD_DIM > 64
     DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_DQ else HEAD_DIM  # columns per dQ reduce-add
-    KV_BUFS: gl.constexpr = 1 if SPLIT_DQ else 2  # two would not fit beside the split's dQ staging
-    first = gl.load(WORK_START + gl.program_id(0))
-    count = gl.load(WORK_START + gl.program_id(0) + 1) - first
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], dtype)
     qd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, BLOCK_M], dtype)
@@ -676,26 +755,31 @@ def dkdvdq_persistent_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)
     fence_async_shared()
+    mask = (window, DOC_ENDS, stride_ends)  # read where WINDOWED or DOCS
 
     shared = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty, ds_smem,
               ds_ready, ds_free, DK, DV, H, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-              N, qk_scale, sm_scale, WORK, first, count, n_kblocks)
+              N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks, mask, group)
     loads = (Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
              stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_lse, stride_delta, H, N,
              k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty,
-             WORK, first, count, n_kblocks)
+             WORK, WORK_START, n_kblocks, mask, group)
     dqs = (k_smem, ds_smem, dq_smem, kv_ready, kv_free, ds_ready, ds_free, dq_desc, N, H, acc_rows_b, acc_rows_h,
-           acc_cols_h, sm_scale, WORK, first, count, n_kblocks)
+           acc_cols_h, sm_scale, WORK, WORK_START, n_kblocks, mask, group)
     if SPLIT_DQ:
-        gl.warp_specialize([(_persistent_split_consumer, (shared, dqs, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES)),
-                            (_persistent_split_consumer, (shared, dqs, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES)),
-                            (_persistent_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES))],
+        gl.warp_specialize([(_dkdv_dq_split_consumer, (shared, dqs, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES,
+                                                       PERSISTENT, GQA, WINDOWED, DOCS)),
+                            (_dkdv_dq_split_consumer, (shared, dqs, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES,
+                                                       PERSISTENT, GQA, WINDOWED, DOCS)),
+                            (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES, PERSISTENT, GQA, WINDOWED, DOCS))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([(_persistent_dkdv_consumer, (shared, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES)),
-                            (_persistent_dkdv_consumer, (shared, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES)),
-                            (_persistent_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES)),
-                            (_persistent_dq_reducer, (dqs, HEAD_DIM, BLOCK_M))],
+        gl.warp_specialize([(_dkdv_consumer, (shared, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES, PERSISTENT, GQA,
+                                              WINDOWED, DOCS)),
+                            (_dkdv_consumer, (shared, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES, PERSISTENT, GQA,
+                                              WINDOWED, DOCS)),
+                            (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES, PERSISTENT, GQA, WINDOWED, DOCS)),
+                            (_dq_reducer, (dqs, HEAD_DIM, BLOCK_M, PERSISTENT, GQA, WINDOWED, DOCS))],
                            [4, 1, 4], [CONSUMER_REGS, PRODUCER_REGS, REDUCER_REGS])
 
 
@@ -852,52 +936,84 @@ def dq_kernel(Q, K, V, DO, O, LSE, DELTA, DQ,
 # ------------------------------------------------------------------------------------------------
 # Launchers (the caller checks the scope and sets Triton's scratch allocator for the device-side TMA descriptors)
 # ------------------------------------------------------------------------------------------------
-def launch_dkdv_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
-                   stride_delta: int, dk: Tensor, dv: Tensor, dq_acc: Tensor, sm_scale: float, qk_scale: float,
-                   block_m: int, stages: int) -> None:
-    """Write the causal dK, dV of q, k, v, do (B, H, N, D) into dk, dv (k's shape, contiguous last dimension) and add
-    dQ into dq_acc (fp32, q's shape, zeroed by the caller, 16-byte aligned rows). lse, delta: fp32 rows at
-    t + (b·H + h)·stride with 16-byte aligned starts (1-D TMA). qk_scale = sm_scale·log2(e). block_m: queries per
-    streamed tile (64: the M of the dQ matmul). At head_dim 128 the consumers compute dQ themselves (no dQ warpgroup),
-    with more registers each."""
-    B, H, N, D = q.shape
-    grid = (-(-N // (CONSUMERS.value * TILE.value)), B * H)
-    dkdvdq_kernel[grid](q, k, v, do, lse, delta, dk, dv, dq_acc, *strides3(q), *strides3(k), *strides3(v),
-                         *strides3(do), *strides3(dk), *strides3(dv), *strides3(dq_acc), stride_lse, stride_delta,
-                         H, N, qk_scale, sm_scale, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
-                         CONSUMER_REGS=SPLIT_CONSUMER_REGS if D > 64 else FUSED_CONSUMER_REGS,
-                         PRODUCER_REGS=PRODUCER_REGS, REDUCER_REGS=REDUCER_REGS, num_warps=4)
-
-
 @functools.lru_cache(maxsize=64)
 def key_block_costs(n: int, keys: int, block_m: int) -> tuple[float, ...]:
     """Each block of `keys` keys' work in the causal backward: its query tiles, from the block's first key on."""
     return tuple(float(-(-(n - kb * keys) // block_m)) for kb in range(-(-n // keys)))
 
 
-def launch_dkdv_dq_persistent(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int,
-                              delta: Tensor, stride_delta: int, dk: Tensor, dv: Tensor, dq_acc: Tensor, sm_scale: float,
-                              qk_scale: float, block_m: int, stages: int, programs: int | None = None) -> None:
-    """launch_dkdv_dq's contract with dq_acc dense in (B, H, N, D) or (B, N, H, D) memory, on one program per SM (or
-    `programs`) walking a schedule of (batch·head, 128-key block) items (schedule.py), an item costing its
-    query tiles."""
+def _launch_dkdvdq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
+                   stride_delta: int, dk: Tensor, dv: Tensor, dq_acc: Tensor, sm_scale: float, qk_scale: float,
+                   block_m: int, stages: int, work: Tensor, work_start: Tensor, persistent: bool,
+                   window: int | None = None, document_ids: Tensor | None = None) -> None:
     B, H, N, D = q.shape
+    if document_ids is None:
+        ends = work  # a placeholder pointer where there are no documents
+    else:  # the end of each token's document: the first index whose id is larger (a binary search per token)
+        ends = torch.searchsorted(document_ids, document_ids, right=True, out_int32=True)
     if dq_acc.is_contiguous():  # (B·H·N, D) rows
         acc_shape, acc_steps = (B * H * N, D), (H * N, N, 0)
     elif dq_acc.transpose(1, 2).is_contiguous():  # (B·N, H·D) rows
         acc_shape, acc_steps = (B * N, H * D), (N, 0, D)
     else:
-        raise ValueError("launch_dkdv_dq_persistent: dq_acc must be dense (B, H, N, D) or (B, N, H, D) memory")
-    keys = CONSUMERS.value * TILE.value
-    n_kblocks = -(-N // keys)
-    programs = min(programs or sm_count(q.device), B * H * n_kblocks)
-    work, work_start = device_schedule(B * H, key_block_costs(N, keys, block_m), programs, q.device)
-    dkdvdq_persistent_kernel[(programs,)](
+        raise ValueError("the dK/dV/dQ kernel: dq_acc must be dense (B, H, N, D) or (B, N, H, D) memory")
+    n_kblocks = -(-N // (CONSUMERS.value * TILE.value))
+    dkdvdq_kernel[(work_start.numel() - 1,)](
         q, k, v, do, lse, delta, dk, dv, dq_acc, work, work_start, *strides3(q), *strides3(k), *strides3(v),
         *strides3(do), *strides3(dk), *strides3(dv), stride_lse, stride_delta, H, N, n_kblocks, *acc_shape,
-        *acc_steps, qk_scale, sm_scale, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
+        *acc_steps, qk_scale, sm_scale, H // k.shape[1], ends, ends.stride(0) if document_ids is not None else 0,
+        window or 0, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
+        KV_BUFS=2 if persistent and D == 64 else 1, PERSISTENT=persistent,
         CONSUMER_REGS=SPLIT_CONSUMER_REGS if D > 64 else FUSED_CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, REDUCER_REGS=REDUCER_REGS, num_warps=4)
+        PRODUCER_REGS=PRODUCER_REGS, REDUCER_REGS=REDUCER_REGS, GQA=k.shape[1] != H, WINDOWED=window is not None,
+        DOCS=document_ids is not None, num_warps=4)
+
+
+def launch_dkdv_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
+                   stride_delta: int, dk: Tensor, dv: Tensor, dq_acc: Tensor, sm_scale: float, qk_scale: float,
+                   block_m: int, stages: int) -> None:
+    """Write the causal dK, dV of q, k, v, do (B, H, N, D) into dk, dv (k's shape, contiguous last dimension) and add
+    dQ into dq_acc (fp32, zeroed by the caller, dense in (B, H, N, D) or (B, N, H, D) memory). lse, delta: fp32 rows
+    at t + (b·H + h)·stride with 16-byte aligned starts (1-D TMA). qk_scale = sm_scale·log2(e). block_m: queries per
+    streamed tile (64: the M of the dQ matmul). One program per 128-key block, as a plain grid: within each head the
+    first keys (most queries) first. At head_dim 128 the consumers compute dQ themselves (no dQ warpgroup)."""
+    B, H, N, _ = q.shape
+    n_kblocks = -(-N // (CONSUMERS.value * TILE.value))
+    work, work_start = device_one_each(B * H, tuple(range(n_kblocks)), q.device)
+    _launch_dkdvdq(do, q, k, v, lse, stride_lse, delta, stride_delta, dk, dv, dq_acc, sm_scale, qk_scale, block_m,
+                   stages, work, work_start, persistent=False)
+
+
+def launch_dkdv_dq_persistent(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int,
+                              delta: Tensor, stride_delta: int, dk: Tensor, dv: Tensor, dq_acc: Tensor, sm_scale: float,
+                              qk_scale: float, block_m: int, stages: int, programs: int | None = None) -> None:
+    """launch_dkdv_dq's contract on one program per SM (or `programs`) walking a schedule of (batch·head, 128-key
+    block) items (schedule.py), an item costing its query tiles. At head_dim 64 K and V are double-buffered, so that
+    an item's loads overlap the last one's tail (two would not fit beside head_dim 128's dQ staging)."""
+    B, H, N, D = q.shape
+    keys = CONSUMERS.value * TILE.value
+    costs = key_block_costs(N, keys, block_m)
+    programs = min(programs or sm_count(q.device), B * H * len(costs))
+    work, work_start = device_schedule(B * H, costs, programs, q.device)
+    _launch_dkdvdq(do, q, k, v, lse, stride_lse, delta, stride_delta, dk, dv, dq_acc, sm_scale, qk_scale, block_m,
+                   stages, work, work_start, persistent=True)
+
+
+def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
+                          stride_delta: int, dk: Tensor, dv: Tensor, dq_acc: Tensor, sm_scale: float, qk_scale: float,
+                          block_m: int, stages: int, window: int | None, document_ids: Tensor | None) -> None:
+    """launch_dkdv_dq's contract with GQA (k, v, dk, dv with H / group heads: dK, dV of a K/V head sum over its
+    group's query heads, in one program per key block) and the masks: `window` (query i sees key j only if
+    i − window < j) and `document_ids` ((B, N) int32/int64, non-decreasing, rows with a contiguous last dimension;
+    only keys of the query's document), as a plain grid (the query tiles per key block depend on the ids, so no work
+    list is balanced on the host). Each key block visits only the query tiles that see its keys, found on the
+    device (each token's document end by torch.searchsorted, then one load per key); lse and delta are the query
+    heads' rows."""
+    B, H, N, _ = q.shape
+    n_kblocks = -(-N // (CONSUMERS.value * TILE.value))
+    work, work_start = device_one_each(B * k.shape[1], tuple(range(n_kblocks)), q.device)
+    _launch_dkdvdq(do, q, k, v, lse, stride_lse, delta, stride_delta, dk, dv, dq_acc, sm_scale, qk_scale, block_m,
+                   stages, work, work_start, persistent=False, window=window, document_ids=document_ids)
 
 
 def launch_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,

@@ -1,7 +1,8 @@
 """What the Hopper (Gluon) kernels share: the TMA copy, the wgmma accumulator layout, one head's rows as a TMA
 descriptor, the register split between producer and consumer warps.
 
-One module so that forward.py and backward.py import each other's helpers from neither."""
+One module so that forward.py and backward.py import each other's helpers from neither (search_ids: the masks' binary
+search over document ids, which both use)."""
 from __future__ import annotations
 
 from triton.experimental import gluon
@@ -32,3 +33,38 @@ def head_rows(X, b, h, stride_b, stride_h, stride_n, N, ROWS: gl.constexpr, HEAD
     return tma.make_tensor_descriptor(X + b * stride_b + h * stride_h, shape=[N, HEAD_DIM], strides=[stride_n, 1],
                                       block_shape=[ROWS, HEAD_DIM], layout=layout)
 
+
+
+@gluon.jit
+def program_items(WORK_START, PERSISTENT: gl.constexpr):
+    """(first, count): this program's items of the work list, WORK[first : first + count]. Persistent programs read
+    their share from WORK_START; a plain grid's program has one item, at its own index, and a count the compiler
+    knows, so it drops the loop over items and the counters that run on across them."""
+    if PERSISTENT:
+        first = gl.load(WORK_START + gl.program_id(0))
+        count = gl.load(WORK_START + gl.program_id(0) + 1) - first
+    else:
+        first = gl.program_id(0)
+        count: gl.constexpr = 1
+    return first, count
+
+
+@gluon.jit
+def search_ids(ids, n, target, steps, AFTER: gl.constexpr):
+    """The first index j in [0, n) of the non-decreasing ids with ids[j] > target (AFTER) or ids[j] >= target (n if
+    none): a binary search of `steps` >= log2(n + 1) halvings, one scalar load each, on the device (no host sync)."""
+    lo = n * 0
+    hi = n
+    for _ in range(steps):
+        if lo < hi:
+            mid = (lo + hi) // 2
+            val = gl.load(ids + mid)
+            if AFTER:
+                right = val <= target
+            else:
+                right = val < target
+            if right:
+                lo = mid + 1
+            else:
+                hi = mid
+    return lo

@@ -19,10 +19,12 @@ The register file is split by role (setmaxnreg): 24 registers per producer threa
 the Triton forward at 128K tokens (head_dim 64), slower below 8K tokens (each program pays its set-up for one query
 tile of little work); dispatch.py's table says where each variant runs.
 
-The persistent variant (`launch_forward_persistent`, NOTES.md S) runs one program per SM over a list of such tiles
-made on the host, so the set-up and pipeline fill of one tile overlap the last key tiles of the one before: the
-producer loads the next tile's Q and first K/V while the consumers finish. Shorter sequences, many tiles of little
-work each, gain most (4K tokens: 8% faster than the Triton forward at head_dim 64, 27% at 128).
+Each program walks a list of such query tiles (items), and both launchers run the same kernel: a plain grid
+(`launch_forward_pingpong`, one item per program, the last query tiles of each head first) or one program per SM
+(`launch_forward_persistent`, NOTES.md S) over a list made on the host (schedule.py), so the set-up and pipeline
+fill of one tile overlap the last key tiles of the one before: the producer loads the next tile's Q and first K/V
+while the consumers finish. Shorter sequences, many tiles of little work each, gain most (4K tokens: 8% faster than
+the Triton forward at head_dim 64, 27% at 128).
 
 Scope: causal, fp16/bf16, head_dim 64 or 128, one length for queries and keys, TMA-aligned inputs, contiguous LSE,
 sm_90 (wgmma). dispatch.py picks them by sequence length; launch.py falls back to the Triton forward otherwise.
@@ -37,25 +39,37 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
-from minigpt_kernels.gluon.common import CONSUMER_REGS, PRODUCER_REGS, head_rows, mma_layout, tma_load
-from minigpt_kernels.gluon.schedule import device_schedule, sm_count
+from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, head_rows, mma_layout, program_items,
+                                          search_ids, tma_load)
+from minigpt_kernels.gluon.schedule import device_one_each, device_schedule, sm_count
 
 ROWS_PER_CONSUMER = gl.constexpr(64)  # query rows per consumer warpgroup: the M of one wgmma
 
 
 @gluon.jit
-def _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale):
+def _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale, mask, WINDOWED: gl.constexpr,
+                    DOCS: gl.constexpr):
     """Fold one tile of scores into the running row max m and row sum l (base 2). Returns (p, α, m_new, l_new):
     p = exp2(s·scale − m_new) are the tile's unnormalized probabilities, α = exp2(m_old − m_new) rescales what was
-    accumulated under the old max."""
-    if masked:  # the diagonal tile: keys after the row (and so keys past the end) get probability 0
+    accumulated under the old max. `mask` = (window, the rows' document ids, the sequence's ids, steps, N) where WINDOWED
+    or DOCS; a masked tile may then leave a row with no key seen yet (its max stays −inf)."""
+    if masked:  # keys after the row (and so keys past the end), out of the window or of the row's document: p = 0
         keys = key0 + cols
-        s = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(keys, 0), s, float("-inf"))
+        visible = gl.expand_dims(rows, 1) >= gl.expand_dims(keys, 0)
+        if WINDOWED:  # keys i − window < j
+            visible = visible & (gl.expand_dims(rows, 1) - gl.expand_dims(keys, 0) < mask[0])
+        if DOCS:
+            key_doc = gl.load(mask[2] + keys, mask=keys < mask[4], other=-2)
+            visible = visible & (gl.expand_dims(mask[1], 1) == gl.expand_dims(key_doc, 0))
+        s = gl.where(visible, s, float("-inf"))
     # m_new = max(m_old, rowmax(s)·scale)
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_use = m_new
+    if WINDOWED or DOCS:  # a row that has seen no key yet: subtract 0, not −inf, so p = α = 0 instead of NaN
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     # p = exp2(s·scale − m_new), one fused multiply-add and one exponential per score
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
-    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+    alpha = gl.exp2(m_i - m_use)
     # l_new = α·l_old + rowsum(p)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
@@ -81,7 +95,8 @@ def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, PACK_BY_HAND: gl.
 
 @gluon.jit
 def _first_scores(q, k_smem, k_ready, turn, t, turn_phase, ME: gl.constexpr, NEXT: gl.constexpr, STAGES: gl.constexpr,
-                  no_scores, m_i, l_i, rows, cols, masked, qk_scale, p_layout: gl.constexpr, PACK_P: gl.constexpr):
+                  no_scores, m_i, l_i, rows, cols, key0, masked, qk_scale, p_layout: gl.constexpr, PACK_P: gl.constexpr,
+                  mask, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """A query tile's first key tile (ring position t), at this consumer's turn: S_0 = Q K_0ᵀ alone (there is no P V
     yet), then its softmax. Returns (P_0 in the input dtype as the next matmul's operand, m, l)."""
     mbarrier.wait(turn.index(ME), turn_phase)
@@ -89,14 +104,15 @@ def _first_scores(q, k_smem, k_ready, turn, t, turn_phase, ME: gl.constexpr, NEX
     s = warpgroup_mma(q, k_smem.index(t % STAGES).permute((1, 0)), no_scores, use_acc=False, is_async=True)
     mbarrier.arrive(turn.index(NEXT), count=1)
     s = warpgroup_mma_wait(0, deps=(s,))
-    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, rows, cols, 0, masked, qk_scale)
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale, mask, WINDOWED, DOCS)
     return _p_operand(p, q.dtype, p_layout, PACK_P), m_i, l_i
 
 
 @gluon.jit
 def _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, t, turn_phase, ME: gl.constexpr,
                    NEXT: gl.constexpr, STAGES: gl.constexpr, no_scores, acc, p16, m_i, l_i, rows, cols, key0, masked,
-                   qk_scale, p_layout: gl.constexpr, row_o: gl.constexpr, PACK_P: gl.constexpr):
+                   qk_scale, p_layout: gl.constexpr, row_o: gl.constexpr, PACK_P: gl.constexpr, mask,
+                   WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """One key tile at ring position t: at this consumer's turn issue S_j = Q K_jᵀ and O += P_{j-1} V_{j-1}; then the
     softmax of S_j while the other consumers' matmuls run. Both matmuls are retired within the step: ptxas serializes
     every wgmma of a loop whose in-flight results cross the back-edge (NOTES.md F). Returns (acc, P_j, m, l)."""
@@ -109,7 +125,7 @@ def _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, t, turn_
     acc = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
     mbarrier.arrive(turn.index(NEXT), count=1)
     s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
-    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale)
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale, mask, WINDOWED, DOCS)
     acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
     mbarrier.arrive(kv_empty.index(prev), count=1)  # K_{j-1} and V_{j-1} no longer read by this consumer
     # acc = α·acc: what P_{j-1} V_{j-1} added was under the old max, as was the rest
@@ -142,134 +158,8 @@ def _write_rows(acc, m_i, l_i, O, LSE, b, h, bh, stride_ob, stride_oh, stride_on
     gl.store(O + offs, o.to(O.dtype.element_ty), mask=gl.expand_dims(out_rows < N, 1))
 
 
-@gluon.jit
-def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr):
-    """Consumer warpgroup ME: attention of query rows start_m + 64·ME ... + 63 over key tiles 0 .. num_tiles−1.
-    `shared`: what every consumer gets alike (buffers, barriers, output pointers, the tile's position)."""
-    (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn,
-     O, LSE, b, h, bh, stride_ob, stride_oh, stride_on, N, start_m, num_tiles, qk_scale) = shared
-    s_layout: gl.constexpr = mma_layout(BLOCK_N, 4)
-    o_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P from registers
-    PACK_P: gl.constexpr = NUM_CONSUMERS == 3  # see _p_operand
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    NEXT: gl.constexpr = (ME + 1) % NUM_CONSUMERS
-    row0 = start_m + ME * ROWS_PER_CONSUMER
-    rows = row0 + gl.arange(0, ROWS_PER_CONSUMER, layout=gl.SliceLayout(1, s_layout))
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    full_tiles = row0 // BLOCK_N  # key tiles wholly at or before this consumer's first row need no mask
-    no_scores = gl.zeros([ROWS_PER_CONSUMER, BLOCK_N], gl.float32, layout=s_layout)
-    m_i = gl.full([ROWS_PER_CONSUMER], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([ROWS_PER_CONSUMER], gl.float32, layout=gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], gl.float32, layout=o_layout)
-    q = q_smem.index(ME)
-    mbarrier.wait(q_ready.index(ME), 0)
-    if ME == NUM_CONSUMERS - 1:  # the last consumer opens the first turn, so consumer 0 goes first
-        mbarrier.arrive(turn.index(0), count=1)
-
-    p16, m_i, l_i = _first_scores(q, k_smem, k_ready, turn, 0, 0, ME, NEXT, STAGES, no_scores, m_i, l_i, rows, cols,
-                                  0 >= full_tiles, qk_scale, p_layout, PACK_P)
-    for j in range(1, num_tiles):  # this consumer's (j+1)-th turn
-        acc, p16, m_i, l_i = _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, j, j & 1, ME, NEXT,
-                                            STAGES, no_scores, acc, p16, m_i, l_i, rows, cols, j * BLOCK_N,
-                                            j >= full_tiles, qk_scale, p_layout, row_o, PACK_P)
-    acc = _last_pv(v_smem, v_ready, turn, num_tiles - 1, num_tiles & 1, ME, NEXT, STAGES, acc, p16)
-    _write_rows(acc, m_i, l_i, O, LSE, b, h, bh, stride_ob, stride_oh, stride_on, N, row0, rows, HEAD_DIM, row_o)
-
-
-@gluon.jit
-def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """The producer warp: each consumer's Q rows once, then K_j, V_j into buffer j % STAGES as soon as every
-    consumer has released what the buffer held (tile j − STAGES). Rows past the end read as 0 (TMA)."""
-    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, start_m, num_tiles = loads
-    dtype: gl.constexpr = q_smem.dtype
-    q_bytes: gl.constexpr = ROWS_PER_CONSUMER * HEAD_DIM * dtype.primitive_bitwidth // 8
-    kv_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
-    for c in gl.static_range(NUM_CONSUMERS):
-        mbarrier.expect(q_ready.index(c), q_bytes)
-        tma_load(q_desc, [start_m + c * ROWS_PER_CONSUMER, 0], q_ready.index(c), q_smem.index(c))
-    for j in range(num_tiles):
-        stage = j % STAGES
-        # round r = j // STAGES of this buffer waits for round r − 1's release; a fresh barrier passes parity 1
-        mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)
-        mbarrier.expect(k_ready.index(stage), kv_bytes)
-        tma_load(k_desc, [j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
-        mbarrier.expect(v_ready.index(stage), kv_bytes)
-        tma_load(v_desc, [j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
-
-
-@gluon.jit
-def pingpong_fwd_kernel(Q, K, V, O, LSE,
-                         stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                         stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-                         H, N, qk_scale,
-                         HEAD_DIM: gl.constexpr, NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
-                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """One tile of 64·NUM_CONSUMERS query rows of one (batch, head), causal; the last query tiles (most keys) first."""
-    dtype: gl.constexpr = Q.dtype.element_ty
-    BLOCK_M: gl.constexpr = NUM_CONSUMERS * ROWS_PER_CONSUMER
-    start_m = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
-    bh = gl.program_id(1)
-    b = (bh // H).to(gl.int64)
-    h = (bh % H).to(gl.int64)
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS_PER_CONSUMER, HEAD_DIM], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    q_desc = head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, ROWS_PER_CONSUMER, HEAD_DIM, q_layout)
-    k_desc = head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, BLOCK_N, HEAD_DIM, kv_layout)
-    v_desc = head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, BLOCK_N, HEAD_DIM, kv_layout)
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, ROWS_PER_CONSUMER, HEAD_DIM], q_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_CONSUMERS):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(turn.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=NUM_CONSUMERS)
-    fence_async_shared()
-    num_tiles = gl.cdiv(gl.minimum(start_m + BLOCK_M, N), BLOCK_N)  # key tiles up to the diagonal
-
-    shared = (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn,
-              O, LSE, b, h, bh, stride_ob, stride_oh, stride_on, N, start_m, num_tiles, qk_scale)
-    loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, start_m, num_tiles)
-    # the partition list is a literal for the compiler: one entry per consumer (the first is the default partition)
-    # and the producer
-    if NUM_CONSUMERS == 2:
-        gl.warp_specialize([(_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
-                            (_consumer, (shared, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
-                            (_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES))],
-                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    else:
-        gl.warp_specialize([(_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
-                            (_consumer, (shared, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
-                            (_consumer, (shared, gl.constexpr(2), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES)),
-                            (_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES))],
-                           [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
-
-
-def launch_forward_pingpong(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float, consumers: int,
-                            block_n: int, stages: int) -> None:
-    """Write causal attention of q, k, v (B, H, N, D) into o (q's shape) and lse ((B, H, N) fp32, contiguous, base 2).
-    qk_scale = softmax scale · log2(e). The caller checks the scope (launch.specialized_ready) and has set
-    Triton's scratch allocator for the device-side TMA descriptors."""
-    B, H, N, D = q.shape
-    grid = (-(-N // (consumers * ROWS_PER_CONSUMER.value)), B * H)
-    pingpong_fwd_kernel[grid](
-        q, k, v, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), H, N, qk_scale,
-        HEAD_DIM=D, NUM_CONSUMERS=consumers, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
-        PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
-
-
 # ------------------------------------------------------------------------------------------------
-# The persistent variant: one program per SM, walking a list of (batch·head, query tile) items
+# The kernel: each program walks a list of (batch·head, query tile) items, one item (a plain grid) or many
 # ------------------------------------------------------------------------------------------------
 def consumers_can_stop_early(consumers: int, block_n: int) -> bool:
     """Whether some consumer's 64 rows of a query tile end a key tile earlier than the tile's last row does (then it
@@ -282,20 +172,84 @@ def consumers_can_stop_early(consumers: int, block_n: int) -> bool:
 
 
 @gluon.jit
-def _work_item(WORK, index, n_qtiles, BLOCK_M: gl.constexpr, N, BLOCK_N: gl.constexpr):
-    """Item `index` of the list: (batch·head, first query row, key tiles up to the tile's last row)."""
-    item = gl.load(WORK + index)
-    start_m = (item % n_qtiles) * BLOCK_M
-    return item // n_qtiles, start_m, gl.cdiv(gl.minimum(start_m + BLOCK_M, N), BLOCK_N)
+def _key_span(first, last, mask, N, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
+    """The keys of causal query rows first..last under the masks: [lo, hi) holds every key one of them sees, [a, b)
+    the keys all of them see. Each row sees an interval of keys whose ends never decrease with the row (the window's
+    i − window < j, its document's first key, the diagonal), so the first row bounds the span from below and the last
+    from above, and the other way round for the keys all see. mask = (window, -, ids, steps, N)."""
+    lo = first * 0
+    hi = last + 1
+    a = lo
+    b = first + 1
+    if WINDOWED:  # keys i − window < j
+        lo = gl.maximum(lo, first - mask[0] + 1)
+        a = gl.maximum(a, last - mask[0] + 1)
+    if DOCS:  # from the first row's document's first key to the last row's document's last
+        ids = mask[2]
+        doc_first = gl.load(ids + first)
+        doc_last = gl.load(ids + last)
+        lo = gl.maximum(lo, search_ids(ids, N, doc_first, mask[3], False))
+        hi = gl.minimum(hi, search_ids(ids, N, doc_last, mask[3], True))
+        a = gl.maximum(a, search_ids(ids, N, doc_last, mask[3], False))
+        b = gl.minimum(b, search_ids(ids, N, doc_first, mask[3], True))
+    return lo, hi, a, b
 
 
 @gluon.jit
-def _persistent_consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SKIP: gl.constexpr):
-    """_consumer over this program's items in turn. The turn and ring counters run on across items (item i starts
-    at turn kv + i: each item before took one turn per key tile and one more), so no barrier is reset."""
+def _batch_ids(mask, b, stride_ids, DOCS: gl.constexpr):
+    """`mask` with batch b's document ids."""
+    if DOCS:
+        mask = (mask[0], mask[1], mask[2] + b * stride_ids, mask[3], mask[4])
+    return mask
+
+
+@gluon.jit
+def _row_ids(mask, rows, N, DOCS: gl.constexpr):
+    """`mask` with these query rows' document ids (−1 past N: no key's)."""
+    if DOCS:
+        mask = (mask[0], gl.load(mask[2] + rows, mask=rows < N, other=-1), mask[2], mask[3], mask[4])
+    return mask
+
+
+@gluon.jit
+def _needs_mask(key0, full_lo, full_hi, BLOCK_N: gl.constexpr):
+    """Whether the key tile from key0 holds a key that some of the rows do not see (outside [full_lo, full_hi))."""
+    return (key0 < full_lo) | (key0 + BLOCK_N > full_hi)
+
+
+@gluon.jit
+def _work_item(WORK, index, n_qtiles, BLOCK_M: gl.constexpr, N, BLOCK_N: gl.constexpr, mask, H, stride_ids,
+               WINDOWED: gl.constexpr, DOCS: gl.constexpr):
+    """Item `index` of the list: (batch·head, first query row, first key tile, key tiles): without masks from the
+    first key to the tile's last row; with them the tiles of _key_span's [lo, hi)."""
+    item = gl.load(WORK + index)
+    start_m = (item % n_qtiles) * BLOCK_M
+    last = gl.minimum(start_m + BLOCK_M, N) - 1
+    if WINDOWED or DOCS:
+        batch_mask = _batch_ids(mask, (item // n_qtiles // H).to(gl.int64), stride_ids, DOCS)
+        lo, hi, a, b = _key_span(start_m, last, batch_mask, N, WINDOWED, DOCS)
+        first_tile = lo // BLOCK_N
+        num_tiles = gl.cdiv(hi, BLOCK_N) - first_tile
+    else:
+        first_tile = 0
+        num_tiles = gl.cdiv(last + 1, BLOCK_N)
+    return item // n_qtiles, start_m, first_tile, num_tiles
+
+
+
+@gluon.jit
+def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, SKIP: gl.constexpr, PERSISTENT: gl.constexpr, WINDOWED: gl.constexpr,
+              DOCS: gl.constexpr):
+    """Consumer warpgroup ME: for each of this program's items in turn, attention of query rows start_m + 64·ME ...
+    + 63 over key tiles 0 .. num_tiles−1. The turn and ring counters run on across items (item i starts at turn
+    kv + i: each item before took one turn per key tile and one more), so no barrier is reset. With SKIP, a consumer
+    whose rows end before the item's last key tile only takes its turns there. With masks (WINDOWED, DOCS) the key
+    tiles run from the item's first one (_work_item) and each gets the mask unless all of this consumer's rows see
+    all of its keys."""
     (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-     O, LSE, H, stride_ob, stride_oh, stride_on, N, qk_scale, WORK, first, count, n_qtiles) = shared
+     O, LSE, H, stride_ob, stride_oh, stride_on, N, qk_scale, WORK, WORK_START, n_qtiles, mask, stride_ids) = shared
+    first, count = program_items(WORK_START, PERSISTENT)
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * ROWS_PER_CONSUMER
     s_layout: gl.constexpr = mma_layout(BLOCK_N, 4)
     o_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)
@@ -310,11 +264,21 @@ def _persistent_consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, 
         mbarrier.arrive(turn.index(0), count=1)
     kv = 0  # key/value tiles of the items before: the ring position
     for i in range(count):
-        bh, start_m, num_tiles = _work_item(WORK, first + i, n_qtiles, BLOCK_M, N, BLOCK_N)
+        bh, start_m, first_tile, num_tiles = _work_item(WORK, first + i, n_qtiles, BLOCK_M, N, BLOCK_N, mask, H,
+                                                        stride_ids, WINDOWED, DOCS)
         turns = kv + i
         row0 = start_m + ME * ROWS_PER_CONSUMER
         rows = row0 + gl.arange(0, ROWS_PER_CONSUMER, layout=gl.SliceLayout(1, s_layout))
-        full_tiles = row0 // BLOCK_N
+        full_tiles = row0 // BLOCK_N  # without masks: key tiles wholly at or before the first row need none
+        if WINDOWED or DOCS:  # the keys all of this consumer's rows see (rows past N: the last row's)
+            row_mask = _row_ids(_batch_ids(mask, (bh // H).to(gl.int64), stride_ids, DOCS), rows, N, DOCS)
+            _lo, _hi, full_lo, full_hi = _key_span(gl.minimum(row0, N - 1),
+                                                   gl.minimum(row0 + ROWS_PER_CONSUMER, N) - 1, row_mask, N,
+                                                   WINDOWED, DOCS)
+            masked0 = _needs_mask(first_tile * BLOCK_N, full_lo, full_hi, BLOCK_N)
+        else:
+            row_mask = mask
+            masked0 = 0 >= full_tiles
         if SKIP:  # this consumer's own key tiles: up to its last row
             my_tiles = gl.cdiv(gl.minimum(row0 + ROWS_PER_CONSUMER, N), BLOCK_N)
         else:
@@ -325,11 +289,18 @@ def _persistent_consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, 
         mbarrier.wait(q_ready.index(ME), i & 1)
 
         p16, m_i, l_i = _first_scores(q, k_smem, k_ready, turn, kv, turns & 1, ME, NEXT, STAGES, no_scores, m_i, l_i,
-                                      rows, cols, 0 >= full_tiles, qk_scale, p_layout, PACK_P)
+                                      rows, cols, first_tile * BLOCK_N, masked0, qk_scale, p_layout, PACK_P, row_mask,
+                                      WINDOWED, DOCS)
         for j in range(1, my_tiles):  # this consumer's own key tiles
+            key0 = (first_tile + j) * BLOCK_N
+            if WINDOWED or DOCS:
+                masked = _needs_mask(key0, full_lo, full_hi, BLOCK_N)
+            else:
+                masked = j >= full_tiles
             acc, p16, m_i, l_i = _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, kv + j,
                                                 (turns + j) & 1, ME, NEXT, STAGES, no_scores, acc, p16, m_i, l_i, rows,
-                                                cols, j * BLOCK_N, j >= full_tiles, qk_scale, p_layout, row_o, PACK_P)
+                                                cols, key0, masked, qk_scale, p_layout, row_o, PACK_P, row_mask,
+                                                WINDOWED, DOCS)
         mbarrier.arrive(q_empty.index(ME), count=1)  # every S of this item has retired: the producer may reload Q
         acc = _last_pv(v_smem, v_ready, turn, kv + my_tiles - 1, (turns + my_tiles) & 1, ME, NEXT, STAGES, acc, p16)
         mbarrier.arrive(kv_empty.index((kv + my_tiles - 1) % STAGES), count=1)
@@ -344,13 +315,18 @@ def _persistent_consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, 
 
 
 @gluon.jit
-def _persistent_producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                         STAGES: gl.constexpr):
-    """_producer over this program's items. It makes each item's descriptors (another head's rows) once the
-    copies through the previous ones have landed, and loads each consumer's Q once that consumer's last S of the
-    previous item has retired (q_empty), so the next item's loads run while the consumers finish the last."""
+def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr, WINDOWED: gl.constexpr,
+              DOCS: gl.constexpr):
+    """The producer warp, over this program's items: each consumer's Q rows, then K_j, V_j into buffer j % STAGES as
+    soon as every consumer has released what the buffer held (tile j − STAGES); rows past the end read as 0 (TMA). It
+    makes each item's descriptors (another head's rows) once the copies through the previous ones have landed, and
+    loads each consumer's Q once that consumer's last S of the previous item has retired (q_empty), so the next
+    item's loads run while the consumers finish the last. GQA: query head h reads K/V head h // group."""
     (Q, K, V, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, H, N, WORK, first, count, n_qtiles) = loads
+     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, H, N, WORK, WORK_START, n_qtiles,
+     mask, stride_ids, group) = loads
+    first, count = program_items(WORK_START, PERSISTENT)
     dtype: gl.constexpr = q_smem.dtype
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * ROWS_PER_CONSUMER
     q_bytes: gl.constexpr = ROWS_PER_CONSUMER * HEAD_DIM * dtype.primitive_bitwidth // 8
@@ -359,9 +335,14 @@ def _persistent_producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.conste
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     kv = 0
     for i in range(count):
-        bh, start_m, num_tiles = _work_item(WORK, first + i, n_qtiles, BLOCK_M, N, BLOCK_N)
+        bh, start_m, first_tile, num_tiles = _work_item(WORK, first + i, n_qtiles, BLOCK_M, N, BLOCK_N, mask, H,
+                                                        stride_ids, WINDOWED, DOCS)
         b = (bh // H).to(gl.int64)
         h = (bh % H).to(gl.int64)
+        if GQA:
+            h_kv = h // group
+        else:
+            h_kv = h
         if i > 0:  # the descriptors are rewritten in place: every copy through them must have landed, i.e. the
             # previous item's Q tiles and the K/V tiles still in the ring (older ones were consumed before reuse)
             for c in gl.static_range(NUM_CONSUMERS):
@@ -370,8 +351,8 @@ def _persistent_producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.conste
                 mbarrier.wait(k_ready.index(t % STAGES), (t // STAGES) & 1)
                 mbarrier.wait(v_ready.index(t % STAGES), (t // STAGES) & 1)
         q_desc = head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, ROWS_PER_CONSUMER, HEAD_DIM, q_layout)
-        k_desc = head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, BLOCK_N, HEAD_DIM, kv_layout)
-        v_desc = head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, BLOCK_N, HEAD_DIM, kv_layout)
+        k_desc = head_rows(K, b, h_kv, stride_kb, stride_kh, stride_kn, N, BLOCK_N, HEAD_DIM, kv_layout)
+        v_desc = head_rows(V, b, h_kv, stride_vb, stride_vh, stride_vn, N, BLOCK_N, HEAD_DIM, kv_layout)
         for c in gl.static_range(NUM_CONSUMERS):
             mbarrier.wait(q_empty.index(c), (i & 1) ^ 1)  # a fresh barrier passes parity 1
             mbarrier.expect(q_ready.index(c), q_bytes)
@@ -381,24 +362,26 @@ def _persistent_producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.conste
             stage = t % STAGES
             mbarrier.wait(kv_empty.index(stage), ((t // STAGES) & 1) ^ 1)
             mbarrier.expect(k_ready.index(stage), kv_bytes)
-            tma_load(k_desc, [j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+            tma_load(k_desc, [(first_tile + j) * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
             mbarrier.expect(v_ready.index(stage), kv_bytes)
-            tma_load(v_desc, [j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+            tma_load(v_desc, [(first_tile + j) * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
         kv += num_tiles
 
 
 @gluon.jit
-def persistent_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
-                           stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                           stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-                           H, N, n_qtiles, qk_scale,
-                           HEAD_DIM: gl.constexpr, NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
-                           STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                           SKIP: gl.constexpr):
-    """Program p computes items WORK[WORK_START[p] : WORK_START[p+1]] (item = bh · n_qtiles + query tile)."""
+def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
+                        stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                        stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
+                        H, N, n_qtiles, qk_scale, group, IDS, stride_ids, window, steps,
+                        HEAD_DIM: gl.constexpr, NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
+                        STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                        SKIP: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr, WINDOWED: gl.constexpr,
+                        DOCS: gl.constexpr):
+    """Program p computes items WORK[WORK_START[p] : WORK_START[p+1]] (item = bh · n_qtiles + query tile): causal
+    attention of one tile of 64·NUM_CONSUMERS query rows of one (batch, head) each. H: query heads; GQA: K/V head
+    h // group. WINDOWED: keys i − window < j; DOCS: keys of the row's document, IDS (B, N) non-decreasing int32
+    rows stride_ids apart, searched in `steps` >= log2(N + 1) halvings. Without them the last five are unused."""
     dtype: gl.constexpr = Q.dtype.element_ty
-    first = gl.load(WORK_START + gl.program_id(0))
-    count = gl.load(WORK_START + gl.program_id(0) + 1) - first
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS_PER_CONSUMER, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, ROWS_PER_CONSUMER, HEAD_DIM], q_layout)
@@ -419,23 +402,30 @@ def persistent_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=NUM_CONSUMERS)
     fence_async_shared()
+    mask = (window, 0, IDS, steps, N)  # the rows' own document ids (the 0) are filled in per item by the consumers
 
     shared = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-              O, LSE, H, stride_ob, stride_oh, stride_on, N, qk_scale, WORK, first, count, n_qtiles)
+              O, LSE, H, stride_ob, stride_oh, stride_on, N, qk_scale, WORK, WORK_START, n_qtiles, mask, stride_ids)
     loads = (Q, K, V, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-             q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, H, N, WORK, first, count, n_qtiles)
+             q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, H, N, WORK, WORK_START, n_qtiles,
+             mask, stride_ids, group)
     if NUM_CONSUMERS == 2:
         gl.warp_specialize(
-            [(_persistent_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP)),
-             (_persistent_consumer, (shared, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP)),
-             (_persistent_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES))],
+            [(_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
+                          WINDOWED, DOCS)),
+             (_consumer, (shared, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
+                          WINDOWED, DOCS)),
+             (_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT, GQA, WINDOWED, DOCS))],
             [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize(
-            [(_persistent_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP)),
-             (_persistent_consumer, (shared, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP)),
-             (_persistent_consumer, (shared, gl.constexpr(2), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP)),
-             (_persistent_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES))],
+            [(_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
+                          WINDOWED, DOCS)),
+             (_consumer, (shared, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
+                          WINDOWED, DOCS)),
+             (_consumer, (shared, gl.constexpr(2), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
+                          WINDOWED, DOCS)),
+             (_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT, GQA, WINDOWED, DOCS))],
             [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -445,20 +435,56 @@ def query_tile_costs(n: int, block_m: int, block_n: int) -> tuple[float, ...]:
     return tuple(float(-(-min((t + 1) * block_m, n) // block_n)) for t in range(-(-n // block_m)))
 
 
+def _launch(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float, consumers: int, block_n: int,
+            stages: int, work: Tensor, work_start: Tensor, persistent: bool, window: int | None = None,
+            document_ids: Tensor | None = None) -> None:
+    B, H, N, D = q.shape
+    masks = window is not None or document_ids is not None
+    skip = persistent and not masks and consumers_can_stop_early(consumers, block_n)
+    if skip and stages < 2:  # a consumer past its diagonal releases a ring buffer the others finished two tiles before
+        raise ValueError(f"the persistent forward with {consumers} consumers needs at least 2 stages, got {stages}")
+    ids = work if document_ids is None else document_ids  # a placeholder pointer where there are no documents
+    pingpong_fwd_kernel[(work_start.numel() - 1,)](
+        q, k, v, o, lse, work, work_start, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), H, N,
+        -(-N // (consumers * ROWS_PER_CONSUMER.value)), qk_scale, H // k.shape[1], ids,
+        0 if document_ids is None else document_ids.stride(0), window or 0, N.bit_length() if masks else 0,
+        HEAD_DIM=D, NUM_CONSUMERS=consumers, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
+        PRODUCER_REGS=PRODUCER_REGS, SKIP=skip, PERSISTENT=persistent, GQA=k.shape[1] != H,
+        WINDOWED=window is not None, DOCS=document_ids is not None, num_warps=4)
+
+
+def launch_forward_pingpong(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float, consumers: int,
+                            block_n: int, stages: int) -> None:
+    """Write causal attention of q, k, v (B, H, N, D) into o (q's shape) and lse ((B, H, N) fp32, contiguous, base 2),
+    one program per query tile, as a plain grid: within each head the last query tiles (most keys) first.
+    qk_scale = softmax scale · log2(e). The caller checks the scope (launch.specialized_ready) and has set
+    Triton's scratch allocator for the device-side TMA descriptors."""
+    B, H, N, _ = q.shape
+    n_qtiles = -(-N // (consumers * ROWS_PER_CONSUMER.value))
+    work, work_start = device_one_each(B * H, tuple(reversed(range(n_qtiles))), q.device)
+    _launch(q, k, v, o, lse, qk_scale, consumers, block_n, stages, work, work_start, persistent=False)
+
+
 def launch_forward_persistent(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float,
                               consumers: int, block_n: int, stages: int, programs: int | None = None) -> None:
     """launch_forward_pingpong's contract, on one program per SM (or `programs`) walking schedule.py's
     work list (an item costing its key tiles, query_tile_costs)."""
-    if stages < 2:  # a consumer past its diagonal releases a ring buffer the others finished two tiles before
-        raise ValueError(f"the persistent forward needs at least 2 stages, got {stages}")
-    B, H, N, D = q.shape
-    block_m = consumers * ROWS_PER_CONSUMER.value
-    n_qtiles = -(-N // block_m)
-    programs = min(programs or sm_count(q.device), B * H * n_qtiles)
-    work, work_start = device_schedule(B * H, query_tile_costs(N, block_m, block_n), programs, q.device)
-    persistent_fwd_kernel[(programs,)](
-        q, k, v, o, lse, work, work_start, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-        k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), H, N, n_qtiles,
-        qk_scale, HEAD_DIM=D, NUM_CONSUMERS=consumers, BLOCK_N=block_n, STAGES=stages,
-        CONSUMER_REGS=CONSUMER_REGS[consumers], PRODUCER_REGS=PRODUCER_REGS,
-        SKIP=consumers_can_stop_early(consumers, block_n), num_warps=4)
+    B, H, N, _ = q.shape
+    costs = query_tile_costs(N, consumers * ROWS_PER_CONSUMER.value, block_n)
+    programs = min(programs or sm_count(q.device), B * H * len(costs))
+    work, work_start = device_schedule(B * H, costs, programs, q.device)
+    _launch(q, k, v, o, lse, qk_scale, consumers, block_n, stages, work, work_start, persistent=True)
+
+
+def launch_forward_masked(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float, consumers: int,
+                          block_n: int, stages: int, window: int | None, document_ids: Tensor | None) -> None:
+    """launch_forward_pingpong's contract with GQA (k, v with H / group heads) and the masks: `window` (keys
+    i − window < j) and `document_ids` ((B, N) int32, non-decreasing, rows with a contiguous last dimension; keys of
+    the row's document), as a plain grid (the key tiles per query tile depend on the ids, so no work list is
+    balanced on the host). Each query tile visits only the key tiles its rows see, found on the device."""
+    B, H, N, _ = q.shape
+    n_qtiles = -(-N // (consumers * ROWS_PER_CONSUMER.value))
+    work, work_start = device_one_each(B * H, tuple(reversed(range(n_qtiles))), q.device)
+    _launch(q, k, v, o, lse, qk_scale, consumers, block_n, stages, work, work_start, persistent=False, window=window,
+            document_ids=document_ids)

@@ -80,3 +80,13 @@ def device_schedule(heads: int, position_costs: tuple[float, ...], programs: int
 def sm_count(device: torch.device) -> int:
     """The GPU's SMs: a persistent kernel's programs."""
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=32)
+def device_one_each(heads: int, positions: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
+    """A plain grid as a work list: one item per program, head after head, each head's items at `positions` in
+    that order (the hardware starts programs in order, so the first positions start first)."""
+    per_head = len(positions)
+    items = torch.tensor(positions, dtype=torch.int32).repeat(heads) \
+        + torch.arange(heads, dtype=torch.int32).repeat_interleave(per_head) * per_head
+    return items.to(device), torch.arange(heads * per_head + 1, dtype=torch.int32, device=device)
