@@ -99,9 +99,9 @@ TINY = Variant(
                    "8k": ("seq_len=256", "batch_size=8", "max_steps=12"),
                    "32k": ("seq_len=512", "batch_size=4", "max_steps=16"),
                    "64k": ("seq_len=1024", "batch_size=2", "max_steps=20")},
-    tokens_per_s={128: 2e4, 256: 2e4, 512: 1.5e4, 1024: 1e4},
-    start_s=10.0, prepare_s=20.0, reserve_s=5.0, budget_minutes=10.0,
-    eval_seconds={"baseline-sliding": 10.0, "final-loss": 20.0, "passkey-filler": 10.0, "passkey-pycode": 10.0},
+    tokens_per_s={128: 1e4, 256: 1e4, 512: 1e4, 1024: 1e4},
+    start_s=15.0, prepare_s=20.0, reserve_s=5.0, budget_minutes=10.0,
+    eval_seconds={"baseline-sliding": 15.0, "final-loss": 30.0, "passkey-filler": 20.0, "passkey-pycode": 20.0},
     length=1024, sliding=128, goal_far=(512, 1024), goal_near=(64, 128), goal_far_second=(256, 512),
     passkey_lengths=(256, 512, 1024, 2048), keys=1, depths=(0.0, 0.5, 1.0), resamples=200)
 VARIANTS = {v.name: v for v in (FULL, TINY)}

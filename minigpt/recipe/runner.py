@@ -4,7 +4,8 @@ Each item is the first one not done (state.todo): the data (in this process), a 
 process of its own, `python -m minigpt`), an evaluation (`python -m minigpt.eval`). A run gets the steps the time
 left allows by the plan's estimates; if it runs late anyway, it is sent SIGTERM `reserve` seconds before the
 budget ends, and then, as on any stop, it finishes its step, writes a checkpoint and exits: the next invocation
-resumes it. An evaluation starts only if its estimate fits what is left (or nothing else ran yet).
+resumes it. An evaluation starts only if its estimate fits what is left (or nothing else ran yet); one stopped at
+the budget is done again, whole, by the next invocation.
 
 Every command goes into recipe.log in the output directory, with its exit code and seconds, and its output into
 logs/<segment>-<item>.log; the lines that matter (the trainer's evals and last line, the evaluations' goal figures
@@ -76,7 +77,7 @@ class Invocation:
     # the loop
     # ---------------------------------------------------------------------------------------------
     def run(self) -> str:
-        """Items until the budget or the end; returns why it ended: "done", "budget" or "stopped" (a run was
+        """Items until the budget or the end; returns why it ended: "done", "budget" or "stopped" (a command was
         stopped at the budget)."""
         self.number = len(self.state.segments) + 1
         self.sync()
@@ -93,14 +94,13 @@ class Invocation:
                 return "stopped"
 
     def do(self, item: Item) -> bool:
-        """Do one item; False when a run was stopped at the budget."""
+        """Do one item; False when its command was stopped at the budget."""
         if isinstance(item, Prepare):
             self.prepare()
             return True
         if isinstance(item, Train):
             return self.train(item)
-        self.evaluate(item)
-        return True
+        return self.evaluate(item)
 
     def sync(self) -> None:
         """Each run's step from its checkpoints (a stopped or killed command may have left newer ones than the
@@ -165,18 +165,18 @@ class Invocation:
         rate = self.measured_rate(run) if reached - item.first >= 5 else None
         if rate:
             self.state.measured[str(run.seq_len)] = rate
-        stopped = stopped and reached < item.last
+        stopped = stopped and reached < item.last  # a run that reached its last step is done, however it ended
         self.did.append(f"{run.name} {item.first} -> {reached}" + (" (stopped at the budget)" if stopped else ""))
         self.state.save(self.out)
         planned = self.plan.variant.tokens_per_s.get(run.seq_len)
         speed = (f"; {rate:,.0f} tokens/s" + (f" (planned {planned:,.0f})" if planned else "")) if rate else ""
-        if stopped and rc in (0, ExitCode.SIGNAL_BASE + signal.SIGTERM):
+        if stopped:  # whatever its exit code (one stopped while it starts dies of SIGTERM): its checkpoints count
             if reached == item.first and alone:
                 raise CommandFailed(f"{name}: no step done within the budget ({seconds:.0f} s); raise "
                                     f"--budget-minutes", 1)
             self.log(f"{name}: stopped at the budget at step {reached}{speed}")
             return False
-        if rc != 0:
+        if rc != 0 and reached < item.last:
             raise CommandFailed(f"{name} failed (exit {rc}): see {self.out / 'logs'}; fix what it says, then run "
                                 f"the recipe again to continue", _exit_code(rc))
         self.log(f"{name}: done in {seconds:.0f} s{speed}")
@@ -189,17 +189,22 @@ class Invocation:
             return None
         return summary.get("tokens_per_s")
 
-    def evaluate(self, item: Evaluation) -> None:
+    def evaluate(self, item: Evaluation) -> bool:
+        """Its commands; False when one was stopped at the budget (the next invocation does it again, whole)."""
         reads = self.out / self.plan.run(item.reads).folder / "checkpoints"
         if not list_checkpoints(reads):
             raise RecipeError(f"{item.name} reads {item.reads}'s model, and {reads} has no checkpoint (a fresh "
                               f"machine?); --import the export that holds it, or start over in a new --out")
         began = time.monotonic()
         for argv in self.plan.eval_commands(item):
-            rc, stopped, _ = self.command(argv, item.name, self.left() - self.plan.variant.reserve_s)
+            alone = not self.did
+            rc, stopped, seconds = self.command(argv, item.name, self.left() - self.plan.variant.reserve_s)
+            if stopped and alone:
+                raise CommandFailed(f"{item.name}: stopped at the budget after {seconds:.0f} s, before it finished; "
+                                    f"raise --budget-minutes", 1)
             if stopped:
-                raise CommandFailed(f"{item.name}: stopped at the budget before it finished; run the recipe again "
-                                    f"(with a larger --budget-minutes if it keeps happening)", 1)
+                self.log(f"{item.name}: stopped at the budget before it finished; the next segment does it again")
+                return False
             if rc != 0:
                 raise CommandFailed(f"{item.name} failed (exit {rc}): see {self.out / 'logs'}; fix what it says, "
                                     f"then run the recipe again to continue", _exit_code(rc))
@@ -208,6 +213,7 @@ class Invocation:
         self.did.append(item.name)
         self.state.save(self.out)
         self.log(f"{item.name}: done in {seconds:.0f} s")
+        return True
 
     # ---------------------------------------------------------------------------------------------
     # a command
