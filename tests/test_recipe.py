@@ -149,22 +149,31 @@ def test_weights_cross_a_handoff_in_bf16_and_come_back_as_a_checkpoint_the_train
 
     cfg = tiny_config("max_steps=7")
     model = GPT(cfg.model, 300, get_attention("sdpa"))
+    trained = make_optimizer(model, cfg, torch.device("cpu"))
+    for _ in range(3):  # moments to hand off
+        model(torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))).backward()
+        trained.step()
+        trained.zero_grad()
     blob, tensors, tied = pack_weights(model.state_dict())
     back = unpack_weights(blob, tensors, tied)
     assert tied == {"lm_head.weight": "wte.weight"} and back["lm_head.weight"] is back["wte.weight"]
     assert all(torch.equal(back[k], v.bfloat16().float()) for k, v in model.state_dict().items())
 
     run_ = Run("r", "p", "r", None, 128, 4, 0, 7, {}, (), "")
-    save_checkpoint(tmp_path / "out" / "r" / "checkpoints", 7, model, make_optimizer(model, cfg, torch.device("cpu")),
-                    asdict(cfg))
+    save_checkpoint(tmp_path / "out" / "r" / "checkpoints", 7, model, trained, asdict(cfg))
     export_weights(tmp_path / "out", run_, tmp_path / "h")
     manifest = json.loads((tmp_path / "h" / "weights.json").read_text())
     path = rebuild_checkpoint(tmp_path / "h", manifest, tmp_path / "fresh" / "checkpoints")
     state = load_checkpoint(path)
     again = GPT(cfg.model, 300, get_attention("sdpa"))
     optimizer = make_optimizer(again, cfg, torch.device("cpu"))
-    assert restore(state, path, again, optimizer, asdict(cfg)["model"]) == 7 and not optimizer.state_dict()["state"]
+    assert restore(state, path, again, optimizer, asdict(cfg)["model"]) == 7
     assert all(torch.equal(a, b.bfloat16().float()) for a, b in zip(again.parameters(), model.parameters()))
+    # AdamW restarts from its step and each tensor's mean second moment, with a first moment of zero
+    for p, q in zip(again.parameters(), model.parameters()):
+        new, old = optimizer.state[p], trained.state[q]
+        assert float(new["step"]) == float(old["step"]) == 3 and not new["exp_avg"].any()
+        assert torch.allclose(new["exp_avg_sq"], old["exp_avg_sq"].mean().expand_as(p))
     (tmp_path / "h" / "weights.00").write_bytes(b"damaged")
     with pytest.raises(RuntimeError, match="weights.00 is missing or damaged"):
         rebuild_checkpoint(tmp_path / "h", manifest, tmp_path / "other")

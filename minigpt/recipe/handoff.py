@@ -11,14 +11,16 @@ this recipe was planned for: at most 8 files of 16 MiB). An export is
                               or read) as bf16 weights: the tensors' bytes, all high bytes (sign and exponent, which
                               compress well) then all low bytes, zlib, cut into parts of at most PART_BYTES; the
                               manifest has the tensors, their shapes, tied names, the checkpoint's step and config,
-                              and each part's size and digest
+                              each part's size and digest, and AdamW's state in a few numbers (its step, each
+                              parameter's mean second moment)
 
-small-6l's 21.0M parameters are 40 MiB in bf16, about 29 MiB compressed. An import unpacks the files and rebuilds
-that checkpoint with the trainer's own save_checkpoint: the weights back in fp32 and a fresh AdamW, whose moments
-start from zero as a new run's do. The run then resumes from it (resume=auto) at the same step, with the same
-batches (a batch is a function of the step) and the same schedule; only the optimizer's moments and the weights'
-bits below bf16 are lost, so hand off where a stage ends when you can. An import is skipped when the directory's
-own state is as new (a machine that kept its disk).
+small-6l's 21.0M parameters are 40 MiB in bf16, about 29 MiB compressed. An import unpacks the files and rebuilds that checkpoint with the trainer's
+own save_checkpoint: the weights back in fp32, AdamW restarted from its step and mean second moments with a first
+moment of zero (restart_adam: about ten steps of warmup, no full-size first step). The run then resumes from it
+(resume=auto) at the same step, with the same batches (a batch is a function of the step) and the same schedule;
+what is lost is the weights' bits below bf16 and the optimizer's moments beyond those means, so hand off where a
+stage ends when you can. An import is skipped when the directory's own state is as new (a machine that kept its
+disk).
 """
 from __future__ import annotations
 
@@ -93,6 +95,28 @@ def _digest(data: bytes) -> str:
     return hashlib.blake2b(data).hexdigest()
 
 
+def adam_summary(optimizer: dict) -> dict | None:
+    """AdamW's state in a few numbers: its step and each parameter's mean second moment (in the optimizer's order),
+    None for an optimizer that has taken no step."""
+    state = [optimizer["state"][k] for k in sorted(optimizer["state"], key=int)]
+    if not state or any("exp_avg_sq" not in s for s in state):
+        return None
+    return {"step": float(state[0]["step"]), "exp_avg_sq_mean": [float(s["exp_avg_sq"].float().mean()) for s in state]}
+
+
+def restart_adam(optimizer: torch.optim.Optimizer, summary: dict | None) -> None:
+    """Give a fresh AdamW the step and the mean second moments of `summary`, and a first moment of zero: with no bias
+    correction left to undo at that step, its first update is a tenth of a normal one and grows as the first moment
+    fills (beta1 = 0.9): a warmup of about ten steps instead of a full-size first step."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if summary is None or len(summary["exp_avg_sq_mean"]) != len(params):
+        return
+    step = torch.tensor(summary["step"], dtype=torch.float32)
+    state = {i: {"step": step.clone(), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.full_like(p, v)}
+             for i, (p, v) in enumerate(zip(params, summary["exp_avg_sq_mean"]))}
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+
+
 # --------------------------------------------------------------------------------------------
 # export
 # --------------------------------------------------------------------------------------------
@@ -152,7 +176,8 @@ def export_weights(out: Path, run: Run, dest: Path) -> list[Path]:
         parts.append({"file": part.name, "bytes": len(data), "blake2b": _digest(data)})
     manifest = {"format": 1, "run": run.name, "folder": run.folder, "checkpoint": path.name, "step": ckpt["step"],
                 "dtype": "bfloat16", "layout": "high bytes then low bytes, zlib", "byteorder": sys.byteorder,
-                "tensors": tensors, "tied": tied, "parts": parts, "config": ckpt["config"]}
+                "tensors": tensors, "tied": tied, "parts": parts, "config": ckpt["config"],
+                "adam": adam_summary(ckpt["optimizer"])}
     atomic_write_text(dest / WEIGHTS, json.dumps(manifest, indent=1) + "\n")
     return [dest / p["file"] for p in parts] + [dest / WEIGHTS]
 
@@ -200,7 +225,7 @@ def unpack(tar: tarfile.TarFile, out: Path) -> None:
 
 
 def rebuild_checkpoint(src: Path, manifest: dict, ckpt_dir: Path) -> Path:
-    """The trainer's checkpoint of the exported weights, with a fresh AdamW, in ckpt_dir."""
+    """The trainer's checkpoint of the exported weights in ckpt_dir, its AdamW restarted (restart_adam)."""
     from minigpt.sample import model_from_checkpoint
     from minigpt.train import make_optimizer
 
@@ -225,4 +250,6 @@ def rebuild_checkpoint(src: Path, manifest: dict, ckpt_dir: Path) -> Path:
     model.to(device)
     settings = TrainConfig(lr=config["lr"], weight_decay=config["weight_decay"], beta1=config["beta1"],
                            beta2=config["beta2"])
-    return save_checkpoint(ckpt_dir, int(manifest["step"]), model, make_optimizer(model, settings, device), config)
+    optimizer = make_optimizer(model, settings, device)
+    restart_adam(optimizer, manifest.get("adam"))
+    return save_checkpoint(ckpt_dir, int(manifest["step"]), model, optimizer, config)
