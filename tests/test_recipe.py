@@ -12,6 +12,7 @@ import torch
 
 from minigpt.checkpoint import list_checkpoints, step_of
 from minigpt.compose import compose
+from minigpt.config import ConfigError
 from minigpt.recipe.cli import main, run
 from minigpt.recipe.plan import FULL, TINY, Evaluation, Plan, Prepare, Run, Train, build_plan
 from minigpt.recipe.state import STATE_FILE, RecipeState
@@ -80,6 +81,16 @@ def test_the_plan_trains_small_6l_to_64k_in_stages_beside_a_2k_baseline_of_the_s
     assert f"segment {len(segments)}," in printed and "total: ~" in printed and not (tmp_path / "lc").exists()
     assert "model.rope_base=10000 -> 1e+06" in printed
 
+    tiny = build_plan(TINY, tmp_path / "lc").fingerprint()
+    with pytest.raises(ConfigError, match="started by another plan .its variant: tiny, now: full.; continue it with "
+                                          "--tiny as it was started"):
+        RecipeState(tiny, runs={"baseline": 4}).check(plan, plan.out)
+    untouched = RecipeState(tiny)  # nothing trained or evaluated there yet: the new plan is taken
+    untouched.check(plan, plan.out)
+    assert untouched.plan == plan.fingerprint()
+    assert main(["--out", str(tmp_path / "lc"), "--budget-minutes", "0.5"]) == 2  # less than the reserve
+    assert "--budget-minutes 0.5: must leave more than the 60 s" in capsys.readouterr().err
+
 
 @pytest.fixture
 def cache(tmp_path):
@@ -125,8 +136,9 @@ def test_the_tiny_recipe_goes_segment_by_segment_on_fresh_directories_to_its_eva
 
 
 def test_a_run_late_for_its_budget_is_stopped_at_a_checkpoint_and_resumed(tmp_path, cache):
+    endless = ("seq_len=128", "batch_size=16", "max_steps=100000")
     late = replace(TINY, tokens_per_s={n: 1e9 for n in TINY.tokens_per_s},  # planned as if it were instant
-                   run_overrides={**TINY.run_overrides, "baseline": ("seq_len=128", "batch_size=16", "max_steps=100000")})
+                   run_overrides={**TINY.run_overrides, "baseline": endless})
     plan = build_plan(late, tmp_path / "late", (cache,))
     assert run(plan, None, None, "m", budget_s=90.0) == 0
     ckpts = [step_of(p) for p in list_checkpoints(plan.out / "baseline" / "checkpoints") if p.suffix == ".pt"]

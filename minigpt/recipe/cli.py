@@ -59,6 +59,10 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min"
 
 
+def _tokens(n: int) -> str:
+    return f"{n / 1e6:.0f}M" if n >= 10**7 else f"{n:,}"
+
+
 def describe_item(plan: Plan, item, seconds: float) -> str:
     if isinstance(item, Prepare):
         return f"prepare the data (~{_minutes(seconds)})"
@@ -80,7 +84,7 @@ def describe(plan: Plan, state: RecipeState, machine: str, budget_s: float) -> s
         status = "done" if step >= r.end else f"at step {step}" if step > r.start else "to do"
         lines.append(f"  {r.name:<9} {length_label(r.seq_len):>4} x {r.batch_size:<3} steps {r.start:>5} -> "
                      f"{r.end:<5} {start}{': ' + changed if changed else ''} "
-                     f"(configs/recipe/{r.preset}.yaml; {r.tokens_per_step * (r.end - r.start) / 1e6:.0f}M tokens) "
+                     f"(configs/recipe/{r.preset}.yaml; {_tokens(r.tokens_per_step * (r.end - r.start))} tokens) "
                      f"[{status}]")
     lines.append("evaluations:")
     lines += [f"  {e.name:<17} {e.what} [{'done' if e.name in state.evaluations else 'to do'}]"
@@ -153,6 +157,7 @@ def run(plan: Plan, import_dir: Path | None, export_dir: Path | None, machine: s
             if import_dir is not None:
                 import_handoff(import_dir, plan.out, plan)
             state = RecipeState.read(plan.out / STATE_FILE) or RecipeState(plan.fingerprint())
+            state.check(plan, plan.out)
             invocation = Invocation(plan, state, machine, budget_s - (time.monotonic() - began))
             try:
                 ended = invocation.run()

@@ -14,13 +14,13 @@ this recipe was planned for: at most 8 files of 16 MiB). An export is
                               each part's size and digest, and AdamW's state in a few numbers (its step, each
                               parameter's mean second moment)
 
-small-6l's 21.0M parameters are 40 MiB in bf16, about 29 MiB compressed. An import unpacks the files and rebuilds that checkpoint with the trainer's
-own save_checkpoint: the weights back in fp32, AdamW restarted from its step and mean second moments with a first
-moment of zero (restart_adam: about ten steps of warmup, no full-size first step). The run then resumes from it
-(resume=auto) at the same step, with the same batches (a batch is a function of the step) and the same schedule;
-what is lost is the weights' bits below bf16 and the optimizer's moments beyond those means, so hand off where a
-stage ends when you can. An import is skipped when the directory's own state is as new (a machine that kept its
-disk).
+small-6l's 21.0M parameters are 40 MiB in bf16, 28 MiB compressed as initialized. An import unpacks the files and
+rebuilds that checkpoint with the trainer's own save_checkpoint: the weights back in fp32, AdamW restarted from its
+step and mean second moments with a first moment of zero (restart_adam: about ten steps of warmup, no full-size
+first step). The run then resumes from it (resume=auto) at the same step, with the same batches (a batch is a
+function of the step) and the same schedule; what is lost is the weights' bits below bf16 and the optimizer's
+moments beyond those means, so hand off where a stage ends when you can. An import is skipped when the directory's
+own state is as new (a machine that kept its disk).
 """
 from __future__ import annotations
 

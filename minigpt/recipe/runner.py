@@ -27,7 +27,7 @@ from typing import Callable
 from minigpt.checkpoint import list_checkpoints, step_of
 from minigpt.config import ConfigError
 from minigpt.files import atomic_write_text
-from minigpt.recipe.plan import FINAL, Evaluation, Item, Plan, Prepare, Train, quoted, shown
+from minigpt.recipe.plan import FINAL, Evaluation, Item, Plan, Prepare, Run, Train, quoted, shown
 from minigpt.recipe.state import RecipeError, RecipeState
 from minigpt.signals import Interrupted, own_group, stop_group
 from minigpt.summary import SUMMARY_FILE, ExitCode
@@ -138,7 +138,7 @@ class Invocation:
         cfg = compose([*base, f"data.tokenizer={quoted(self.plan.tokenizer)}"], machine=False)
         data = build_data(cfg.data, cfg.seq_len, cfg.seed)
         self.state.tokens = {"train": int(len(data.train)), "val": int(len(data.val))}
-        self.state.prepared.append(self.machine)
+        self.state.prepared = [*[m for m in self.state.prepared if m != self.machine], self.machine]
         tokens = self.plan.run(FINAL).tokens_per_step * self.plan.run(FINAL).end
         self.log(f"prepare: {len(data.train):,} training tokens; the chain's {tokens:,} (and the baseline's) pass over "
                  f"them {tokens / len(data.train):.2g} times ({time.monotonic() - began:.0f} s)")
@@ -158,7 +158,7 @@ class Invocation:
         run, alone = item.run, not self.did
         argv = self.plan.train_command(item, self.resume_from(item))
         name = f"{run.name} steps {item.first} -> {item.last}"
-        rc, stopped, seconds = self.command(argv, run.name, self.left() - self.plan.variant.reserve_s)
+        rc, stopped, seconds, log = self.command(argv, run.name, self.left() - self.plan.variant.reserve_s)
         steps = [step_of(p) for p in list_checkpoints(self.out / run.folder / "checkpoints") if p.is_file()]
         reached = max([*steps, self.state.step(run)])
         self.state.runs[run.name] = reached
@@ -177,12 +177,13 @@ class Invocation:
             self.log(f"{name}: stopped at the budget at step {reached}{speed}")
             return False
         if rc != 0 and reached < item.last:
-            raise CommandFailed(f"{name} failed (exit {rc}): see {self.out / 'logs'}; fix what it says, then run "
-                                f"the recipe again to continue", _exit_code(rc))
+            raise CommandFailed(f"{name} failed (exit {rc}): see {log}; fix what it says, then run the recipe again "
+                                f"to continue", _exit_code(rc))
         self.log(f"{name}: done in {seconds:.0f} s{speed}")
         return True
 
-    def measured_rate(self, run) -> float | None:
+    def measured_rate(self, run: Run) -> float | None:
+        """The tokens/s the run's last command measured (its summary's median step)."""
         try:
             summary = json.loads((self.out / run.folder / SUMMARY_FILE).read_text())
         except (OSError, ValueError):
@@ -198,7 +199,7 @@ class Invocation:
         began = time.monotonic()
         for argv in self.plan.eval_commands(item):
             alone = not self.did
-            rc, stopped, seconds = self.command(argv, item.name, self.left() - self.plan.variant.reserve_s)
+            rc, stopped, seconds, log = self.command(argv, item.name, self.left() - self.plan.variant.reserve_s)
             if stopped and alone:
                 raise CommandFailed(f"{item.name}: stopped at the budget after {seconds:.0f} s, before it finished; "
                                     f"raise --budget-minutes", 1)
@@ -206,8 +207,8 @@ class Invocation:
                 self.log(f"{item.name}: stopped at the budget before it finished; the next segment does it again")
                 return False
             if rc != 0:
-                raise CommandFailed(f"{item.name} failed (exit {rc}): see {self.out / 'logs'}; fix what it says, "
-                                    f"then run the recipe again to continue", _exit_code(rc))
+                raise CommandFailed(f"{item.name} failed (exit {rc}): see {log}; fix what it says, then run the recipe "
+                                    f"again to continue", _exit_code(rc))
         seconds = time.monotonic() - began
         self.state.evaluations[item.name] = {"seconds": round(seconds, 1)}
         self.did.append(item.name)
@@ -218,8 +219,8 @@ class Invocation:
     # ---------------------------------------------------------------------------------------------
     # a command
     # ---------------------------------------------------------------------------------------------
-    def command(self, argv: list[str], name: str, limit_s: float) -> tuple[int, bool, float]:
-        """Run argv, its output into logs/; SIGTERM at limit_s. (exit code, stopped at the limit, seconds)."""
+    def command(self, argv: list[str], name: str, limit_s: float) -> tuple[int, bool, float, Path]:
+        """Run argv, its output into logs/; SIGTERM at limit_s. (exit code, stopped at the limit, seconds, its log)."""
         log_path = self.out / "logs" / f"{self.number:02d}-{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         offset = log_path.stat().st_size if log_path.is_file() else 0
@@ -245,7 +246,7 @@ class Invocation:
         for line in re.split(r"[\r\n]+", output):
             if KEY_LINES.search(line.strip()):
                 self.say(f"  {line.strip()}")
-        return rc, stopped, seconds
+        return rc, stopped, seconds, log_path
 
 
 def _exit_code(rc: int) -> int:

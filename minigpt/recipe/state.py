@@ -7,7 +7,8 @@
      "prepared": ["<machine>"],                       # machines whose data cache holds the recipe's token streams
      "tokens": {"train": 37000000, "val": 3000000},   # the token streams' lengths
      "measured": {"2048": 1250000.0},                 # tokens/s by seq_len, from the runs' summaries
-     "segments": [{"number": 1, "machine": "...", "finished": "...", "seconds": 497.2, "did": [...], "ended": "budget"}]}
+     "segments": [{"number": 1, "machine": "...", "finished": "...", "seconds": 497.2, "did": [...],
+                   "ended": "budget"}]}
 
 It is written after every item, atomically, so an invocation that is killed loses at most the item it was in (and
 that run's checkpoints still say how far it got). `revision` orders states: --import takes a handoff only when it is
@@ -67,9 +68,13 @@ class RecipeState:
         atomic_write_text(out / STATE_FILE, json.dumps(asdict(self), indent=1) + "\n")
 
     def check(self, plan: Plan, out: Path) -> None:
-        """ConfigError (exit 2) if the directory was started by another plan: the variant, the overrides or a run."""
+        """ConfigError (exit 2) if the directory was started by another plan (the variant, the overrides or a run)
+        and has trained or evaluated something; one with nothing done yet takes the new plan."""
         theirs, ours = self.plan, plan.fingerprint()
         if theirs == ours:
+            return
+        if not self.runs and not self.evaluations:
+            self.plan = ours
             return
         what = next(k for k in ours if theirs.get(k) != ours.get(k))
         hint = {"variant": "--tiny as it was started, or not", "extra": f"the overrides {theirs.get('extra')}",
