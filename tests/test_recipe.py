@@ -99,20 +99,20 @@ def cache(tmp_path):
 
 def test_the_tiny_recipe_goes_segment_by_segment_on_fresh_directories_to_its_evaluations(tmp_path, cache, capsys):
     handoff = tmp_path / "handoff"
-    args = ["--tiny", "--budget-minutes", "1.5", "--export", str(handoff), "--", cache]
-    assert main(["--out", str(tmp_path / "a"), *args]) == 0
-    first = RecipeState.read(tmp_path / "a" / STATE_FILE)
-    assert first.segments[0]["did"][0] == "prepare" and (handoff / "weights.json").is_file()
+    common = ["--tiny", "--export", str(handoff), "--", cache]
+    assert main(["--out", str(tmp_path / "a"), "--budget-minutes", "0.75", *common]) == 0
+    assert RecipeState.read(tmp_path / "a" / STATE_FILE).segments[0]["did"][0] == "prepare"
     plan = build_plan(TINY, tmp_path / "a", (cache,))
     outs = []
     for i in range(10):  # each segment on a fresh directory ("machine"), from the last export
         outs.append(tmp_path / f"b{i}")
-        assert main(["--out", str(outs[-1]), "--import", str(handoff), *args]) == 0
+        assert main(["--out", str(outs[-1]), "--import", str(handoff), "--budget-minutes", "1.5", *common]) == 0
         state = RecipeState.read(outs[-1] / STATE_FILE)
         if not state.todo(plan, "another machine"):
             break
     out = outs[-1]
-    assert len(outs) >= 2 and "recipe done" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert len(state.segments) >= 2 and "continues from" in printed and "recipe done" in printed
     # every step of every run trained once, in pieces that continue each other; every evaluation done once
     for r in plan.runs:
         ps = pieces(state)[r.name]
@@ -131,7 +131,7 @@ def test_the_tiny_recipe_goes_segment_by_segment_on_fresh_directories_to_its_eva
     assert any("eval/loss_by_position/512-1024" in m for m in metrics)
     # nothing left: a re-run says so and changes nothing
     revision = state.revision
-    assert main(["--out", str(out), *args]) == 0
+    assert main(["--out", str(out), *common]) == 0
     assert RecipeState.read(out / STATE_FILE).revision == revision and "recipe done" in capsys.readouterr().out
 
 

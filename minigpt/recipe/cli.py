@@ -29,7 +29,7 @@ from minigpt.config import ConfigError
 from minigpt.data import DataError
 from minigpt.eval.passkey_grid import length_label
 from minigpt.recipe.handoff import export, import_handoff
-from minigpt.recipe.plan import FULL, TINY, Evaluation, Plan, Prepare, Train, build_plan, shown
+from minigpt.recipe.plan import FULL, TINY, Evaluation, Item, Plan, Prepare, Train, build_plan, shown
 from minigpt.recipe.runner import CommandFailed, Invocation, check_budget
 from minigpt.recipe.state import STATE_FILE, RecipeError, RecipeState, machine_id
 from minigpt.signals import Interrupted, StopSignals
@@ -63,7 +63,7 @@ def _tokens(n: int) -> str:
     return f"{n / 1e6:.0f}M" if n >= 10**7 else f"{n:,}"
 
 
-def describe_item(plan: Plan, item, seconds: float) -> str:
+def describe_item(item: Item, seconds: float) -> str:
     if isinstance(item, Prepare):
         return f"prepare the data (~{_minutes(seconds)})"
     if isinstance(item, Train):
@@ -101,7 +101,7 @@ def describe(plan: Plan, state: RecipeState, machine: str, budget_s: float) -> s
     for n, segment in enumerate(segments, len(state.segments) + 1):
         lines.append(f"  segment {n}, ~{_minutes(sum(s for _, s in segment))}:")
         for item, seconds in segment:
-            lines.append(f"    {describe_item(plan, item, seconds)}")
+            lines.append(f"    {describe_item(item, seconds)}")
             if isinstance(item, Train):
                 own = item.first > item.run.start or item.name in started
                 started.add(item.name)
@@ -176,7 +176,7 @@ def run(plan: Plan, import_dir: Path | None, export_dir: Path | None, machine: s
             if export_dir is not None:
                 export(plan.out, export_dir, state, plan)
         except Interrupted as e:
-            print(f"stopped by signal {e.signum} before the segment began; nothing changed", file=sys.stderr)
+            print(f"stopped by {signal.Signals(e.signum).name} before the segment began", file=sys.stderr)
             return ExitCode.SIGNAL_BASE + e.signum
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
@@ -202,5 +202,5 @@ def closing_line(plan: Plan, state: RecipeState, machine: str, budget_s: float, 
         return f"recipe done: results in {plan.out / 'eval'} ({len(state.segments)} segment(s); every command in " \
                f"{plan.out / 'recipe.log'})"
     left = plan.segments(todo, state.measured, budget_s)
-    return f"segment {n} done in {_minutes(seconds)}; next: {describe_item(plan, left[0][0][0], left[0][0][1])}; " \
+    return f"segment {n} done in {_minutes(seconds)}; next: {describe_item(*left[0][0])}; " \
            f"~{len(left)} segment(s) left: run the same command again to continue"

@@ -166,7 +166,10 @@ def export_weights(out: Path, run: Run, dest: Path) -> list[Path]:
     candidates = [p for p in list_checkpoints(ckpt_dir) if p.is_file()]
     if not candidates:
         raise RecipeError(f"{ckpt_dir}: no checkpoint of {run.name} to export; run the recipe again to train it")
-    path, ckpt = newest_intact(candidates, warn=print)
+    try:
+        path, ckpt = newest_intact(candidates, warn=print)
+    except CheckpointError as e:
+        raise RecipeError(f"export: {e}") from e
     blob, tensors, tied = pack_weights(ckpt["model"])
     parts = []
     for i in range(0, len(blob), PART_BYTES):
