@@ -78,15 +78,16 @@ def _qkv_rotary_kernel(PACKED, Q, K, V, COS, SIN, N, H_Q, n_blocks,
     k = K + b * stride_kb + rows * stride_kn + hk * stride_kh + d
     v = V + b * stride_vb + rows * stride_vn + hk * stride_vh + d
     # q: rot (forward: packed -> Q) or rot⁻¹ (backward: dQ -> packed)
-    src, dst = (q, packed_q) if BACKWARD else (packed_q, q)
-    _rotate_half_pairs(src, dst, c, s, ok, HALF, BACKWARD)
+    # (one name per head kind: dQ may be an fp32 accumulator while dK is 16-bit, and Triton keeps a name's type)
+    q_src, q_dst = (q, packed_q) if BACKWARD else (packed_q, q)
+    _rotate_half_pairs(q_src, q_dst, c, s, ok, HALF, BACKWARD)
     if h % GROUP == 0:  # the group's first query head also does its K/V head (GROUP 1: always, folded)
-        src, dst = (k, packed_k) if BACKWARD else (packed_k, k)  # k: as q
-        _rotate_half_pairs(src, dst, c, s, ok, HALF, BACKWARD)
+        k_src, k_dst = (k, packed_k) if BACKWARD else (packed_k, k)  # k: as q
+        _rotate_half_pairs(k_src, k_dst, c, s, ok, HALF, BACKWARD)
         if WITH_V:  # v as it is, one half at a time
-            src, dst = (v, packed_v) if BACKWARD else (packed_v, v)
+            v_src, v_dst = (v, packed_v) if BACKWARD else (packed_v, v)
             for half in tl.static_range(2):
-                tl.store(dst + half * HALF, tl.load(src + half * HALF, mask=ok), mask=ok)
+                tl.store(v_dst + half * HALF, tl.load(v_src + half * HALF, mask=ok), mask=ok)
 
 
 def _launch(packed: Tensor, q: Tensor, k: Tensor, v: Tensor | None, cos: Tensor, sin: Tensor, backward: bool) -> None:

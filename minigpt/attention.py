@@ -141,10 +141,7 @@ class NaiveAttention(AttentionBackend):
 SDPA_KERNELS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
                 "math": "MATH"}
 SDPA_BACKEND_CHOICES = ("auto", *SDPA_KERNELS)
-
-
-# pinned SDPA kernels that take no attn_mask (so no window or document mask)
-SDPA_NO_MASK = ("flash", "cudnn")
+SDPA_NO_MASK = ("flash", "cudnn")  # pinned kernels that take no attn_mask (so no window or document mask)
 
 
 @register
@@ -192,10 +189,9 @@ class SdpaAttention(AttentionBackend):
             self(q, kv, kv, causal=True, window=4 if masks else None)
         except RuntimeError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            what = " with GQA" if gqa else ""
-            what += f"{' and' if gqa else ' with'} a mask" if masks else ""
+            what = " and ".join(name for name, used in (("GQA", gqa), ("a mask", masks)) if used)
             return (f"PyTorch cannot run its {self.sdpa_backend} kernel on {device.type} with {str(dtype)[6:]} at "
-                    f"head_dim {head_dim}{what} ({first[:120]}); use attention.sdpa_backend=auto or another of "
+                    f"head_dim {head_dim}{' with ' + what if what else ''} ({first[:120]}); use attention.sdpa_backend=auto or another of "
                     f"{', '.join(SDPA_KERNELS)}")
         return None
 

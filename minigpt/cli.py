@@ -148,7 +148,7 @@ def _places(cfg, run_dir: str | None, argv: list[str]) -> list[tuple[str, str]]:
 def _train_main(argv: list[str] | None) -> int:
     from minigpt.signals import Interrupted, StopSignals
 
-    with StopSignals(again="already stopping; please wait") as stop:
+    with StopSignals(again="already stopping; please wait", exiting=True) as stop:
         try:
             return _train_hydra(argv, stop)
         except Interrupted as e:  # before the run started, or while Hydra set it up: nothing to finish

@@ -13,6 +13,7 @@ This module is a leaf: it imports nothing of minigpt.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -38,6 +39,9 @@ CPU_DEFAULTS = ("model=tiny", "seq_len=256", "batch_size=8", "max_steps=300")
 CPU_MODELS = ("tiny", "small-6l")
 CPU_MAX_SEQ_LEN = 2048
 MAX_PASSKEY_FRACTION = 0.5  # data.passkey_fraction: mixed in, not the main data
+# PyTorch's allocator settings: key:value pairs joined by commas, a value maybe a bracketed list ([256:1,>:8])
+_ALLOC_ITEM = r"\w+:(\[[^\]\s]*\]|[^\s,\[\]]+)"
+ALLOC_CONF_FORM = rf"{_ALLOC_ITEM}(,{_ALLOC_ITEM})*"
 
 
 class ConfigError(ValueError):
@@ -235,7 +239,8 @@ class DataConfig:
 @dataclass
 class ParallelConfig:
     # Several processes (torchrun --nproc_per_node=N ...; minigpt/distributed/): the sequence is split over `context`
-    # ranks (ring attention, attention=flash), and the N/context groups of them train data-parallel.
+    # ranks (ring attention over our kernel, attention=flash, with windows, document masks and GQA), and the N/context
+    # groups of them train data-parallel.
     context: int = 1  # context-parallel degree K; must divide the number of processes (validate.py)
 
     def validate(self) -> None:
@@ -294,6 +299,10 @@ class TrainConfig:
     beta2: float = 0.95  # AdamW
     grad_clip: float = 1.0  # clip the gradient norm to this; 0 = off
 
+    # CUDA allocator settings (PYTORCH_CUDA_ALLOC_CONF); null: keep the env's
+    # (minigpt/cuda_allocator.py: set before CUDA starts; expandable segments keep reserved memory near allocated)
+    cuda_alloc_conf: Optional[str] = "expandable_segments:True"
+
     run_dir: str = "."  # where summary.json goes; train.yaml sets it to Hydra's output dir
     ckpt_dir: str = "${run_dir}/checkpoints"  # where checkpoints go (the newest two are kept)
 
@@ -340,13 +349,10 @@ class TrainConfig:
         if self.loss_by_position and self.parallel.context > 1:
             raise ConfigError(f"loss_by_position=true: not under context parallelism (parallel.context="
                               f"{self.parallel.context}: the ring needs split sequences); leave it null")
-        if self.parallel.context > 1 and self.attention.name != "flash":
-            raise ConfigError(f"attention={self.attention.name}: context parallelism (parallel.context="
-                              f"{self.parallel.context}) needs attention=flash (ring attention over our kernel)")
-        if self.parallel.context > 1 and (masks := self.masks() + self.gqa()):
-            raise ConfigError(f"{masks[0]}: ring attention (parallel.context={self.parallel.context}) has no GQA, "
-                              f"windows or document masks; leave {masks[0].partition('=')[0]} at its default, or "
-                              f"set parallel.context=1")
+        if self.cuda_alloc_conf is not None and not re.fullmatch(ALLOC_CONF_FORM, self.cuda_alloc_conf):
+            raise ConfigError(f"cuda_alloc_conf={self.cuda_alloc_conf}: must be key:value pairs joined by commas, as "
+                              f"PyTorch's PYTORCH_CUDA_ALLOC_CONF takes them (e.g. expandable_segments:True), or null "
+                              f"to keep the environment's")
 
     def position_eval(self) -> bool:
         """Whether each eval logs loss by position (loss_by_position, null = on for pycode without CP)."""

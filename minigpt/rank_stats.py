@@ -1,5 +1,6 @@
 """Run statistics of every rank under torchrun: step time, tokens/s and peak memory, for the metrics of each step
-(one small all-reduce) and the run summary (the max and the sum over ranks). In one process: nothing to add."""
+(one small all-reduce) and the run summary (the max and the sum over ranks, and each rank's peak memory). In one
+process: nothing to add."""
 from __future__ import annotations
 
 import statistics
@@ -37,7 +38,8 @@ class RankStats:
 
     def fill(self, summary: Any, skip: int) -> None:
         """The summary's per-rank fields: tokens/s from each rank's median step time (after `skip` warm-up
-        steps), peaks over the run. No communication (safe in a finally block)."""
+        steps), peaks over the run (their max and sum, and the list in rank order). No communication (safe in a
+        finally block)."""
         if not self.mesh.active or not self.times:
             return
         times = torch.stack(self.times[min(skip, len(self.times) - 1):])
@@ -47,3 +49,5 @@ class RankStats:
         summary.rank_peak_allocated_gib_max = self.peaks[:, 0].max().item()
         summary.rank_peak_allocated_gib_sum = self.peaks[:, 0].sum().item()
         summary.rank_peak_reserved_gib_max = self.peaks[:, 1].max().item()
+        summary.rank_peak_allocated_gib = self.peaks[:, 0].tolist()
+        summary.rank_peak_reserved_gib = self.peaks[:, 1].tolist()

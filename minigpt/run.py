@@ -34,6 +34,7 @@ import torch
 from minigpt.checkpoint import (CheckpointError, UnsafeCheckpointError, list_checkpoints, newest_intact,
                                 resume_candidates, step_of)
 from minigpt.config import ConfigError, TrainConfig
+from minigpt.cuda_allocator import allocator_settings, use_allocator_settings
 from minigpt.data import DataError
 from minigpt import runlock
 from minigpt.files import WriteError, process_alive, remove_stale_temps
@@ -223,8 +224,10 @@ def run(cfg: TrainConfig, logger: Logger | None = None, config_dict: dict[str, A
 
     `logger` defaults to the one cfg.logger names; tests pass their own to see the metrics. Under torchrun the
     process joins torchrun's process group (unless its caller did) and leaves it at the end, also on errors;
-    rank 0 writes the files and the console lines, the other ranks print only their own errors.
+    rank 0 writes the files and the console lines, the other ranks print only their own errors. The CUDA allocator
+    gets cfg.cuda_alloc_conf first, before anything starts CUDA here (minigpt/cuda_allocator.py).
     """
+    use_allocator_settings(cfg.cuda_alloc_conf)  # before the mesh and the model start CUDA in this process
     with TorchrunProcess() as process, StopSignals(again=AGAIN) as stop:
         mesh = Mesh.setup(cfg.parallel.context, cfg.torch_device().type)
         code = _run(cfg, logger, config_dict, mesh, stop)
@@ -252,6 +255,7 @@ def _run(cfg: TrainConfig, logger: Logger | None, config_dict: dict[str, Any] | 
 
     summary = new_summary(cfg)
     summary.world_size, summary.context_parallel = mesh.world, mesh.cp
+    summary.cuda_alloc_conf = allocator_settings()
     summary_path = Path(cfg.run_dir) / SUMMARY_FILE
     t_start = time.perf_counter()
     code, line = ExitCode.OK, ""

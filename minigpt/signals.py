@@ -37,8 +37,13 @@ class Interrupted(BaseException):
 class StopSignals:
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
-    def __init__(self, note: str = "stopping", again: str = "already stopping; please wait") -> None:
+    def __init__(self, note: str = "stopping", again: str = "already stopping; please wait",
+                 exiting: bool = False) -> None:
+        """exiting: a command's outermost context, whose process ends once it closes: after a stop signal the stop
+        signals stay ignored (interpreter shutdown included). Otherwise (the Python API: `minigpt.run.run`, the
+        tests) the handlers found on entry come back, so a notebook or test process is left as it was."""
         self.signum: int | None = None
+        self.exiting = exiting
         self.immediate = True
         self.note, self.again = note, again
         self._previous: dict[int, Any] = {}
@@ -60,12 +65,13 @@ class StopSignals:
 
     def __exit__(self, *exc: object) -> None:
         self._active.remove(self)
-        if self.signum is not None:  # the process is on its way out with 128 + signum: ignore later signals,
-            if self._outer is not None and self._outer.signum is None:  # also in the code around this one
+        if self.signum is not None:  # on its way out with 128 + signum: the code around this one stops too
+            if self._outer is not None and self._outer.signum is None:
                 self._outer.signum = self.signum
-            for s in self._previous:  # and during interpreter shutdown (which resets Python-level handlers)
-                signal.signal(s, signal.SIG_IGN)
-            return
+            if self.exiting:  # the process ends: ignore later signals, also during interpreter shutdown
+                for s in self._previous:
+                    signal.signal(s, signal.SIG_IGN)
+                return
         for s, handler in self._previous.items():
             signal.signal(s, handler)
 

@@ -36,7 +36,7 @@ class ExitCode(IntEnum):
 
 
 # fields added after summaries were first kept in results/: a summary without them reads as their default
-ADDED_LATER = {"resume_extend"}
+ADDED_LATER = {"resume_extend", "rank_peak_allocated_gib", "rank_peak_reserved_gib", "cuda_alloc_conf"}
 
 
 @dataclass
@@ -59,12 +59,15 @@ class RunSummary:
     peak_host_offload_gib: float = 0.0  # host RAM (pinned on a GPU) held by offloaded activations (model.offload)
     compile_time_s: float | None = None
     # under torchrun (world_size > 1): tokens_per_s and mfu are of all ranks together, the peaks above rank 0's;
-    # per rank (tokens/s from its median step time, peak GiB over the run) the max and the sum over ranks
+    # per rank (tokens/s from its median step time, peak GiB over the run) the max and the sum over ranks, and
+    # each rank's peaks in rank order (gathered from every rank at each step)
     rank_tokens_per_s_max: float | None = None
     rank_tokens_per_s_sum: float | None = None
     rank_peak_allocated_gib_max: float | None = None
     rank_peak_allocated_gib_sum: float | None = None
     rank_peak_reserved_gib_max: float | None = None
+    rank_peak_allocated_gib: list[float] | None = None
+    rank_peak_reserved_gib: list[float] | None = None
     wall_time_s: float | None = None
     # what ran
     seq_len: int = 0
@@ -74,6 +77,7 @@ class RunSummary:
     attention_options: dict[str, Any] = field(default_factory=dict)
     levers: dict[str, Any] = field(default_factory=dict)  # every memory lever of ModelConfig, on or off
     compile: bool = False
+    cuda_alloc_conf: str | None = None  # the CUDA allocator's settings the run gave PyTorch (config cuda_alloc_conf)
     world_size: int = 1  # processes (torchrun); data parallel degree = world_size / context_parallel
     context_parallel: int = 1
     model: str = ""

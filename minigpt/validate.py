@@ -2,9 +2,9 @@
 
 config.py checks what a value allows by itself; here come the checks that ask the code and the machine:
 the attention registry (a backend's name, options and capabilities on this device, dtype and head_dim, e.g.
-that flash needs Triton and a GPU), the GPU itself, W&B credentials for an online run, and torchrun's world
-size; and, for the CLI before Hydra writes anything, that the directories a run writes are writable. Each failure is
-a ConfigError of one line (exit code 2).
+that flash needs Triton and a GPU; context parallelism's ring runs over flash), the GPU itself, W&B credentials
+for an online run, and torchrun's world size; and, for the CLI before Hydra writes anything, that the directories
+a run writes are writable. Each failure is a ConfigError of one line (exit code 2).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from minigpt.attention import BACKENDS, SDPA_BACKEND_CHOICES, attention_names, get_attention
 from minigpt.config import ConfigError, TrainConfig, one_of
-from minigpt.distributed.process import launched_world_size
+from minigpt.distributed.process import launched_world_size, local_gpu
 from minigpt.loggers import check_wandb
 
 
@@ -26,6 +26,7 @@ def validate(cfg: TrainConfig) -> None:
     cfg.validate()
     check_device(cfg)
     check_attention_fits(cfg)
+    check_context_parallel(cfg)
     check_wandb(cfg.logger)
     world = launched_world_size()  # torchrun's; 1 without it
     if world % cfg.parallel.context:
@@ -41,17 +42,30 @@ def check_device(cfg: TrainConfig) -> None:
 
 
 def check_attention_fits(cfg: TrainConfig) -> None:
-    """The backend's own capability check on this run's device, dtype and head_dim, GQA and masks."""
+    """The backend's own capability check on this run's device (under torchrun, this process's GPU), dtype and
+    head_dim, GQA and masks."""
     name = cfg.attention.name
     masks, gqa = cfg.masks(), cfg.gqa()
+    device = cfg.torch_device()
+    if device.type == "cuda":
+        device = torch.device("cuda", local_gpu())
     reason = get_attention(name, **cfg.attention.options()).unsupported(
-        cfg.torch_device(), cfg.compute_dtype(), cfg.model.head_dim, gqa=bool(gqa), masks=bool(masks))
+        device, cfg.compute_dtype(), cfg.model.head_dim, gqa=bool(gqa), masks=bool(masks))
     if reason:
         raise ConfigError(f"attention={name}: {reason}")
     if cfg.model.keep_attention and not BACKENDS[name].returns_lse:
         with_lse = [n for n, b in BACKENDS.items() if b.returns_lse]
         raise ConfigError(f"model.keep_attention=true: needs a backend that returns its log-sum-exp "
                           f"(attention={' or '.join(with_lse)}), not attention={name}")
+
+
+def check_context_parallel(cfg: TrainConfig) -> None:
+    """Context parallelism is ring attention over our kernel (minigpt/distributed/ring_attention.py), which takes
+    what flash takes: windows, document masks and GQA, alone or together (the flash check above covers the device,
+    dtype and head_dim). Other backends have no ring."""
+    if cfg.parallel.context > 1 and cfg.attention.name != "flash":
+        raise ConfigError(f"attention={cfg.attention.name}: context parallelism (parallel.context="
+                          f"{cfg.parallel.context}) needs attention=flash (ring attention over our kernel)")
 
 
 def unwritable(path: str | Path) -> str | None:

@@ -34,7 +34,7 @@ except ImportError:
 NO_TRITON = "needs Triton, which is not installed (Linux: pip install triton)"
 # Test files of the kernels (they import minigpt_kernels, hence triton, at the top): skipped whole without Triton.
 KERNEL_TEST_FILES = ("test_flash_attention", "test_rotary", "test_sm90_build", "test_dispatch", "test_gpu",
-                     "test_ring_attention")
+                     "test_ring_attention", "test_ring_masks")
 
 
 class NeedsTriton(pytest.Module):
@@ -42,6 +42,17 @@ class NeedsTriton(pytest.Module):
 
     def collect(self):
         raise pytest.skip.Exception(NO_TRITON, allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def stop_signals_as_found():
+    """Each test leaves the stop signals' handlers as it found them: one that stops an in-process run must not leave
+    them ignored for the processes later tests start (a SIGHUP ignored by the parent reads as nohup in its child)."""
+    before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    yield
+    for s, handler in before.items():
+        if handler is not None and signal.getsignal(s) != handler:
+            signal.signal(s, handler)
 
 
 def pytest_report_header(config):
@@ -112,7 +123,7 @@ class RecordingLogger:
 # it with `python -m pytest -m slow`; .ci/run runs both).
 # A new test is slow until it is named here: keep this tier fast.
 FAST_FILES = {"test_config.py", "test_data.py", "test_dispatch.py", "test_figures.py", "test_imports.py",
-              "test_results_rules.py", "test_usage.py"}
+              "test_results_rules.py", "test_ring_plan.py", "test_usage.py"}
 FAST_TESTS = (
     "test_flash_attention.py::test_matches_float64_reference[n130-d32-float16-causal]",
     "test_flash_attention_qkv.py::test_layouts_it_does_not_take_raise_a_value_error_naming_the_problem",
@@ -124,6 +135,7 @@ FAST_TESTS = (
     "test_lifecycle.py::test_the_lock_counts_takes_and_reclaims_a_dead_owners_lock",
     "test_lifecycle.py::test_an_unquoted_value_says_how_to_quote_it",
     "test_lifecycle.py::test_blocked_stop_signals_are_unblocked_where_handled_and_in_started_children",
+    "test_lifecycle.py::test_a_stop_inside_the_python_api_leaves_the_handlers_as_found_and_a_command_ignores_later_ones",
     "test_rope_scaling.py::test_yarn_interpolates_long_wavelengths_keeps_short_ones_and_ramps_between",
     "test_rope_scaling.py::test_factor_one_is_plain_rope",
     "test_rope_scaling.py::test_resume_extend_continues_with_new_rope_and_seq_len",

@@ -303,12 +303,11 @@ TINY_CPU = ["model=tiny", "device=cpu"]
      [["attention.sdpa_backend=auto"], ["attention.sdpa_backend=math"]]),
     (["attention=flex"], "attention=flex: PyTorch's FlexAttention has no backward on CPU",
      [["attention=sdpa"], ["attention=naive"]]),
-    (["attention=flash", "parallel.context=2", "model.n_kv_head=2"], "model.n_kv_head=2: ring attention",
-     [["model.n_kv_head=null"], ["parallel.context=1"]]),
-    (["attention=flash", "parallel.context=2", "data=pycode"], "data.document_mask=true: ring attention",
-     [["data.document_mask=false"], ["parallel.context=1"]]),
+    (["attention=sdpa", "parallel.context=2", "model.n_kv_head=2", "model.window=8", "data=pycode"],
+     "attention=sdpa: context parallelism (parallel.context=2) needs attention=flash",
+     [["attention=flash"], ["parallel.context=1"]]),  # the ring takes GQA, windows and documents together
 ], ids=["kv-divides", "kv-zero", "window-zero", "pattern-no-window", "pattern-letters", "passkey-documents",
-        "sdpa-flash-mask", "sdpa-cudnn-mask", "flex-on-cpu", "ring-gqa", "ring-documents"])
+        "sdpa-flash-mask", "sdpa-cudnn-mask", "flex-on-cpu", "ring-needs-flash"])
 def test_a_setting_no_backend_can_run_is_refused_in_one_line_then_its_advice(overrides, expected, followed,
                                                                               monkeypatch):
     """Each refusal is one line naming the setting; each way out it names composes (docs/errors.md). Context

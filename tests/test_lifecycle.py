@@ -222,6 +222,25 @@ with StopSignals():
     assert own == "[]" and handled == "[]"
 
 
+def test_a_stop_inside_the_python_api_leaves_the_handlers_as_found_and_a_command_ignores_later_ones():
+    """The in-process API (StopSignals without exiting) restores the handlers it found after a stop signal, so a
+    notebook, or the test process before its next child, keeps them; a command's outermost context (exiting=True)
+    ignores later stop signals while its process ends."""
+    from minigpt.signals import StopSignals
+
+    found = signal.getsignal(signal.SIGTERM)
+    for exiting in (False, True):
+        with StopSignals(exiting=exiting) as stop:
+            stop.immediate = False  # record the signal, as a run does once it has a step to finish
+            os.kill(os.getpid(), signal.SIGTERM)
+            deadline = time.time() + 5
+            while not stop.requested() and time.time() < deadline:
+                time.sleep(0.01)
+        assert stop.requested()
+        assert signal.getsignal(signal.SIGTERM) == (signal.SIG_IGN if exiting else found)
+    signal.signal(signal.SIGTERM, found)
+
+
 @slow
 def test_a_killed_run_is_named_at_the_next_start(tmp_path):
     proc = _start_and_signal(tmp_path, signal.SIGKILL, seq_len=128)  # after its first checkpoint

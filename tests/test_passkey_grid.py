@@ -31,6 +31,14 @@ NEEDLE_KEY = re.compile(rb"The pass key is (\d{5})\. Remember it\. \1 is the pas
 ASKED = b" What is the pass key? The pass key is "
 
 
+def answer_logits(out, text: bytes, slot: int, answer: str, slots: int) -> None:
+    """One row's logits (out: (N, 256)) for an answer written from `slot` on: before its k-th character the argmax
+    is that character if the k characters before are the answer's own, else 'x'."""
+    for k in range(slots):
+        right_so_far = text[slot : slot + k] == answer[:k].encode()
+        out[slot + k - 1, ord(answer[k]) if right_so_far else ord("x")] = 1.0
+
+
 class Oracle(nn.Module):
     """A stand-in GPT that reads the key (and the needle's depth) out of its input and answers `answer(key, depth)`.
 
@@ -50,10 +58,7 @@ class Oracle(nn.Module):
             key = NEEDLE_KEY.search(text).group(1).decode()
             depth = text.index(b" The pass key is ") / (N + 1 - FIXED)  # N = the sequence length
             answer = self.answer(key, depth)
-            slot = text.rindex(ASKED) + len(ASKED)
-            for k in range(DIGITS):
-                right_so_far = text[slot : slot + k] == answer[:k].encode()
-                out[b, slot + k - 1, ord(answer[k]) if right_so_far else ord("x")] = 1.0
+            answer_logits(out[b], text, text.rindex(ASKED) + len(ASKED), answer, DIGITS)
         return out
 
     def head(self, h):
@@ -213,10 +218,7 @@ class TextOracle(nn.Module):
             text = bytes(idx[b].tolist())
             key = NEEDLE_KEY.search(text).group(1).decode()
             answer = " " + (key if self.right else other(key))
-            slot = text.rindex(QUESTION.encode()) + len(QUESTION)
-            for k in range(KEY_SLOTS):
-                ok = text[slot : slot + k] == answer[:k].encode()
-                out[b, slot + k - 1, ord(answer[k]) if ok else ord("x")] = 1.0
+            answer_logits(out[b], text, text.rindex(QUESTION.encode()) + len(QUESTION), answer, KEY_SLOTS)
         return out
 
     def head(self, h):

@@ -61,3 +61,25 @@ def test_loops_are_read_from_backward_branches():
     found = sm90_build.loops(LISTING)
     assert [(loop.start, loop.end, loop.length) for loop in found] == [(0x40, 0x50, 2), (0x10, 0x30, 3)]
     assert found[1].opcodes == {"HGMMA": 1, "PRMT": 1, "BRA": 1}
+
+
+ROTARY_BUILD = """
+import inspect, triton
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+from minigpt_kernels.rotary import _qkv_rotary_kernel as kernel
+for backward, with_v, dq in ((False, True, "*bf16"), (True, True, "*bf16"), (True, False, "*bf16"), (True, False, "*fp32")):
+    const = dict(BACKWARD=backward, WITH_V=with_v, GROUP=2, HALF=32, BLOCK=32)
+    ptrs = dict(PACKED="*bf16", Q=dq, K="*bf16", V="*bf16", COS="*fp32", SIN="*fp32")
+    sig = {n: ptrs.get(n, "constexpr" if n in const else "i64") for n in inspect.signature(kernel.fn).parameters}
+    triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32))
+"""
+
+
+def test_qkv_rotary_kernel_builds_for_sm90_with_an_fp32_dq():
+    """The rotary kernel in each form its launchers use, dQ in fp32 (flash_attention_qkv's accumulator) beside a
+    16-bit dK included. The interpreter does not type-check a name rebound to another pointer type; the compiler
+    does, and this failed on a GPU before (kernels/rotary.py keeps one name per head kind)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", ROTARY_BUILD], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]

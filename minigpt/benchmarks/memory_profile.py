@@ -187,6 +187,7 @@ def profile(overrides: list[str], warmup_tokens: int, cpp_stacks: bool, snapshot
     import torch
 
     from minigpt.compose import compose
+    from minigpt.cuda_allocator import use_allocator_settings
     from minigpt.distributed.sharding import shard_batch
     from minigpt.metrics import git_commit
     from minigpt.summary import RunSummary
@@ -195,6 +196,7 @@ def profile(overrides: list[str], warmup_tokens: int, cpp_stacks: bool, snapshot
     cfg = compose([*overrides, "logger=none", "save_checkpoints=false", "eval_batches=0"], run_dir=".")
     if cfg.torch_device().type != "cuda":
         raise RuntimeError("the memory profile records the CUDA caching allocator: it needs a CUDA GPU")
+    use_allocator_settings(cfg.cuda_alloc_conf)  # as the trainer does, before CUDA starts
     t = build(cfg, {}, RunSummary(status="running"))
     x, y, ids = to_device(shard_batch(t.mesh, t.data, "train", 0, cfg.batch_size), t.device)
     # the warm-up makes the optimizer state, grows the allocator and compiles the regions for every shape the

@@ -16,6 +16,7 @@ from typing import Any
 import torch.distributed as dist
 
 from minigpt.config import ConfigError
+from minigpt.distributed.process import use_local_gpu
 
 
 class MeshAxis(str, Enum):
@@ -43,6 +44,9 @@ class Mesh:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return cls()
         from torch.distributed.device_mesh import init_device_mesh
+
+        if device_type == "cuda":
+            use_local_gpu()  # before the mesh's groups, whose NCCL half works on the current device
 
         world = dist.get_world_size()
         if world % context:

@@ -24,19 +24,27 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def local_gpu() -> int:
+    """This process's GPU under torchrun (LOCAL_RANK), 0 without it."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def start_distributed() -> bool:
     """Join torchrun's process group (its env: MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK), if launched by
     torchrun with more than one process and not joined yet. Returns True when this call joined it (the caller
     then leaves it with stop_distributed). With GPUs: NCCL for CUDA tensors and gloo for CPU ones (small control
-    messages), this process on GPU LOCAL_RANK; gloo alone without. NCCL/NVLink env variables are left as they are."""
+    messages); gloo alone without. NCCL/NVLink env variables are left as they are. CUDA does not start here (no
+    device_id: NCCL starts lazily, and the mesh's groups get both backends): the run sets the CUDA allocator up
+    first (minigpt/cuda_allocator.py), then takes its GPU (use_local_gpu, from Mesh.setup)."""
     if launched_world_size() == 1 or dist.is_initialized():
         return False
-    if torch.cuda.is_available():  # (no device_id: NCCL starts lazily, and the mesh's groups get both backends)
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("cpu:gloo,cuda:nccl")
-    else:
-        dist.init_process_group("gloo")
+    dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     return True
+
+
+def use_local_gpu() -> None:
+    """Make GPU LOCAL_RANK this process's current device (this starts CUDA in the process)."""
+    torch.cuda.set_device(local_gpu())
 
 
 MAIN_DONE_KEY = "minigpt/rank0-done"

@@ -1,38 +1,38 @@
-"""Ring attention over our Triton FlashAttention kernel: causal attention of a sequence split over K ranks.
+"""Ring attention over our Triton FlashAttention kernel: causal attention of a sequence split over K ranks, within a
+sliding window and within documents where the model asks for them, with fewer K/V heads than query heads (GQA).
+It takes the call every backend takes, (q, k, v, causal, *, window, document_ids), on this rank's zigzag shard.
 
 Layout (zigzag, sharding.py): the sequence is cut into 2K chunks of c tokens and rank r holds chunks r and
-2K-1-r, in that order, so every rank has one early and one late chunk and the same amount of causal work.
+2K-1-r, in that order, so every rank has one early and one late chunk and the same amount of causal work. The
+document ids are sharded the same way. What each block of keys contributes to a rank's queries under the masks,
+as kernel launches, and which ring steps carry a block anyone needs, is ring_plan.py's arithmetic on this layout.
 
-Forward, on rank r with local queries q = [q_a | q_b] (chunks r and 2K-1-r): the key/value blocks travel
-around the ring (rank r sends to r+1 and receives from r-1), so at step s rank r holds the block of rank
-src = r - s (mod K), keys [k_a | k_b] of chunks src and 2K-1-src. Which (query chunk, key chunk) pairs see
-each other follows from the chunk order alone:
+Forward, on rank r: the key/value blocks travel around the ring, each as one message of k and v stacked (the Hkv
+heads as they are: GQA sends no repeated heads) with the block's document ids beside it. The offsets need no
+message: a block's positions follow from whose it is. The plain ring sends towards rank+1, so at step s rank r holds
+block src = r - s; a windowed layer sends both ways, and only as far as any rank's window reaches (ring_plan.
+ring_schedule). At each step the rank runs the plan's launches for block src: for causal attention, with or without
+documents, one launch on a contiguous run of rows and keys (the local block causal, the others without a mask), the
+query rows' and keys' document ids going with it; with a window, one launch per (query chunk, key chunk) pair in
+reach, at the pair's global offsets. Blocks or pairs that nothing reaches are no launch; document tiles that
+nothing sees are skipped inside the kernel (it finds each tile's span of visible keys on the device).
 
-    src == r   (step 0): the local block; plain causal attention over the 2c local tokens (chunk r comes
-               before chunk 2K-1-r, so the local order is the global order).
-    src <  r:  chunk src precedes both query chunks, chunk 2K-1-src follows both: all 2c queries attend to
-               k_a in full, to k_b not at all.
-    src >  r:  both key chunks precede chunk 2K-1-r and follow chunk r: q_b attends to all 2c keys in full,
-               q_a to none.
-
-So every step other than the local one is plain (non-causal) attention of a contiguous run of query rows
-against a contiguous run of keys: rows [0, 2c) against keys [0, c), or rows [c, 2c) against keys [0, 2c).
-Each step is one launch of our kernel on those rows and keys (it takes Nq queries against Nk keys without the
-mask), and the kernel itself folds them into the rows' running result: the output (o, lse) lives in fp32
-buffers, which the local causal step writes and each later step continues from (`accumulate`). With base-2
-LSEs (the kernel's LSE is log2 Σ_j exp2(scale·log2(e)·q·k_j), the softmax scale folded in), continuing from
-(o, lse) means starting the online softmax at m = lse, l = 1, acc = o, which after the new keys gives
+The kernel itself folds each launch into the rows' running result: the output (o, lse) lives in fp32 buffers, which
+the local block writes and each later launch continues from (`accumulate`). With base-2 LSEs (the kernel's LSE is
+log2 Σ_j exp2(scale·log2(e)·q·k_j), the softmax scale folded in), continuing from (o, lse) means starting the online
+softmax at m = lse, l = 1, acc = o, which after the new keys gives
 
     lse' = log2(2^lse + Σ_j 2^s_j),     o' = (2^lse · o + Σ_j 2^s_j v_j) / 2^lse'
 
 the softmax over both key sets, with no merge pass between the steps.
 
 Backward (FlashAttention-2): a block's dQ, dK, dV need only the final o, the final lse and
-delta = rowsum(dO ∘ O), so each step reruns our backward kernels on the same rows and keys with the final
+delta = rowsum(dO ∘ O), so each step reruns our backward kernels on the same launches with the final
 (o, lse): dQ_rows += dS K_keys and dK_keys += dSᵀ Q_rows, dV_keys += Pᵀ dO_rows, each added by the kernel into
-an fp32 buffer. dQ stays local; each block's dK/dV accumulator (fp32) starts at the first other rank that
-holds the block, travels around the ring with it and comes back to the block's owner, which adds its own
-share, computed last, while that hop is under way.
+an fp32 buffer (with GQA the dK/dV kernel sums a K/V head's group of query heads itself). dQ stays local; each
+block's dK/dV accumulator (fp32, Hkv heads) starts at the first other rank that holds the block, travels with it
+and, after the block's last hop, goes straight back to the block's owner, which adds its own share, computed last,
+while that hop is under way.
 
 Communication is `torch.distributed.batch_isend_irecv` on the context-parallel group, posted before the
 step's compute so the transfer overlaps it. Every rank issues the same sends and receives in the same
@@ -49,86 +49,101 @@ from torch import Tensor
 
 from minigpt.attention import AttentionBackend, FlashAttention
 from minigpt.distributed.mesh import Mesh
+from minigpt.distributed.ring_plan import Launch, RingSchedule, block_launches, ring_schedule
 
 
 # ------------------------------------------------------------------------------------------------
-# One block: which local query rows see which of its keys
+# One block: the plan's launches of the local query rows against its keys
 # ------------------------------------------------------------------------------------------------
-def _visible(src: int, rank: int, c: int) -> tuple[slice, slice]:
-    """(query rows, key rows) of the local queries and another rank's block src (chunks src and 2K-1-src) that
-    see each other, in full: all 2c rows see k_a if src < rank; q_b sees all 2c keys if src > rank."""
-    if src < rank:
-        return slice(0, 2 * c), slice(0, c)
-    return slice(c, 2 * c), slice(0, 2 * c)
-
-
 def _rows(t: Tensor, rows: slice) -> Tensor:
     """Rows of a (B, H, N, ...) tensor: a view."""
     return t[:, :, rows]
 
 
-def _block_forward(q: Tensor, k: Tensor, v: Tensor, src: int, rank: int, sm_scale: float, o: Tensor,
-                   lse: Tensor) -> None:
-    """Fold block src's keys into the running fp32 (o, lse) of the local rows that see them: one kernel launch."""
+def _masks(launch: Launch, q_ids: Tensor | None, k_ids: Tensor | None) -> dict:
+    """The launchers' mask arguments for one launch: its window and offsets, and the document ids of its rows and
+    keys (views of the (B, 2c) ids; None without documents)."""
+    docs = {} if q_ids is None else {"q_doc_ids": q_ids[:, launch.rows], "k_doc_ids": k_ids[:, launch.keys]}
+    return dict(window=launch.window, q_offset=launch.q_offset, k_offset=launch.k_offset, **docs)
+
+
+def _block_forward(q: Tensor, k: Tensor, v: Tensor, q_ids: Tensor | None, k_ids: Tensor | None,
+                   launches: list[Launch], sm_scale: float, o: Tensor, lse: Tensor) -> None:
+    """Fold a block's keys into the running fp32 (o, lse) of the local rows that see them: its launches, each
+    continuing the rows' result, or writing their first state (the local block's first launch for those rows)."""
     from minigpt_kernels.launch import launch_forward
 
-    if src == rank:  # the local block: causal over the local order; it writes every row's first state
-        launch_forward(q, k, v, True, sm_scale, out=(o, lse))
-        return
-    rows, keys = _visible(src, rank, q.shape[2] // 2)
-    launch_forward(_rows(q, rows), _rows(k, keys), _rows(v, keys), False, sm_scale,
-                   out=(_rows(o, rows), _rows(lse, rows)), accumulate=True)
+    for l in launches:
+        launch_forward(_rows(q, l.rows), _rows(k, l.keys), _rows(v, l.keys), l.causal, sm_scale,
+                       out=(_rows(o, l.rows), _rows(lse, l.rows)), accumulate=not l.fresh_rows, **_masks(l, q_ids, k_ids))
 
 
-def _block_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, src: int, rank: int,
-                    sm_scale: float, dq: Tensor, accumulator: Callable[[], Tensor]) -> Tensor:
-    """Another rank's block src's share of the backward, added by the kernels into fp32 buffers: dQ into dq, then
-    dK/dV into the block's travelling accumulator (laid out as a stack_kv message), which `accumulator()` gives.
-    It is asked for only once the dQ kernel is launched, so its hop overlaps that kernel. Returns it.
+def _block_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, q_ids: Tensor | None, k_ids: Tensor | None,
+              lse: Tensor, delta: Tensor, launches: list[Launch], sm_scale: float, dq: Tensor) -> None:
+    """A block's share of dQ, added by the kernel into the fp32 dq (written by the local block's first launches).
     lse and delta are the final ones: P = exp2(s − lse) and delta = rowsum(dO ∘ O) are those of the whole row."""
-    from minigpt_kernels.launch import launch_backward_dkdv, launch_backward_dq
+    from minigpt_kernels.launch import launch_backward_dq
 
-    rows, keys = _visible(src, rank, q.shape[2] // 2)
-    mine = [_rows(t, rows) for t in (do, q)]
-    theirs = [_rows(t, keys) for t in (k, v)]
-    stats = [_rows(t, rows) for t in (lse, delta)]
-    launch_backward_dq(*mine, *theirs, *stats, False, sm_scale, out=_rows(dq, rows), accumulate=True)
-    dkv = accumulator()
-    launch_backward_dkdv(*mine, *theirs, *stats, False, sm_scale,
-                         out=tuple(_rows(t, keys) for t in unstack_kv(dkv)), accumulate=True)
-    return dkv
+    for l in launches:
+        launch_backward_dq(_rows(do, l.rows), _rows(q, l.rows), _rows(k, l.keys), _rows(v, l.keys),
+                           _rows(lse, l.rows), _rows(delta, l.rows), l.causal, sm_scale, out=_rows(dq, l.rows),
+                           accumulate=not l.fresh_rows, **_masks(l, q_ids, k_ids))
+
+
+def _block_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, q_ids: Tensor | None, k_ids: Tensor | None,
+                lse: Tensor, delta: Tensor, launches: list[Launch], sm_scale: float, dk: Tensor, dv: Tensor) -> None:
+    """A block's dK/dV over the local queries, added by the kernel into the fp32 (dk, dv) (the block's travelling
+    accumulator), or written there by the local block's first launch for those keys."""
+    from minigpt_kernels.launch import launch_backward_dkdv
+
+    for l in launches:
+        launch_backward_dkdv(_rows(do, l.rows), _rows(q, l.rows), _rows(k, l.keys), _rows(v, l.keys),
+                             _rows(lse, l.rows), _rows(delta, l.rows), l.causal, sm_scale,
+                             out=(_rows(dk, l.keys), _rows(dv, l.keys)), accumulate=not l.fresh_keys,
+                             **_masks(l, q_ids, k_ids))
 
 
 # ------------------------------------------------------------------------------------------------
 # The ring: peer-to-peer exchange with the neighbours, posted before the compute it overlaps
 # ------------------------------------------------------------------------------------------------
 class Ring:
-    """This rank's neighbours in a process group: it sends to rank+1 and receives from rank-1."""
+    """This rank's place in a process group's ring: it sends to rank+1 and receives from rank-1 (or, for blocks
+    travelling the other way or going home, to and from other ranks at a given distance)."""
 
     def __init__(self, group: dist.ProcessGroup | None):
-        super().__init__()  # the ring's backward is the deterministic seven-matmul one (its launchers accumulate)
         self.group = group
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size  # ranks in the group
 
-    def pass_on(self, t: Tensor) -> Callable[[], Tensor]:
-        """Send t (contiguous, not to be modified until the returned wait is called) to the next rank and receive
-        the previous rank's tensor of the same shape; the returned function waits and gives the received one."""
-        recv = torch.empty_like(t)
-        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, group=self.group, group_peer=self.next),
-                                       dist.P2POp(dist.irecv, recv, group=self.group, group_peer=self.prev)])
+    def send(self, tensors: tuple[Tensor | None, ...], shift: int) -> Callable[[], tuple[Tensor | None, ...]]:
+        """Send the tensors (contiguous, not to be modified until the returned wait is called; None: nothing) to rank
+        + shift and receive the same shapes from rank − shift; the returned function waits and gives the received
+        ones. Every rank of the group calls it with the same shift at the same point."""
+        to, frm = (self.rank + shift) % self.size, (self.rank - shift) % self.size
+        ops, received = [], []
+        for t in tensors:
+            received.append(None if t is None else torch.empty_like(t))
+            if t is not None:
+                ops += [dist.P2POp(dist.isend, t, group=self.group, group_peer=to),
+                        dist.P2POp(dist.irecv, received[-1], group=self.group, group_peer=frm)]
+        reqs = dist.batch_isend_irecv(ops)
 
-        def wait() -> Tensor:
+        def wait() -> tuple[Tensor | None, ...]:
             for req in reqs:
                 req.wait()
-            return recv
+            return tuple(received)
 
         return wait
 
+    def pass_on(self, t: Tensor) -> Callable[[], Tensor]:
+        """Send t to the next rank and receive the previous rank's tensor of the same shape (see send)."""
+        wait = self.send((t,), 1)
+        return lambda: wait()[0]
+
 
 def stack_kv(k: Tensor, v: Tensor) -> Tensor:
-    """k and v in one contiguous message (2, B, N, H, D): the model's layout, which the kernels read as strided
-    (B, H, N, D) views (and the dK/dV accumulator's layout). When k and v already are the two halves of such a
+    """k and v in one contiguous message (2, B, N, Hkv, D): the model's layout, which the kernels read as strided
+    (B, Hkv, N, D) views (and the dK/dV accumulator's layout). When k and v already are the two halves of such a
     buffer (the block recompute makes them so), that buffer is the message and nothing is copied."""
     kt, vt = k.transpose(1, 2), v.transpose(1, 2)
     base = kt._base
@@ -140,77 +155,140 @@ def stack_kv(k: Tensor, v: Tensor) -> Tensor:
 
 
 def unstack_kv(kv: Tensor) -> tuple[Tensor, Tensor]:
-    """The (B, H, N, D) views of k and v in a stack_kv message."""
+    """The (B, Hkv, N, D) views of k and v in a stack_kv message."""
     return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
-    if not (q.shape == k.shape == v.shape) or q.dim() != 4:
-        raise ValueError(f"ring attention: q, k, v must be local shards of one shape (B, H, N_local, D), got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+def _check(q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor | None) -> None:
+    if (q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]
+            or q.shape[1] % k.shape[1]):
+        raise ValueError(f"ring attention: q (B, Hq, N_local, D) and k, v (B, Hkv, N_local, D) with Hq a multiple of "
+                         f"Hkv expected (local shards), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[2] % 2:
         raise ValueError(f"ring attention: the local shard has {q.shape[2]} tokens; zigzag shards hold two chunks "
                          f"of equal length (pad the sequence to a multiple of 2 x context ranks: padded_len)")
+    if document_ids is not None and tuple(document_ids.shape) != (q.shape[0], q.shape[2]):
+        raise ValueError(f"ring attention: document_ids must be this rank's zigzag shard ({q.shape[0]}, {q.shape[2]}) "
+                         f"(sharding.shard_batch), got {tuple(document_ids.shape)}")
 
 
-def ring_forward(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None, sm_scale: float
-                 ) -> tuple[Tensor, Tensor]:
-    """(o, lse) of causal attention of the local zigzag queries against the whole sequence's keys; no autograd.
-    o has q's dtype and memory layout; lse is the base-2 row log-sum-exp, fp32 (B, H, N_local)."""
+class _Plan:
+    """What one call computes on this rank: the ring, its schedule of steps and each step's block and launches."""
+
+    def __init__(self, group: dist.ProcessGroup | None, n_local: int, window: int | None):
+        self.ring = Ring(group)
+        k, c, r = self.ring.size, n_local // 2, self.ring.rank
+        self.schedule = ring_schedule(k, c, window)
+        self.local = block_launches(r, r, k, c, window)
+        # (direction, depth, the block's launches) of each step after the local block
+        self.steps = [(d, depth, block_launches(RingSchedule.source(r, k, d, depth), r, k, c, window))
+                      for d, depth in self.schedule.steps()]
+
+    def depth(self, direction: int) -> int:
+        """How far the blocks travel in this direction (+1: towards rank+1)."""
+        return self.schedule.forward if direction > 0 else self.schedule.backward
+
+
+def ring_forward(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None, sm_scale: float, *,
+                 window: int | None = None, document_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(o, lse) of causal attention of the local zigzag queries against the whole sequence's keys (within `window`
+    and documents where given); no autograd. o has q's dtype and memory layout; lse is the base-2 row log-sum-exp,
+    fp32 (B, H, N_local)."""
     from minigpt_kernels.launch import empty_in_layout_of
 
-    ring = Ring(group)
-    kv = stack_kv(k, v)
-    # the running result, fp32: written by the local block (step 0, every row sees its diagonal), then continued
+    plan = _Plan(group, q.shape[2], window)
+    ids = None if document_ids is None else document_ids.contiguous()
+    local = (stack_kv(k, v), ids) if plan.steps else None  # the local block as it travels (if it does)
+    held = {1: local, -1: local}  # the newest block of each direction
+    del local
+    # the running result, fp32: written by the local block (every row sees its diagonal), then continued
     o, lse = empty_in_layout_of(q, torch.float32), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    for step in range(ring.size):
-        src = (ring.rank - step) % ring.size  # whose block we hold now
-        # post the next block's transfer first, so it overlaps this block's compute
-        incoming = ring.pass_on(kv) if step + 1 < ring.size else None
-        _block_forward(q, *unstack_kv(kv), src, ring.rank, sm_scale, o, lse)
-        if incoming is not None:
-            kv = incoming()
+
+    def post(i: int) -> Callable[[], tuple] | None:  # step i's transfer: its direction's newest block, one hop on
+        return plan.ring.send(held[plan.steps[i][0]], plan.steps[i][0]) if i < len(plan.steps) else None
+
+    incoming = post(0)  # posted first, so it overlaps the local block's compute
+    _block_forward(q, k, v, ids, ids, plan.local, sm_scale, o, lse)
+    for i, (direction, _, launches) in enumerate(plan.steps):
+        held[direction] = incoming()
+        incoming = post(i + 1)
+        kv, k_ids = held[direction]
+        _block_forward(q, *unstack_kv(kv), ids, k_ids, launches, sm_scale, o, lse)
     return o.to(q.dtype), lse
 
 
 def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-                  group: dist.ProcessGroup | None, sm_scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv of ring attention, from the final o and lse of ring_forward.
+                  group: dist.ProcessGroup | None, sm_scale: float, *, window: int | None = None,
+                  document_ids: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of ring attention, from the final o and lse of ring_forward (the same window and document ids).
 
     The local block comes first and last: its dQ kernel runs while the first other block arrives, and its dK/dV
-    kernel while the accumulator of the other ranks' dK/dV for it makes its last hop home, so neither transfer
+    kernel while the accumulators of the other ranks' dK/dV for it make their last hop home, so neither transfer
     waits alone. In between, each other rank's block is processed as it arrives: its dQ kernel first, while the
-    block's accumulator is still arriving, then its dK/dV kernel adding into that accumulator."""
-    from minigpt_kernels.launch import (empty_in_layout_of, launch_backward_delta, launch_backward_dkdv,
-                                                 launch_backward_dq)
+    block's accumulator is still arriving, then its dK/dV kernel adding into that accumulator, which then travels on
+    with the block, or home after the block's last hop."""
+    from minigpt_kernels.launch import empty_in_layout_of, launch_backward_delta
 
-    ring = Ring(group)
-    kv = stack_kv(k, v)
-    kv_incoming = ring.pass_on(kv) if ring.size > 1 else None
+    plan = _Plan(group, q.shape[2], window)
+    ids = None if document_ids is None else document_ids.contiguous()
+    local = (stack_kv(k, v), ids) if plan.steps else None
+    held = {1: local, -1: local}
+    del local
+
+    def post(i: int) -> Callable[[], tuple] | None:
+        return plan.ring.send(held[plan.steps[i][0]], plan.steps[i][0]) if i < len(plan.steps) else None
+
+    incoming = post(0)
     do, delta = launch_backward_delta(do, o, lse)
-    dq = launch_backward_dq(do, q, k, v, lse, delta, True, sm_scale, out=empty_in_layout_of(q, torch.float32))
-    dkv_incoming = None  # the (dK, dV) accumulator (fp32, laid out as kv) of the block we hold: it travels with it
-    for step in range(1, ring.size):
-        src = (ring.rank - step) % ring.size  # whose block arrives now
-        kv = kv_incoming()
-        kv_incoming = ring.pass_on(kv) if step + 1 < ring.size else None
+    dq = empty_in_layout_of(q, torch.float32)
+    _block_dq(do, q, k, v, ids, ids, lse, delta, plan.local, sm_scale, dq)
+    # per direction, the (dK, dV) accumulator (fp32, laid out as the kv message) of the block this rank holds next in
+    # it, arriving from the previous holder; after a direction's last step, this rank's own block's, coming home
+    arriving: dict[int, Callable[[], Tensor] | None] = {1: None, -1: None}
+    for i, (direction, depth, launches) in enumerate(plan.steps):
+        held[direction] = incoming()
+        incoming = post(i + 1)
+        kv, k_ids = held[direction]
         # this block's share, computed while the next block (and, during its dQ kernel, its accumulator) is in flight
+        _block_dq(do, q, *unstack_kv(kv), ids, k_ids, lse, delta, launches, sm_scale, dq)
         # the first rank after a block's owner starts its accumulator: fp32 zeros laid out as kv
-        accumulator = dkv_incoming or _ready(torch.zeros(kv.shape, dtype=torch.float32, device=kv.device))
-        dkv = _block_backward(do, q, *unstack_kv(kv), lse, delta, src, ring.rank, sm_scale, dq, accumulator)
-        # hand the accumulator on with its block; after the last hop each one is back at its owner
-        dkv_incoming = ring.pass_on(dkv)
+        dkv = (arriving[direction] or _ready(torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)))()
+        _block_dkdv(do, q, *unstack_kv(kv), ids, k_ids, lse, delta, launches, sm_scale, *unstack_kv(dkv))
+        # hand the accumulator on with its block; after the block's last hop, straight home to its owner
+        last = depth == plan.depth(direction)
+        wait = plan.ring.send((dkv,), -direction * depth if last else direction)
+        arriving[direction] = lambda wait=wait: wait()[0]
         if dkv.numel() * dkv.element_size() >= SERIAL_HOP_BYTES:
-            dkv_incoming = _ready(dkv_incoming())  # a long shard: wait now, one accumulator in flight, not two
+            arriving[direction] = _ready(arriving[direction]())  # a long shard: wait now, one accumulator in flight
         del dkv
-    del kv
+    held.clear()  # the blocks of other ranks are done with: free them before the local dK/dV kernel
+    kv = k_ids = None
     dq = dq.to(q.dtype)
-    dk, dv = launch_backward_dkdv(do, q, k, v, lse, delta, True, sm_scale)  # the local block, during the last hop
-    if dkv_incoming is None:  # a ring of one
-        return dq, dk, dv
+    dk, dv = _local_dkdv(do, q, k, v, ids, lse, delta, plan.local, sm_scale)  # during the last hops
+    homes = [arriving[d]() for d in (1, -1) if arriving[d] is not None]
+    if not homes:  # a ring of one, or a window that reaches no other rank
+        return dq, dk.to(k.dtype), dv.to(v.dtype)
     # dK = mine + the other ranks' (fp32), added in fp32 and cast into mine in one pass
-    theirs_k, theirs_v = unstack_kv(dkv_incoming())
+    for home in homes[:-1]:
+        homes[-1] += home
+    theirs_k, theirs_v = unstack_kv(homes[-1])
+    if dk.dtype == torch.float32:
+        return dq, dk.add_(theirs_k).to(k.dtype), dv.add_(theirs_v).to(v.dtype)
     return dq, dk.add_(theirs_k), dv.add_(theirs_v)
+
+
+def _local_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, ids: Tensor | None, lse: Tensor, delta: Tensor,
+                launches: list[Launch], sm_scale: float) -> tuple[Tensor, Tensor]:
+    """The local block's dK, dV over the local queries: in k's dtype from one launch (causal, with or without
+    documents), else (a window's pairs) in an fp32 buffer that its launches write and add into."""
+    from minigpt_kernels.launch import empty_in_layout_of, launch_backward_dkdv
+
+    if len(launches) == 1 and launches[0].fresh_keys and launches[0].keys == slice(0, k.shape[2]):
+        l = launches[0]
+        return launch_backward_dkdv(do, q, k, v, lse, delta, l.causal, sm_scale, **_masks(l, ids, ids))
+    dk, dv = empty_in_layout_of(k, torch.float32), empty_in_layout_of(v, torch.float32)
+    _block_dkdv(do, q, k, v, ids, ids, lse, delta, launches, sm_scale, dk, dv)
+    return dk, dv
 
 
 # An accumulator hop of at least this size is waited for at once instead of during the next block's dQ kernel: two
@@ -229,33 +307,39 @@ class RingAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None, sm_scale: float,
-                precomputed: tuple[Tensor, Tensor] | None) -> Tensor:
-        o, lse = ring_forward(q, k, v, group, sm_scale) if precomputed is None else precomputed
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.group, ctx.sm_scale = group, sm_scale
+                precomputed: tuple[Tensor, Tensor] | None, window: int | None, document_ids: Tensor | None) -> Tensor:
+        masks = dict(window=window, document_ids=document_ids)
+        o, lse = ring_forward(q, k, v, group, sm_scale, **masks) if precomputed is None else precomputed
+        ctx.save_for_backward(q, k, v, o, lse, document_ids)
+        ctx.group, ctx.sm_scale, ctx.window = group, sm_scale, window
         return o
 
     @staticmethod
     def backward(ctx, do: Tensor):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(do, q, k, v, o, lse, ctx.group, ctx.sm_scale)
-        return dq, dk, dv, None, None, None
+        q, k, v, o, lse, document_ids = ctx.saved_tensors
+        dq, dk, dv = ring_backward(do, q, k, v, o, lse, ctx.group, ctx.sm_scale, window=ctx.window,
+                                   document_ids=document_ids)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None, causal: bool = True,
-                   softmax_scale: float | None = None, precomputed: tuple[Tensor, Tensor] | None = None) -> Tensor:
-    """Causal attention of zigzag-sharded q, k, v (B, H, N_local, D) over the ranks of `group`; returns the local
-    output. `precomputed=(o, lse)` from ring_forward on the same inputs skips the forward (kept attention)."""
+                   softmax_scale: float | None = None, precomputed: tuple[Tensor, Tensor] | None = None, *,
+                   window: int | None = None, document_ids: Tensor | None = None) -> Tensor:
+    """Causal attention of zigzag-sharded q (B, H, N_local, D) over k, v (B, Hkv, N_local, D) (H a multiple of Hkv)
+    across the ranks of `group`, within `window` tokens (None: all earlier ones) and, with `document_ids` (this
+    rank's (B, N_local) zigzag shard of non-decreasing ids), within documents; returns the local output.
+    `precomputed=(o, lse)` from ring_forward on the same inputs skips the forward (kept attention)."""
     if not causal:
         raise ValueError("ring attention: only causal attention (the zigzag layout balances causal work)")
-    _check(q, k, v)
+    _check(q, k, v, document_ids)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    return RingAttentionFunction.apply(q, k, v, group, sm_scale, precomputed)
+    return RingAttentionFunction.apply(q, k, v, group, sm_scale, precomputed, window, document_ids)
 
 
 class RingFlashAttention(FlashAttention):
     """The `flash` backend with the sequence split over a context-parallel group: what the model calls as its
-    attention under context parallelism. Returns its LSE, so kept attention works as with `flash`."""
+    attention under context parallelism, with its windows, document ids and GQA. Returns its LSE, so kept attention
+    works as with `flash`."""
 
     def __init__(self, group: dist.ProcessGroup | None):
         self.group = group
@@ -266,29 +350,21 @@ class RingFlashAttention(FlashAttention):
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = True, *, window: int | None = None,
                  document_ids: Tensor | None = None) -> Tensor:
-        _no_masks(window, document_ids)
-        return ring_attention(q, k, v, self.group, causal)
+        return ring_attention(q, k, v, self.group, causal, window=window, document_ids=document_ids)
 
     def forward_with_lse(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = True, *, window: int | None = None,
                          document_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
         if not causal:
             raise ValueError("ring attention: only causal attention")
-        _no_masks(window, document_ids)
-        _check(q, k, v)
+        _check(q, k, v, document_ids)
         with torch.no_grad():
-            return ring_forward(q, k, v, self.group, 1.0 / math.sqrt(q.shape[-1]))
+            return ring_forward(q, k, v, self.group, 1.0 / math.sqrt(q.shape[-1]), window=window,
+                                document_ids=document_ids)
 
     def attend_saved(self, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool = True, *,
                      window: int | None = None, document_ids: Tensor | None = None) -> Tensor:
-        _no_masks(window, document_ids)
-        return ring_attention(q, k, v, self.group, causal, precomputed=(o, lse))
-
-
-def _no_masks(window: int | None, document_ids: Tensor | None) -> None:
-    """The ring has no windows or document masks (config.py refuses them with parallel.context > 1)."""
-    if window is not None or document_ids is not None:
-        raise ValueError("ring attention: no window or document mask (model.window, data.document_mask); "
-                         "use parallel.context=1 for them")
+        return ring_attention(q, k, v, self.group, causal, precomputed=(o, lse), window=window,
+                              document_ids=document_ids)
 
 
 def mesh_attention(mesh: Mesh, backend: AttentionBackend) -> AttentionBackend:

@@ -7,7 +7,8 @@ so dp ranks train exactly what one process with batch_size=B·dp would, and a re
 Zigzag layout (context parallel, for causal load balance): the sequence is cut into 2K chunks of c tokens and
 rank r holds chunks r and 2K-1-r, in that order, so every rank has one early and one late chunk and the same
 amount of causal work. The sequence is padded at the end to a multiple of 2K (pads are ignored by the loss
-and, being last, seen by no real token); RoPE rotates with each token's global position (`zigzag_positions`).
+and, being last, seen by no real token; with document ids they are a document of their own); RoPE rotates with each
+token's global position (`zigzag_positions`), and ring attention places windows by it too (ring_plan.py).
 """
 from __future__ import annotations
 
@@ -59,19 +60,24 @@ def zigzag_unshard(shards: list[Tensor], dim: int = 1, n: int | None = None) -> 
     return full if n is None else full.narrow(dim, 0, n)
 
 
+def shard_document_ids(ids: Tensor, k: int, rank: int) -> Tensor:
+    """rank's zigzag shard of document ids (B, N), split as x and y are. The padding gets an id above every real
+    one (a document of its own, last): the ids stay non-decreasing, and no real token sees a pad."""
+    return zigzag_shard(ids, k, rank, dim=1, pad=int(ids.max()) + 1 if ids.numel() else 0)
+
+
 def shard_batch(mesh: Mesh, data: Any, split: str, index: int, batch_size: int
                 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """This rank's (x, y, document ids or None): its dp rows of the global batch, and its zigzag shard of each
-    sequence (ring attention has no document mask: config.py refuses data.document_mask with it)."""
+    sequence (tokens, targets and document ids alike)."""
     if not mesh.active:
         return data.batch(split, index, batch_size)
     x, y, ids = data.batch(split, index, batch_size * mesh.dp)
     rows = slice(mesh.dp_rank * batch_size, (mesh.dp_rank + 1) * batch_size)
     x, y, ids = x[rows], y[rows], None if ids is None else ids[rows]
     if mesh.cp > 1:
-        if ids is not None:
-            raise ValueError("shard_batch: ring attention has no document mask; set data.document_mask=false")
         x, y = zigzag_shard(x, mesh.cp, mesh.cp_rank, dim=1), zigzag_shard(y, mesh.cp, mesh.cp_rank, 1, IGNORE)
+        ids = None if ids is None else shard_document_ids(ids, mesh.cp, mesh.cp_rank)
     return x, y, ids
 
 

@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     """The sweep's command line; returns the exit code (0 results, 1 a variant without one, 2 bad arguments)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    with StopSignals(again="already stopping (the running trial, then the report); please wait"):
+    with StopSignals(again="already stopping (the running trial, then the report); please wait", exiting=True):
         return _main(parser, args)
 
 
