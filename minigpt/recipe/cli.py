@@ -5,7 +5,7 @@
     python scripts/long_context_recipe.py --import H --export H    # on a fresh machine each time (handoff.py)
     python scripts/long_context_recipe.py --tiny            # the whole recipe on a CPU in a minute or two
 
-small-6l is trained 2K -> 8K (RoPE base 10K -> 1M) -> 32K -> 64K on pycode with 5% passkey examples, and a 2K
+small-6l is trained 2K -> 8K (RoPE base 10K -> 1M) -> 32K -> 64K on pycode with 10% passkey examples, and a 2K
 baseline on the same tokens (configs/recipe/long_context*.yaml); then minigpt-eval reads the final model at every
 position to 64K against the baseline's sliding 2K windows (the goal figures) and scores its passkey grid at
 16K-128K in both haystacks. Everything lands in --out (default runs/long_context): recipe_state.json (what is done),

@@ -1,11 +1,11 @@
 """recipe_state.json in the recipe's output directory: what is done, so that running the recipe again continues.
 
-    {"plan": {"variant": "full", "extra": [], "runs": [["baseline", 2048, 64, 0, 4000], ...]},
+    {"plan": {"variant": "full", "extra": [], "runs": [["baseline", 2048, 64, 0, 2000], ...]},
      "revision": 7,                                   # one more at every write
-     "runs": {"baseline": 2740},                      # the step each run's checkpoints reached
+     "runs": {"baseline": 2000, "2k": 450},           # the step each run's checkpoints reached
      "evaluations": {"baseline-sliding": {"seconds": 41.0}},      # those done
      "prepared": ["<machine>"],                       # machines whose data cache holds the recipe's token streams
-     "tokens": {"train": 37000000, "val": 3000000},   # the token streams' lengths
+     "tokens": {"train": 28400000, "val": 3000000},   # the token streams' lengths
      "measured": {"2048": 1250000.0},                 # tokens/s by seq_len, from the runs' summaries
      "segments": [{"number": 1, "machine": "...", "finished": "...", "seconds": 497.2, "did": [...],
                    "ended": "budget"}]}
