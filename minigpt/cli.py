@@ -300,6 +300,13 @@ def eval_main(argv: list[str] | None = None) -> int:
     return main(argv)
 
 
+def long_context_main(argv: list[str] | None = None) -> int:
+    """`minigpt-long-context ...`: the long-context recipe, a segment at a time (minigpt/recipe/cli.py)."""
+    from minigpt.recipe.cli import main
+
+    return main(argv)
+
+
 def memory_main(argv: list[str] | None = None) -> int:
     """`minigpt-memory ...`: where a training step's GPU memory goes (minigpt/benchmarks/memory_profile.py)."""
     from minigpt.benchmarks.memory_profile import main

@@ -38,6 +38,7 @@ CPU_DEFAULTS = ("model=tiny", "seq_len=256", "batch_size=8", "max_steps=300")
 # What a CPU runs in minutes; anything larger is a GPU-sized job (gpu_sized says why).
 CPU_MODELS = ("tiny", "small-6l")
 CPU_MAX_SEQ_LEN = 2048
+MAX_PASSKEY_FRACTION = 0.5  # data.passkey_fraction: mixed in, not the main data
 # PyTorch's allocator settings: key:value pairs joined by commas, a value maybe a bracketed list ([256:1,>:8])
 _ALLOC_ITEM = r"\w+:(\[[^\]\s]*\]|[^\s,\[\]]+)"
 ALLOC_CONF_FORM = rf"{_ALLOC_ITEM}(,{_ALLOC_ITEM})*"
@@ -201,6 +202,9 @@ class DataConfig:
     # pycode: held-out documents at least seq_len tokens long (bytes/4) a run needs; None: 20 (quickstart: 4)
     min_heldout_docs: Optional[int] = None
     document_mask: bool = False  # attend within documents (text, hf, pycode; separators end them)
+    # text, hf, pycode: this share of the training sequences are passkey examples in the run's tokens (a key at a
+    # random depth of a haystack, asked for at the end; minigpt/passkey_mix.py); val batches never; 0 = off
+    passkey_fraction: float = 0.0
 
     def validate(self) -> None:
         one_of("data", self.name, DATA_NAMES)
@@ -219,6 +223,12 @@ class DataConfig:
             one_of("data.subset", self.subset, PYCODE_SUBSETS)
         if self.min_heldout_docs is not None:
             at_least("data.min_heldout_docs", self.min_heldout_docs)
+        if not 0.0 <= self.passkey_fraction <= MAX_PASSKEY_FRACTION:
+            raise ConfigError(f"data.passkey_fraction={self.passkey_fraction}: must be in [0, {MAX_PASSKEY_FRACTION}] "
+                              f"(the share of training sequences that are passkey examples)")
+        if self.passkey_fraction and self.name == "passkey":
+            raise ConfigError(f"data.passkey_fraction={self.passkey_fraction}: data=passkey is all passkey examples; "
+                              f"leave it 0, or mix them into data=text, hf or pycode")
         if self.document_mask and self.name == "passkey":
             raise ConfigError("data.document_mask=true: data=passkey has no documents to keep apart (one sequence "
                               "is one text); leave it false, or use data=text, hf or pycode")
@@ -268,6 +278,9 @@ class TrainConfig:
     eval_every: int = 100  # evaluate every this many steps; 0 = only at the end
     eval_batches: int = 4  # val batches per evaluation; 0 = no evaluation
     passkey_grid: int = 0  # passkey data: at each eval, this many keys per key depth (0, ¼, ½, ¾, 1), greedy; 0 = off
+    # at each eval, the mean loss per position bin of a few val documents (eval/loss_by_position/<lo>-<hi>);
+    # null: on for data=pycode (without context parallelism), off otherwise
+    loss_by_position: Optional[bool] = None
     ckpt_every: int = 0  # checkpoint every this many steps; 0 = only at the end (and when interrupted)
     save_checkpoints: bool = True  # false: never write checkpoints (sweep trials, benchmarks)
     seed: int = 1337  # model init and data order
@@ -330,10 +343,22 @@ class TrainConfig:
             raise ConfigError(f"resume={self.resume}: must be none, auto, or an existing checkpoint file or directory")
         for section in (self.attention, self.model, self.data, self.logger, self.parallel):
             section.validate()
+        if self.loss_by_position and self.data.name == "passkey":
+            raise ConfigError("loss_by_position=true: data=passkey has no documents to read by position; use "
+                              "data=text, hf or pycode, or leave it null")
+        if self.loss_by_position and self.parallel.context > 1:
+            raise ConfigError(f"loss_by_position=true: not under context parallelism (parallel.context="
+                              f"{self.parallel.context}: the ring needs split sequences); leave it null")
         if self.cuda_alloc_conf is not None and not re.fullmatch(ALLOC_CONF_FORM, self.cuda_alloc_conf):
             raise ConfigError(f"cuda_alloc_conf={self.cuda_alloc_conf}: must be key:value pairs joined by commas, as "
                               f"PyTorch's PYTORCH_CUDA_ALLOC_CONF takes them (e.g. expandable_segments:True), or null "
                               f"to keep the environment's")
+
+    def position_eval(self) -> bool:
+        """Whether each eval logs loss by position (loss_by_position, null = on for pycode without CP)."""
+        if self.loss_by_position is None:
+            return self.data.name == "pycode" and self.parallel.context == 1
+        return self.loss_by_position
 
     def masks(self) -> list[str]:
         """The settings that mask attention beyond causal ("model.window=64", "data.document_mask=true"), if any."""

@@ -3,7 +3,8 @@
 Every source exposes `batch(split, index, batch_size) -> (x, y, document_ids)`: x, y int64 CPU tensors of shape
 (batch_size, seq_len), y = x shifted by one token; document_ids None, or with data.document_mask (text, hf, pycode)
 int32 (batch_size, seq_len) ids of the documents the end-of-text separators delimit (`document_ids`), for
-attention within documents. A batch is a pure function of (seed, split, index), so the trainer's data position is
+attention within documents. With data.passkey_fraction some training rows are passkey examples in the run's tokens
+(minigpt/passkey_mix.py). A batch is a pure function of (seed, split, index), so the trainer's data position is
 just the step counter and a resumed run sees exactly the batches a straight run would.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import Tensor
 
 from minigpt.config import ConfigError, DataConfig
 from minigpt.files import atomic_write_text
+from minigpt.passkey_mix import PasskeyMix
 
 EOT = "<|endoftext|>"
 SPLITS = ("train", "val")
@@ -125,6 +127,7 @@ class TokenData:
     manifest: dict | None = None  # what the corpus is (pycode), saved into the run directory as corpus.json
     eot: int | None = None  # the end-of-text separator's id
     document_mask: bool = False  # batches carry document ids (data.document_mask)
+    passkey: PasskeyMix | None = None  # passkey examples in some training rows (data.passkey_fraction)
 
     def __post_init__(self):
         if self.document_mask and self.eot is None:
@@ -140,9 +143,16 @@ class TokenData:
         tokens = self.train if split == "train" else self.val
         starts = _rng(self.seed, split, index).integers(0, len(tokens) - self.seq_len, size=batch_size)
         windows = np.stack([tokens[s : s + self.seq_len + 1] for s in starts]).astype(np.int64)
+        examples = self.passkey.rows(index, batch_size) if self.passkey is not None and split == "train" else []
+        for r in examples:  # these rows are passkey examples instead (the others stay as they were)
+            windows[r] = self.passkey.example(self.train, self.seq_len + 1, index, r)
         t = torch.from_numpy(windows)
         x, y = t[:, :-1], t[:, 1:]  # every target is kept, also a separator's (the next document's first token)
-        return x, y, document_ids(x, self.eot) if self.document_mask else None
+        if not self.document_mask:
+            return x, y, None
+        ids = document_ids(x, self.eot)
+        ids[examples] = 0  # an example is one document, whatever separators its haystack holds
+        return x, y, ids
 
 
 def _first_line(e: BaseException) -> str:
@@ -285,9 +295,25 @@ def _token_stream(ds, column: str, tokenizer) -> np.ndarray:
     return np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
 
 
-def _documents_of(cfg: DataConfig, tokenizer) -> dict:
-    """TokenData's separator and document-mask fields for this tokenizer and config."""
-    return {"eot": tokenizer.token_to_id(EOT), "document_mask": cfg.document_mask}
+def _documents_of(cfg: DataConfig, tokenizer, seq_len: int, seed: int) -> dict:
+    """TokenData's separator, document-mask and passkey-mixing fields for this tokenizer and config."""
+    return {"eot": tokenizer.token_to_id(EOT), "document_mask": cfg.document_mask,
+            "passkey": passkey_mix(cfg, tokenizer, seq_len, seed)}
+
+
+def passkey_mix(cfg: DataConfig, tokenizer, seq_len: int, seed: int) -> PasskeyMix | None:
+    """The passkey examples of data.passkey_fraction in this tokenizer's tokens (minigpt/passkey_mix.py), or None.
+    ConfigError when seq_len is too short to hold one."""
+    if not cfg.passkey_fraction:
+        return None
+    question, _, end = PasskeyData.QUESTION.partition(" {key}")  # minigpt-eval's question, then " <key>."
+    mix = PasskeyMix(cfg.passkey_fraction, seed, lambda text: tokenizer.encode(text).ids, PasskeyData.NEEDLE,
+                     question, " {key}" + end, np.asarray(tokenizer.encode(FILLER * 8).ids, dtype=np.int64))
+    if seq_len + 1 < mix.min_tokens():
+        raise ConfigError(f"data.passkey_fraction={cfg.passkey_fraction}: a passkey example needs seq_len >= "
+                          f"{mix.min_tokens() - 1} in this tokenizer's tokens, seq_len={seq_len}; raise seq_len or "
+                          f"set data.passkey_fraction=0")
+    return mix
 
 
 def _split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -319,7 +345,7 @@ def load_text(cfg: DataConfig, seq_len: int, seed: int) -> TokenData:
     tokenizer = load_tokenizer(cfg, _documents(ds, "text"), key)
     train, val = _split(_token_stream(ds, "text", tokenizer), cfg.val_fraction)
     return TokenData(train, val, seq_len, seed, tokenizer.get_vocab_size(), tokenizer_json=tokenizer.to_str(),
-                     **_documents_of(cfg, tokenizer))
+                     **_documents_of(cfg, tokenizer, seq_len, seed))
 
 
 # --------------------------------------------------------------------------------------------
@@ -462,7 +488,7 @@ def load_hf(cfg: DataConfig, seq_len: int, seed: int) -> TokenData:
     tokenizer = load_tokenizer(cfg, _documents(ds, cfg.text_column), key.hexdigest()[:16])
     train, val = _split(_token_stream(ds, cfg.text_column, tokenizer), cfg.val_fraction)
     return TokenData(train, val, seq_len, seed, tokenizer.get_vocab_size(), tokenizer_json=tokenizer.to_str(),
-                     **_documents_of(cfg, tokenizer))
+                     **_documents_of(cfg, tokenizer, seq_len, seed))
 
 
 # --------------------------------------------------------------------------------------------
@@ -519,7 +545,8 @@ def load_pycode(cfg: DataConfig, seq_len: int, seed: int) -> TokenData:
     manifest = {**manifest, "tokens": {s: int(len(t)) for s, t in streams.items()}, "vocab_size": tokenizer.get_vocab_size()}
     atomic_write_text(folder / MANIFEST_FILE, json.dumps(manifest, indent=1))
     return TokenData(streams["train"], streams["val"], seq_len, seed, tokenizer.get_vocab_size(),
-                     tokenizer_json=tokenizer.to_str(), manifest=manifest, **_documents_of(cfg, tokenizer))
+                     tokenizer_json=tokenizer.to_str(), manifest=manifest,
+                     **_documents_of(cfg, tokenizer, seq_len, seed))
 
 
 # --------------------------------------------------------------------------------------------

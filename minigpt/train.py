@@ -28,6 +28,7 @@ from minigpt.distributed.reductions import agree, mean
 from minigpt.distributed.ring_attention import mesh_attention
 from minigpt.distributed.sharding import local_positions, shard_batch
 from minigpt.eval.global_batch import key_hits, mean_loss
+from minigpt.eval.loss_by_position import documents_from_stream, position_metrics
 from minigpt.eval.retrieval import passkey_grid
 from minigpt.files import WriteError
 from minigpt.levers import HostMemory
@@ -38,6 +39,7 @@ from minigpt.rank_stats import RankStats
 from minigpt.summary import RunSummary
 
 GRID_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)  # key depths of the passkey grid logged at each eval (passkey_grid=k)
+POSITION_DOCS = 8  # val documents (the longest) whose loss by position each eval logs (loss_by_position)
 WARMUP_STEPS_EXCLUDED = 2  # first steps (compilation, allocator growth) left out of the medians, if more ran
 
 
@@ -84,6 +86,7 @@ class Training:
     peak_tflops: float | None
     forward: TrainingForward  # the loss to backpropagate (under torchrun: through DDP)
     mesh: Mesh = field(default_factory=Mesh)  # this process's ranks under torchrun (single by default)
+    position_docs: list = field(default_factory=list)  # val documents read by position at each eval (token arrays)
 
 
 def build(cfg: TrainConfig, config_dict: dict[str, Any], summary: RunSummary, mesh: Mesh | None = None
@@ -136,9 +139,11 @@ def build(cfg: TrainConfig, config_dict: dict[str, Any], summary: RunSummary, me
     forward = TrainingForward(model, mesh, local_positions(mesh, cfg.seq_len, device),
                               cfg.batch_size * mesh.dp * cfg.seq_len, device)
     peak = peak_tflops(summary.device)
+    position_docs = documents_from_stream(data.val, data.eot, POSITION_DOCS) if cfg.eval_batches and \
+        cfg.position_eval() else []
     return Training(cfg, config_dict, device, dtype, data, model, optimizer,
                     torch.amp.GradScaler(device.type, enabled=dtype == torch.float16), start, tokens, flops,
-                    peak * mesh.world if peak else None, forward, mesh)
+                    peak * mesh.world if peak else None, forward, mesh, position_docs)
 
 
 def to_device(batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], device: torch.device
@@ -149,7 +154,8 @@ def to_device(batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], dev
 
 @torch.no_grad()
 def evaluate(t: Training) -> dict[str, float]:
-    """Mean val loss over cfg.eval_batches fixed batches, and passkey retrieval accuracy if the data has a key."""
+    """Mean val loss over cfg.eval_batches fixed batches, passkey retrieval accuracy if the data has a key, and the
+    loss per position bin of a few val documents (cfg.position_eval(): data=pycode by default)."""
     cfg, model, data, mesh = t.cfg, t.model, t.data, t.mesh
     positions = local_positions(mesh, cfg.seq_len, t.device)
     model.eval()
@@ -164,6 +170,8 @@ def evaluate(t: Training) -> dict[str, float]:
                 hits, total = hits + batch_hits, total + batch_total
     model.train()
     out = {"eval/val_loss": statistics.fmean(losses)}
+    if t.position_docs:  # the mean loss per position bin of a few whole val documents (loss_by_position)
+        out.update(position_metrics(model, t.position_docs, data.eot, cfg.seq_len, t.device, t.dtype))
     if total:
         out["eval/passkey_acc"] = hits / total
     if cfg.passkey_grid and isinstance(data, PasskeyData) and mesh.cp == 1:  # the ring needs split sequences
@@ -266,7 +274,8 @@ def train_loop(t: Training, logger: Logger, summary: RunSummary, stop_requested:
                 evals = evaluate(t)
                 metrics.update(evals)
                 summary.final_val_loss, summary.passkey_acc = evals["eval/val_loss"], evals.get("eval/passkey_acc")
-                tqdm.write(f"step {done}: " + ", ".join(f"{k.split('/')[1]} {v:.4f}" for k, v in evals.items()), file=sys.stdout)
+                tqdm.write(f"step {done}: " + ", ".join(f"{k.split('/')[1]} {v:.4f}" for k, v in evals.items()
+                                                        if "/loss_by_position/" not in k), file=sys.stdout)
             logger.log(metrics, step=done)
             stopping = stop_requested()
             if cfg.save_checkpoints and ((cfg.ckpt_every and done % cfg.ckpt_every == 0) or last or stopping):

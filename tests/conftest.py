@@ -143,6 +143,7 @@ FAST_TESTS = (
     "test_eval.py::test_bin_means_docs_per_bin_and_an_interval_of_width_0_when_documents_agree",
     "test_attention_masks.py::test_document_ids_come_from_the_separators",
     "test_attention_masks.py::test_window_pattern_repeats_over_the_layers_and_is_cut",
+    "test_recipe.py::test_segments_fill_the_budget_in_order_and_split_a_run_where_it_ends",
 )
 SLOW_IN_FAST_FILES = ("test_figures.py::test_cli_writes_three_pictures_and_their_readme",
                       "test_config.py::test_cli_bad_override_is_one_line_and_nonzero[attention",

@@ -114,3 +114,37 @@ def test_the_cli_trains_and_its_last_line_says_where_the_run_is(tmp_path):
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["status"] == "ok" and s["steps"] == 2 and math.isfinite(s["final_train_loss"])
     assert str(run_dir) in done.stdout.strip().splitlines()[-1]
+
+
+def test_eval_logs_loss_by_position_on_pycode_and_only_there(tiny_config, tmp_path):
+    """data=pycode: each eval logs the mean loss per position bin of the 8 longest val documents, the same numbers
+    position_metrics gives for the run's final model; other data logs none unless asked; refusals."""
+    from minigpt.checkpoint import load_checkpoint
+    from minigpt.config import ConfigError
+    from minigpt.data import build_data
+    from minigpt.eval.loss_by_position import bin_edges, documents_from_stream, position_metrics
+    from minigpt.sample import model_from_checkpoint
+    from test_eval import write_long_site
+
+    cfg = tiny_config(*write_long_site(tmp_path), "seq_len=64", "max_steps=2", "eval_every=1")
+    logger = RecordingLogger()
+    assert run(cfg, logger=logger) == 0
+    evals = [m for _, m in logger.metrics if "eval/val_loss" in m]
+    logged = {k: v for k, v in evals[-1].items() if k.startswith("eval/loss_by_position/")}
+    assert len(evals) == 2 and list(logged) == [f"eval/loss_by_position/{a}-{b}"
+                                                for a, b in zip(bin_edges(64), bin_edges(64)[1:])]
+    data = build_data(cfg.data, cfg.seq_len, cfg.seed)
+    docs = documents_from_stream(data.val, data.eot, 8)
+    model, _ = model_from_checkpoint(load_checkpoint(Path(cfg.ckpt_dir) / "ckpt_00000002.pt"), "sdpa", Path("x"))
+    expected = position_metrics(model, docs, data.eot, 64, torch.device("cpu"), torch.float32)
+    assert logged == pytest.approx(expected, rel=1e-5)
+
+    passkey = tiny_config("max_steps=1")
+    passkey.run_dir, passkey.ckpt_dir = str(tmp_path / "p"), str(tmp_path / "p" / "checkpoints")
+    other = RecordingLogger()
+    assert run(passkey, logger=other) == 0
+    assert not [k for _, m in other.metrics for k in m if "loss_by_position" in k]
+    with pytest.raises(ConfigError, match="data=passkey has no documents"):
+        tiny_config("loss_by_position=true")
+    with pytest.raises(ConfigError, match="not under context parallelism"):
+        tiny_config("data=pycode", "loss_by_position=true", "parallel.context=2", "attention=flash")
