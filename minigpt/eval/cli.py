@@ -55,6 +55,7 @@ from minigpt.eval.loss_report import WANDB_COLUMNS, goal_figures, goal_lines, ma
 from minigpt.eval.passkey_grid import HAYSTACKS, length_label, run_grid, wandb_table, write_outputs
 from minigpt.eval.retrieval import DEFAULT_DEPTHS, DEFAULT_KEYS_PER_CELL, FillerBytes
 from minigpt.files import WriteError, atomic_write_text
+from minigpt.metrics import device_name
 from minigpt.sample import (SampleError, Tokenizer, find_checkpoint, find_tokenizer, model_from_checkpoint,
                             runnable_attention)
 
@@ -484,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
         if curves:
             goals = goal_figures(curves, args.goal_far, args.goal_near, args.resamples, args.seed)
             report = {"command": command, "commit": commit, "date": dt.datetime.now().isoformat(timespec="seconds"),
-                      "torch": torch.__version__, "device": device.type, "dtype": str(dtype).removeprefix("torch."),
+                      "torch": torch.__version__, "device": device_name(device),
+                      "dtype": str(dtype).removeprefix("torch."),
                       "goals": goals, "curves": curves}
             written.append(atomic_write_text(out / LOSS_FILES[0], json.dumps(report, indent=1) + "\n"))
             title = "loss by position on held-out pycode: " + "; ".join(dict.fromkeys(
