@@ -308,7 +308,8 @@ def passkey_mix(cfg: DataConfig, tokenizer, seq_len: int, seed: int) -> PasskeyM
         return None
     question, _, end = PasskeyData.QUESTION.partition(" {key}")  # minigpt-eval's question, then " <key>."
     mix = PasskeyMix(cfg.passkey_fraction, seed, lambda text: tokenizer.encode(text).ids, PasskeyData.NEEDLE,
-                     question, " {key}" + end, np.asarray(tokenizer.encode(FILLER * 8).ids, dtype=np.int64))
+                     question, " {key}" + end, np.asarray(tokenizer.encode(FILLER * 8).ids, dtype=np.int64),
+                     start=tokenizer.token_to_id(EOT))
     if seq_len + 1 < mix.min_tokens():
         raise ConfigError(f"data.passkey_fraction={cfg.passkey_fraction}: a passkey example needs seq_len >= "
                           f"{mix.min_tokens() - 1} in this tokenizer's tokens, seq_len={seq_len}; raise seq_len or "

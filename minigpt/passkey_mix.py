@@ -11,14 +11,15 @@ other rows are exactly the batch a run without mixing gets.
 
 An example of n tokens (n = seq_len + 1):
 
-    haystack[:cut] + needle + haystack[cut:] + question + answer
+    start + haystack[:cut] + needle + haystack[cut:] + question + answer
 
 with the needle and question of the passkey task (data.PasskeyData; the question is minigpt-eval's, cut before the
 key), the answer " 12345." after it, each tokenized on its own as minigpt-eval's haystacks do (so the grid's prompts
 are tokens the model trained on). The haystack is, by a coin flip, the filler (tokenized once, read from a random
-phase) or a window of the training stream; `cut` is uniform over the haystack. An example is one document: the
-trainer gives all its tokens document id 0, so the question sees the needle whatever separators the stream window
-holds. The key and every draw are a pure function of (seed, index, row), as the rest of a batch is.
+phase) or a window of the training stream; `cut` is uniform over the haystack. `start` is the end-of-text separator,
+the token before every document of the stream, so position 0 (the attention sink) is never the needle, even at cut
+0, and minigpt-eval's prompts begin with it too. An example is one document: the trainer gives all its tokens
+document id 0, so the question sees the needle whatever separators the stream window holds. The key and every draw are a pure function of (seed, index, row), as the rest of a batch is.
 
 This module imports nothing of minigpt: data.py builds it with its texts.
 """
@@ -45,6 +46,7 @@ class PasskeyMix:
     question: str  # ends where the key follows, e.g. " What is the pass key? The pass key is"
     answer: str  # with {key}, e.g. " {key}."
     filler: np.ndarray  # the filler text's tokens, read as a loop
+    start: int  # the end-of-text separator: every example starts with it, as a document of the stream does
 
     def rows(self, index: int, batch_size: int) -> list[int]:
         """The rows of training batch `index` that are passkey examples."""
@@ -56,7 +58,7 @@ class PasskeyMix:
         key = "0" * KEY_DIGITS
         fixed = len(self.encode(self.needle.format(key=key))) + len(self.encode(self.question)) + \
             len(self.encode(self.answer.format(key=key)))
-        return fixed + 3 * KEY_DIGITS  # the key appears three times; a digit may cost a token more than "0" did
+        return 1 + fixed + 3 * KEY_DIGITS  # the start token; the key appears three times, a digit may cost a token more
 
     def example(self, stream: np.ndarray, n: int, index: int, row: int) -> np.ndarray:
         """n tokens (int64): the example of training batch `index`, row `row`, its haystack from `stream` or the filler.
@@ -65,7 +67,7 @@ class PasskeyMix:
         key = str(rng.integers(10 ** (KEY_DIGITS - 1), 10**KEY_DIGITS))
         pieces = [np.asarray(self.encode(text), dtype=np.int64) for text in
                   (self.needle.format(key=key), self.question, self.answer.format(key=key))]
-        n_hay = n - sum(len(p) for p in pieces)
+        n_hay = n - 1 - sum(len(p) for p in pieces)  # 1: the start token
         if n_hay < 0:
             raise ValueError(f"a passkey example needs {n - n_hay} tokens, more than {n}")
         if rng.random() < 0.5:
@@ -76,4 +78,5 @@ class PasskeyMix:
             hay = np.asarray(stream[start : start + n_hay], dtype=np.int64)
         cut = int(rng.integers(0, n_hay + 1))
         needle, question, answer = pieces
-        return np.concatenate([hay[:cut], needle, hay[cut:], question, answer]).astype(np.int64)
+        # the separator first: at cut 0 the needle would otherwise sit on the attention sink, position 0
+        return np.concatenate([[self.start], hay[:cut], needle, hay[cut:], question, answer]).astype(np.int64)

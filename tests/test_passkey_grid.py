@@ -180,25 +180,54 @@ PYCODE_DOCS = [np.frombuffer(t.encode(), dtype=np.uint8).astype(np.int64)
                for t in ("def f(x):\n    return x * 2\n" * 30, "import os\nprint(os.getcwd())\n" * 20)]
 
 
+START = 0  # a stand-in start token (NUL: no text holds it), the end-of-text separator of a BPE
+
+
+def token_haystack(kind: str):
+    encode, decode = byte_codec()
+    if kind == "filler":
+        return filler_haystack(encode, decode, START)
+    return pycode_haystack(PYCODE_DOCS, START, encode, decode)
+
+
 @pytest.mark.parametrize("kind", ["filler", "pycode"])
 @pytest.mark.parametrize("length", [160, 700])
 def test_token_haystacks_plant_the_key_at_the_asked_depth(kind, length):
     encode, decode = byte_codec()
-    hay = filler_haystack(encode, decode) if kind == "filler" else pycode_haystack(PYCODE_DOCS, ord("\n"), encode, decode)
+    hay = token_haystack(kind)
     for depth in (0.0, 0.3, 1.0):
         prompts, expected = hay.cell(length, depth, 3, seed=4)
         assert prompts.shape == (3, length - KEY_SLOTS)
         for p, e in zip(prompts, expected):
             text = decode(p.tolist())
             key = NEEDLE_KEY.search(text.encode()).group(1).decode()
-            n_hay = length - KEY_SLOTS - len(PasskeyData.NEEDLE.format(key=key)) - len(QUESTION)
-            assert e == " " + key and text.endswith(QUESTION)
-            assert text.index(" The pass key is ") == round(depth * n_hay)
+            n_hay = length - KEY_SLOTS - 1 - len(PasskeyData.NEEDLE.format(key=key)) - len(QUESTION)
+            assert e == " " + key and text.endswith(QUESTION) and p[0] == START  # the start token, then the haystack
+            assert text.index(" The pass key is ") == 1 + round(depth * n_hay)
             if kind == "pycode":
                 assert "def f(x)" in text or "import os" in text
     assert (hay.cell(length, 0.3, 3, seed=4)[0] == hay.cell(length, 0.3, 3, seed=4)[0]).all()  # the same keys again
     with pytest.raises(DataError, match="length 60"):
         hay.cell(60, 0.5, 1, seed=0)
+
+
+@pytest.mark.parametrize("kind", ["filler", "pycode"])
+def test_at_depth_0_the_start_token_comes_first_and_the_needle_right_after_it_as_in_training(kind):
+    """Position 0 is the attention sink: a prompt starts with the tokenizer's start token (the separator before
+    every document), and a training example with its needle at cut 0 starts with the same tokens."""
+    from minigpt.passkey_mix import PasskeyMix
+
+    encode, _ = byte_codec()
+    prompts, expected = token_haystack(kind).cell(300, 0.0, 3, seed=4)
+    for p, e in zip(prompts, expected):
+        needle = encode(PasskeyData.NEEDLE.format(key=e.strip()))
+        assert p[0] == START and p[1 : 1 + len(needle)].tolist() == needle
+    question, _, end = PasskeyData.QUESTION.partition(" {key}")
+    mix = PasskeyMix(0.5, 0, encode, PasskeyData.NEEDLE, question, " {key}" + end, np.asarray(encode("x")),
+                     start=START)
+    example = mix.example(np.zeros(10, dtype=np.int64), mix.min_tokens() - 3 * DIGITS, 0, 0)  # no haystack: cut 0
+    needle = encode(PasskeyData.NEEDLE.format(key=NEEDLE_KEY.search(bytes(example[1:].tolist())).group(1).decode()))
+    assert example[0] == START and example[1 : 1 + len(needle)].tolist() == needle
 
 
 class TextOracle(nn.Module):
@@ -227,7 +256,7 @@ class TextOracle(nn.Module):
 
 def test_a_token_haystack_grid_scores_the_key_by_its_text():
     encode, decode = byte_codec()
-    hay = pycode_haystack(PYCODE_DOCS, ord("\n"), encode, decode)
+    hay = pycode_haystack(PYCODE_DOCS, START, encode, decode)
     right = passkey_grid(TextOracle(True), [160, 300], DEPTHS, keys_per_cell=3, batch_size=4, seed=1, haystack=hay)
     assert right["mean_accuracy"] == 1.0 and all(c["answers"] == c["expected"] for c in right["cells"])
     wrong = passkey_grid(TextOracle(False), [160], DEPTHS, keys_per_cell=3, batch_size=4, seed=1, haystack=hay)

@@ -333,7 +333,7 @@ def passkey_grids(e: Evaluated, heldout: Callable[[], HeldOut], device: torch.de
     results = []
     for name in names:
         if name == "filler":
-            haystack = FillerBytes() if tok.name == "bytes" else filler_haystack(tok.encode, tok.decode)
+            haystack = FillerBytes() if tok.name == "bytes" else filler_haystack(tok.encode, tok.decode, tok.start)
         else:
             docs = heldout()
             haystack = pycode_haystack(docs.tokens, docs.start, tok.encode, tok.decode)
@@ -459,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
                     check_enough(docs, n, min_docs, f"loss by position at {length_label(n)} ({e.name})")
         for n in args.passkey_lengths if args.passkey_grid else []:
             for e in models:  # each haystack's own check of the length (the task must fit)
-                (FillerBytes() if e.tokenizer.name == "bytes" else filler_haystack(e.tokenizer.encode, e.tokenizer.decode)
+                tok = e.tokenizer
+                (FillerBytes() if tok.name == "bytes" else filler_haystack(tok.encode, tok.decode, tok.start)
                  ).cell(n, 0.0, 1, args.seed)
     except DataError as e:
         p.error(f"argument --passkey-lengths: {e}")

@@ -3,9 +3,11 @@
 Training's passkey data is bytes (retrieval.FillerBytes); a model trained on pycode reads BPE tokens, so its grid is
 built here in its own tokens. A prompt of length L is
 
-    haystack[:cut] + needle + haystack[cut:] + question        (L - KEY_SLOTS tokens)
+    start + haystack[:cut] + needle + haystack[cut:] + question        (L - KEY_SLOTS tokens)
 
-with the needle and question of data.PasskeyData, the question cut before the key: "... The pass key is". Each piece
+with the needle and question of data.PasskeyData, the question cut before the key: "... The pass key is", and
+`start` the tokenizer's start token (the end-of-text separator before every document), as training's passkey rows
+(minigpt/passkey_mix.py) begin: position 0, the attention sink, is never the needle, even at depth 0. Each piece
 is tokenized on its own, so the needle and question are the same tokens at every depth and the prompt's length is
 exact; cut = round(depth · haystack tokens). The answer is the key's text with its leading space (" 12345", one
 pre-token of a byte-level BPE), decoded greedily in KEY_SLOTS = digits + 1 tokens (no tokenizer needs more: every
@@ -34,8 +36,9 @@ class TokenHaystack:
     answer_tokens = KEY_SLOTS
 
     def __init__(self, name: str, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
-                 source: Callable[[np.random.Generator, int], np.ndarray]):
+                 source: Callable[[np.random.Generator, int], np.ndarray], start: int):
         self.name, self.encode, self.decode, self.source = name, encode, decode, source
+        self.start = np.asarray([start], dtype=np.int64)  # the first token of every prompt
         self.question = np.asarray(encode(QUESTION), dtype=np.int64)
 
     def cell(self, length: int, depth: float, keys: int, seed: int) -> tuple[np.ndarray, list[str]]:
@@ -46,13 +49,14 @@ class TokenHaystack:
             rng = cell_rng(seed, length, depth, i)
             key = str(rng.integers(10 ** (PasskeyData.KEY_DIGITS - 1), 10**PasskeyData.KEY_DIGITS))
             needle = np.asarray(self.encode(PasskeyData.NEEDLE.format(key=key)), dtype=np.int64)
-            n_hay = length - KEY_SLOTS - len(needle) - len(self.question)
+            n_hay = length - KEY_SLOTS - 1 - len(needle) - len(self.question)  # 1: the start token
             if n_hay < 0:
                 raise DataError(f"length {length}: the passkey task needs at least "
                                 f"{length - n_hay} tokens here (needle, question and key)")
             hay = self.source(rng, n_hay).astype(np.int64)
             cut = round(depth * n_hay)
-            prompts.append(np.concatenate([hay[:cut], needle, hay[cut:], self.question]))
+            # the separator first, as in training: at depth 0 the needle would otherwise be the attention sink
+            prompts.append(np.concatenate([self.start, hay[:cut], needle, hay[cut:], self.question]))
             expected.append(" " + key)
         return np.stack(prompts), expected
 
@@ -69,9 +73,10 @@ def tiled(tokens: np.ndarray) -> Callable[[np.random.Generator, int], np.ndarray
     return draw
 
 
-def filler_haystack(encode: Callable[[str], list[int]], decode: Callable[[list[int]], str]) -> TokenHaystack:
-    """The synthetic filler in this tokenizer's tokens."""
-    return TokenHaystack("filler", encode, decode, tiled(np.asarray(encode(FILLER * 8), dtype=np.int64)))
+def filler_haystack(encode: Callable[[str], list[int]], decode: Callable[[list[int]], str], start: int
+                    ) -> TokenHaystack:
+    """The synthetic filler in this tokenizer's tokens, after its start token."""
+    return TokenHaystack("filler", encode, decode, tiled(np.asarray(encode(FILLER * 8), dtype=np.int64)), start)
 
 
 def pycode_haystack(documents: Sequence[np.ndarray], start: int, encode: Callable[[str], list[int]],
@@ -81,4 +86,4 @@ def pycode_haystack(documents: Sequence[np.ndarray], start: int, encode: Callabl
     if not documents:
         raise DataError("the pycode haystack: no held-out documents")
     stream = np.concatenate([np.concatenate([[start], d]) for d in documents]).astype(np.int64)
-    return TokenHaystack("pycode", encode, decode, tiled(stream))
+    return TokenHaystack("pycode", encode, decode, tiled(stream), start)

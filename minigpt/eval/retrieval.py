@@ -2,8 +2,8 @@
 
 A cell (length L, depth d) holds `keys_per_cell` passkey sequences of
 L tokens, each with its own key, the needle at depth d: the fraction of the filler before it (0 = first thing in
-the context, 1 = just before the question), to the nearest token. Keys are a pure function of (seed, L, d, index),
-so two checkpoints are scored on the same keys. The model reads the text up to and including the question's
+the context, after the start token of a haystack in a tokenizer's tokens; 1 = just before the question), to the
+nearest token. Keys are a pure function of (seed, L, d, index), so two checkpoints are scored on the same keys. The model reads the text up to and including the question's
 "The pass key is " and decodes the KEY_DIGITS digits greedily (argmax, each fed back); a cell's accuracy is the
 share of keys it reproduces exactly, its digit accuracy the share of digits right in place.
 
