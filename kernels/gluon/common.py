@@ -1,8 +1,8 @@
 """What the Hopper (Gluon) kernels share: the TMA copy, the wgmma accumulator layout, one head's rows as a TMA
 descriptor, the register split between producer and consumer warps.
 
-One module so that forward.py and backward.py import each other's helpers from neither (search_ids: the masks' binary
-search over document ids, which both use)."""
+One module so that forward.py and backward.py import each other's helpers from neither (search_ids: the forward's
+binary search over document ids; the backward reads each token's document end, found by torch.searchsorted)."""
 from __future__ import annotations
 
 from triton.experimental import gluon
