@@ -189,3 +189,30 @@ def test_weights_cross_a_handoff_in_bf16_and_come_back_as_a_checkpoint_the_train
     (tmp_path / "h" / "weights.00").write_bytes(b"damaged")
     with pytest.raises(RuntimeError, match="weights.00 is missing or damaged"):
         rebuild_checkpoint(tmp_path / "h", manifest, tmp_path / "other")
+
+
+def test_a_signal_during_the_budgets_stop_still_stops_the_command(tmp_path, monkeypatch):
+    """A command past its budget gets SIGTERM and a grace period; a stop signal arriving in that grace period must
+    not leave it running while the recipe records and exports: the command is stopped with that signal too, and the
+    signal goes on up."""
+    import signal
+    import sys
+    from types import SimpleNamespace
+
+    from minigpt.recipe import runner
+    from minigpt.signals import Interrupted
+
+    sent = []
+
+    def stop_group(proc, signum, grace_s):
+        sent.append(signum)
+        if len(sent) == 1:  # SIGINT arrives while the budget's SIGTERM is being waited out
+            raise Interrupted(signal.SIGINT)
+        proc.kill()
+        return proc.wait()
+
+    monkeypatch.setattr(runner, "stop_group", stop_group)
+    fake = SimpleNamespace(out=tmp_path, number=1, log=lambda *a, **k: None, say=lambda *a, **k: None)
+    with pytest.raises(Interrupted):
+        runner.Invocation.command(fake, [sys.executable, "-c", "import time; time.sleep(60)"], "sleeper", 0.5)
+    assert sent == [signal.SIGTERM, signal.SIGINT]

@@ -230,12 +230,13 @@ class Invocation:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     **own_group())
             try:
-                rc = proc.wait(timeout=max(limit_s, 1.0))
-            except subprocess.TimeoutExpired:
-                stopped = True
-                rc = stop_group(proc, signal.SIGTERM, STOP_GRACE_S)
-            except Interrupted as e:  # the recipe is stopping: so does the command, as on the budget
-                stop_group(proc, e.signum, STOP_GRACE_S)
+                try:
+                    rc = proc.wait(timeout=max(limit_s, 1.0))
+                except subprocess.TimeoutExpired:
+                    stopped = True
+                    rc = stop_group(proc, signal.SIGTERM, STOP_GRACE_S)
+            except Interrupted as e:  # the recipe is stopping (also mid-way through the budget's stop): so does the
+                stop_group(proc, e.signum, STOP_GRACE_S)  # command, and it has ended before anything is recorded
                 raise
         seconds = time.monotonic() - began
         self.log(f"exit {rc} after {seconds:.0f} s{' (stopped at the budget)' if stopped else ''}; output: "
