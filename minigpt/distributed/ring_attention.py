@@ -27,12 +27,14 @@ softmax at m = lse, l = 1, acc = o, which after the new keys gives
 the softmax over both key sets, with no merge pass between the steps.
 
 Backward (FlashAttention-2): a block's dQ, dK, dV need only the final o, the final lse and
-delta = rowsum(dO ∘ O), so each step reruns our backward kernels on the same launches with the final
-(o, lse): dQ_rows += dS K_keys and dK_keys += dSᵀ Q_rows, dV_keys += Pᵀ dO_rows, each added by the kernel into
-an fp32 buffer (with GQA the dK/dV kernel sums a K/V head's group of query heads itself). dQ stays local; each
-block's dK/dV accumulator (fp32, Hkv heads) starts at the first other rank that holds the block, travels with it
-and, after the block's last hop, goes straight back to the block's owner, which adds its own share, computed last,
-while that hop is under way.
+delta = rowsum(dO ∘ O), so each step reruns the backward on the same launches with the final (o, lse):
+dQ_rows += dS K_keys and dK_keys += dSᵀ Q_rows, dV_keys += Pᵀ dO_rows, each added by the kernel into an fp32
+buffer (with GQA the kernel sums a K/V head's group of query heads itself). One launch gives all three where the
+fused five-matmul Gluon kernel takes it (sm_90, no mask on the launch: the full off-diagonal blocks and the causal
+local block of dense attention), else the Triton dQ and dK/dV kernels run (launch.launch_backward_block). dQ stays
+local; each block's dK/dV accumulator (fp32, Hkv heads) starts at the first other rank that holds the block,
+travels with it and, after the block's last hop, goes straight back to the block's owner, which adds its own share,
+computed last, while that hop is under way.
 
 Communication is `torch.distributed.batch_isend_irecv` on the context-parallel group, posted before the
 step's compute so the transfer overlaps it. Every rank issues the same sends and receives in the same
@@ -78,29 +80,20 @@ def _block_forward(q: Tensor, k: Tensor, v: Tensor, q_ids: Tensor | None, k_ids:
                        out=(_rows(o, l.rows), _rows(lse, l.rows)), accumulate=not l.fresh_rows, **_masks(l, q_ids, k_ids))
 
 
-def _block_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, q_ids: Tensor | None, k_ids: Tensor | None,
-              lse: Tensor, delta: Tensor, launches: list[Launch], sm_scale: float, dq: Tensor) -> None:
-    """A block's share of dQ, added by the kernel into the fp32 dq (written by the local block's first launches).
-    lse and delta are the final ones: P = exp2(s − lse) and delta = rowsum(dO ∘ O) are those of the whole row."""
-    from minigpt_kernels.launch import launch_backward_dq
+def _block_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, q_ids: Tensor | None, k_ids: Tensor | None,
+                    lse: Tensor, delta: Tensor, launches: list[Launch], sm_scale: float, dq: Tensor, dk: Tensor,
+                    dv: Tensor) -> None:
+    """A block's dQ, dK, dV over the local queries, one launch_backward_block per launch (the fused five-matmul Gluon
+    kernel where it takes the launch, else the Triton dQ and dK/dV kernels): dQ added into the fp32 dq, dK/dV added
+    into the fp32 (dk, dv) (the block's travelling accumulator), or written there by the local block's first launch
+    for those keys. lse and delta are the final ones: P = exp2(s − lse) and delta = rowsum(dO ∘ O) of the whole row."""
+    from minigpt_kernels.launch import launch_backward_block
 
     for l in launches:
-        launch_backward_dq(_rows(do, l.rows), _rows(q, l.rows), _rows(k, l.keys), _rows(v, l.keys),
-                           _rows(lse, l.rows), _rows(delta, l.rows), l.causal, sm_scale, out=_rows(dq, l.rows),
-                           accumulate=not l.fresh_rows, **_masks(l, q_ids, k_ids))
-
-
-def _block_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, q_ids: Tensor | None, k_ids: Tensor | None,
-                lse: Tensor, delta: Tensor, launches: list[Launch], sm_scale: float, dk: Tensor, dv: Tensor) -> None:
-    """A block's dK/dV over the local queries, added by the kernel into the fp32 (dk, dv) (the block's travelling
-    accumulator), or written there by the local block's first launch for those keys."""
-    from minigpt_kernels.launch import launch_backward_dkdv
-
-    for l in launches:
-        launch_backward_dkdv(_rows(do, l.rows), _rows(q, l.rows), _rows(k, l.keys), _rows(v, l.keys),
-                             _rows(lse, l.rows), _rows(delta, l.rows), l.causal, sm_scale,
-                             out=(_rows(dk, l.keys), _rows(dv, l.keys)), accumulate=not l.fresh_keys,
-                             **_masks(l, q_ids, k_ids))
+        launch_backward_block(_rows(do, l.rows), _rows(q, l.rows), _rows(k, l.keys), _rows(v, l.keys),
+                              _rows(lse, l.rows), _rows(delta, l.rows), l.causal, sm_scale, _rows(dq, l.rows),
+                              _rows(dk, l.keys), _rows(dv, l.keys), accumulate_dq=True,
+                              accumulate_dkdv=not l.fresh_keys, **_masks(l, q_ids, k_ids))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -222,11 +215,10 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
                   document_ids: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv of ring attention, from the final o and lse of ring_forward (the same window and document ids).
 
-    The local block comes first and last: its dQ kernel runs while the first other block arrives, and its dK/dV
-    kernel while the accumulators of the other ranks' dK/dV for it make their last hop home, so neither transfer
-    waits alone. In between, each other rank's block is processed as it arrives: its dQ kernel first, while the
-    block's accumulator is still arriving, then its dK/dV kernel adding into that accumulator, which then travels on
-    with the block, or home after the block's last hop."""
+    Each other rank's block is processed as it arrives, in one launch per plan launch that adds its dQ into the
+    local fp32 dq and its dK/dV into the block's accumulator, which then travels on with the block, or home after the
+    block's last hop. The local block comes last: its launches run while the accumulators of the other ranks' dK/dV
+    for it make their last hop home (the larger transfer: fp32), so that hop does not wait alone."""
     from minigpt_kernels.launch import empty_in_layout_of, launch_backward_delta
 
     plan = _Plan(group, q.shape[2], window)
@@ -240,8 +232,7 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
 
     incoming = post(0)
     do, delta = launch_backward_delta(do, o, lse)
-    dq = empty_in_layout_of(q, torch.float32)
-    _block_dq(do, q, k, v, ids, ids, lse, delta, plan.local, sm_scale, dq)
+    dq = empty_in_layout_of(q, torch.float32).zero_()  # every block adds its share, the local block's last
     # per direction, the (dK, dV) accumulator (fp32, laid out as the kv message) of the block this rank holds next in
     # it, arriving from the previous holder; after a direction's last step, this rank's own block's, coming home
     arriving: dict[int, Callable[[], Tensor] | None] = {1: None, -1: None}
@@ -249,11 +240,9 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
         held[direction] = incoming()
         incoming = post(i + 1)
         kv, k_ids = held[direction]
-        # this block's share, computed while the next block (and, during its dQ kernel, its accumulator) is in flight
-        _block_dq(do, q, *unstack_kv(kv), ids, k_ids, lse, delta, launches, sm_scale, dq)
         # the first rank after a block's owner starts its accumulator: fp32 zeros laid out as kv
         dkv = (arriving[direction] or _ready(torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)))()
-        _block_dkdv(do, q, *unstack_kv(kv), ids, k_ids, lse, delta, launches, sm_scale, *unstack_kv(dkv))
+        _block_backward(do, q, *unstack_kv(kv), ids, k_ids, lse, delta, launches, sm_scale, dq, *unstack_kv(dkv))
         # hand the accumulator on with its block; after the block's last hop, straight home to its owner
         last = depth == plan.depth(direction)
         wait = plan.ring.send((dkv,), -direction * depth if last else direction)
@@ -261,34 +250,24 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
         if dkv.numel() * dkv.element_size() >= SERIAL_HOP_BYTES:
             arriving[direction] = _ready(arriving[direction]())  # a long shard: wait now, one accumulator in flight
         del dkv
-    held.clear()  # the blocks of other ranks are done with: free them before the local dK/dV kernel
+    held.clear()  # the blocks of other ranks are done with: free them before the local block's launches
     kv = k_ids = None
+    homes = [arriving[d] for d in (1, -1) if arriving[d] is not None]
+    # the local block, during the last hops: dK/dV in k's dtype from one launch that writes them all when nothing
+    # comes home (a ring of one, or a window that reaches no other rank), else in fp32 to add the homes' into
+    one_launch = len(plan.local) == 1 and plan.local[0].fresh_keys and plan.local[0].keys == slice(0, k.shape[2])
+    dtype = k.dtype if one_launch and not homes else torch.float32
+    dk, dv = empty_in_layout_of(k, dtype), empty_in_layout_of(v, dtype)
+    _block_backward(do, q, k, v, ids, ids, lse, delta, plan.local, sm_scale, dq, dk, dv)
     dq = dq.to(q.dtype)
-    dk, dv = _local_dkdv(do, q, k, v, ids, lse, delta, plan.local, sm_scale)  # during the last hops
-    homes = [arriving[d]() for d in (1, -1) if arriving[d] is not None]
-    if not homes:  # a ring of one, or a window that reaches no other rank
+    if not homes:
         return dq, dk.to(k.dtype), dv.to(v.dtype)
-    # dK = mine + the other ranks' (fp32), added in fp32 and cast into mine in one pass
+    # dK = mine + the other ranks' (fp32), added in fp32 and cast in one pass
+    homes = [home() for home in homes]
     for home in homes[:-1]:
         homes[-1] += home
     theirs_k, theirs_v = unstack_kv(homes[-1])
-    if dk.dtype == torch.float32:
-        return dq, dk.add_(theirs_k).to(k.dtype), dv.add_(theirs_v).to(v.dtype)
-    return dq, dk.add_(theirs_k), dv.add_(theirs_v)
-
-
-def _local_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, ids: Tensor | None, lse: Tensor, delta: Tensor,
-                launches: list[Launch], sm_scale: float) -> tuple[Tensor, Tensor]:
-    """The local block's dK, dV over the local queries: in k's dtype from one launch (causal, with or without
-    documents), else (a window's pairs) in an fp32 buffer that its launches write and add into."""
-    from minigpt_kernels.launch import empty_in_layout_of, launch_backward_dkdv
-
-    if len(launches) == 1 and launches[0].fresh_keys and launches[0].keys == slice(0, k.shape[2]):
-        l = launches[0]
-        return launch_backward_dkdv(do, q, k, v, lse, delta, l.causal, sm_scale, **_masks(l, ids, ids))
-    dk, dv = empty_in_layout_of(k, torch.float32), empty_in_layout_of(v, torch.float32)
-    _block_dkdv(do, q, k, v, ids, ids, lse, delta, launches, sm_scale, dk, dv)
-    return dk, dv
+    return dq, dk.add_(theirs_k).to(k.dtype), dv.add_(theirs_v).to(v.dtype)
 
 
 # An accumulator hop of at least this size is waited for at once instead of during the next block's dQ kernel: two
