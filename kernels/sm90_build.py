@@ -74,7 +74,7 @@ def table_variants() -> list[Variant]:
                      REDUCER_REGS=bwd.REDUCER_REGS,
                      CONSUMER_REGS=bwd.SPLIT_CONSUMER_REGS if d > 64 else bwd.FUSED_CONSUMER_REGS,
                      KV_BUFS=2 if cfg.persistent and d == 64 else 1, PERSISTENT=cfg.persistent,
-                     GQA=False, WINDOWED=False, DOCS=False)  # as the launchers
+                     GQA=False, WINDOWED=False, DOCS=False, FULL=False, ACCUMULATE_DKDV=False)  # as the launchers
             if masks:  # the masked launch (launch_dkdv_dq_masked): a plain grid, GQA, windows and documents
                 out.append(Variant(f"dkdvdq masked D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel,
                                    dict(c, GQA=True, WINDOWED=True, DOCS=True)))
