@@ -8,6 +8,8 @@ launches the forward and the backward's kernels one by one, into its own fp32 ac
       launch_backward_via_ds            dS kept in memory, dQ = dS K from it
       launch_backward_dq / _dkdv        the seven-matmul backward's two kernels (ring attention: one at a time)
       launch_backward_delta             delta = rowsum(dO ∘ O), for launches one by one
+    launch_backward_block             one ring attention launch's dQ, dK, dV added into (or written to) its buffers:
+                                      the five-matmul Gluon kernel where gluon_block_ready says so, else the two above
 
 Masks and GQA (keyword-only, every launcher but the Gluon- and dS-only ones): k and v may have fewer heads than q
 (q_heads a multiple of kv_heads; query head h reads K/V head h // (q_heads // kv_heads), and dK/dV sum over the
@@ -32,7 +34,7 @@ import triton
 from torch import Tensor
 
 from minigpt_kernels.device import INTERPRET, capability, strides3, tma_ready, tma_scratch
-from minigpt_kernels.dispatch import TileConfig, ds_head_elements, plan
+from minigpt_kernels.dispatch import PATH_ENV, TileConfig, ds_head_elements, plan
 from minigpt_kernels.triton_kernels import (
     LOG2E, bwd_delta_kernel, bwd_dkdv_kernel, bwd_dq_from_ds_kernel, bwd_dq_kernel, fwd_kernel)
 
@@ -590,6 +592,94 @@ def launch_backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
     return dq
 
 
+# ------------------------------------------------------------------------------------------------
+# Ring attention's block backward: a (query rows, key block) launch's dQ, dK, dV from one Gluon kernel
+# ------------------------------------------------------------------------------------------------
+# The tiles of launch_backward_block's Gluon kernel where no table row names them (a block off the diagonal, or
+# GQA): a plain grid of 128-key blocks over 64-query tiles, 3 stages at head_dim 64 and 2 at 128, as dispatch.py's
+# sm90-masks rows. Not timed on such blocks yet (cfg= takes others).
+BLOCK_BACKWARD_TILES = {64: TileConfig(64, 128, 4, 3, tma=True, specialized=True),
+                        128: TileConfig(64, 128, 4, 2, tma=True, specialized=True)}
+
+
+def gluon_block_ready(do: Tensor, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> bool:
+    """Whether launch_backward_block runs the fused Gluon dK/dV/dQ kernel on an unmasked block: an sm_90 GPU with
+    the Gluon API; q, k, v, do of one dtype, fp16 or bf16; head_dim 64 or 128; K/V heads dividing q's (GQA); causal
+    with as many queries as keys, or non-causal with N_Q a multiple of 64 and N_K of 128 (the kernel's tiles: none
+    reaches past the rows of the caller's dQ); q, k, v, do TMA-aligned with a contiguous last dimension; results not
+    asked to be deterministic (dQ's reduce-adds sum in a varying order) and MINIGPT_FLASH_PATH unset, auto or
+    gluon."""
+    if gluon_backward is None or INTERPRET or not q.is_cuda:
+        return False
+    n_q, n_k, d = q.shape[2], k.shape[2], q.shape[3]
+    lengths = n_q == n_k if causal else (n_q % 64 == 0 and n_k % 128 == 0)
+    return (q.dtype in (torch.float16, torch.bfloat16) and q.dtype == k.dtype == v.dtype == do.dtype
+            and d in (64, 128) and lengths and k.shape == v.shape and q.shape[1] % k.shape[1] == 0
+            and do.shape == q.shape and capability(q.device) == (9, 0)
+            and all(t.stride(-1) == 1 for t in (q, k, v, do)) and tma_ready(q, k, v, do)
+            and not torch.are_deterministic_algorithms_enabled()
+            and (os.environ.get(PATH_ENV) or "auto") in ("auto", "gluon"))
+
+
+def launch_backward_block(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, causal: bool,
+                          sm_scale: float, dq: Tensor, dk: Tensor, dv: Tensor, accumulate_dq: bool,
+                          accumulate_dkdv: bool, *, cfg: TileConfig | None = None, window: int | None = None,
+                          q_doc_ids: Tensor | None = None, k_doc_ids: Tensor | None = None,
+                          q_offset: int | None = None, k_offset: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """One launch of ring attention's backward: the N_Q query rows of q, do against the N_K keys of k, v (N_Q == N_K
+    when causal without offsets), lse and delta the whole rows' (the final ones; (B, H, N_Q) fp32, contiguous rows
+    or row slices of such, as launch_backward_dq takes them). Adds the block's dQ into dq (fp32, q's shape, any
+    strides with a contiguous last dimension) or, without accumulate_dq, writes it there; adds its dK, dV into dk, dv
+    (fp32, k's shape, contiguous last dimension: e.g. the stack_kv-shaped accumulator's views) or, without
+    accumulate_dkdv, writes them (any float dtype). Returns (dq, dk, dv).
+
+    Where gluon_block_ready takes an unmasked block (no window, document ids or causal offset), one launch of the
+    five-matmul Gluon kernel (gluon/backward.py, launch_dkdv_dq_block): dQ is reduce-added by TMA straight into dq
+    where its strides have a 2-D form (dq_acc_geometry: the ring's dq rows in q's layout have one; a fresh dq is
+    zeroed first), else into a zeroed fp32 scratch in q's layout that is then added (or copied) into dq. Not
+    deterministic (dQ's summation order varies). Tiles: causal without GQA, the table's five-matmul row for N_Q
+    (persistent where it says); else BLOCK_BACKWARD_TILES (a plain grid); cfg overrides them (Gluon only: ValueError
+    where the Gluon kernel does not take the call). Otherwise the seven-matmul Triton kernels, launch_backward_dq
+    then launch_backward_dkdv, with the same semantics and the masks."""
+    _check_lengths(q, k, v, causal, q_offset is not None or k_offset is not None)
+    (dq,) = _grad_outputs((dq,), accumulate_dq, ("dq",), (q,))
+    dk, dv = _grad_outputs((dk, dv), accumulate_dkdv, ("dk", "dv"), (k, v))
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    masks = dict(window=window, q_doc_ids=q_doc_ids, k_doc_ids=k_doc_ids, q_offset=q_offset, k_offset=k_offset)
+    unmasked = (window is None and q_doc_ids is None and k_doc_ids is None
+                and (not causal or (q_offset or 0) == (k_offset or 0)))  # offsets matter only to a causal mask
+    ready = unmasked and gluon_block_ready(do, q, k, v, causal)
+    gqa = k.shape[1] != q.shape[1]
+    if cfg is not None and not (ready and cfg.specialized and cfg.block_m == 64 and cfg.block_n == 128
+                                and cfg.num_stages >= 2 and not (cfg.persistent and gqa)):
+        raise ValueError(f"flash_attention: the block backward's Gluon kernel takes unmasked blocks that "
+                         f"gluon_block_ready takes, with TileConfig(64, 128, 4, stages >= 2, specialized=True) "
+                         f"(persistent only without GQA); got {cfg}")
+    if not ready:
+        launch_backward_dq(do, q, k, v, lse, delta, causal, sm_scale, out=dq, accumulate=accumulate_dq, **masks)
+        launch_backward_dkdv(do, q, k, v, lse, delta, causal, sm_scale, out=(dk, dv), accumulate=accumulate_dkdv,
+                             **masks)
+        return dq, dk, dv
+    B, H, N_Q, D = q.shape
+    if cfg is None:  # the diagonal block as the table's five-matmul backward runs it; other blocks a plain grid
+        cfg = (plan("bwd", D, N_Q, q.dtype, True, capability=_capability(q), gluon_inputs=True, path="gluon").tiles
+               if causal and not gqa else BLOCK_BACKWARD_TILES[D])
+    (lse, stride_lse), (delta, stride_delta) = _rows_in(lse), _rows_in(delta)
+    (lse, stride_lse), (delta, stride_delta) = _rows_for_tma(lse, stride_lse), _rows_for_tma(delta, stride_delta)
+    geometry = gluon_backward.dq_acc_geometry(dq)
+    if geometry is not None:  # the kernel adds into dq itself
+        acc = dq if accumulate_dq else dq.zero_()
+    else:  # no 2-D form for TMA (or not fp32): a zeroed fp32 scratch in q's layout, added into dq below
+        acc = empty_in_layout_of(q, torch.float32).zero_()
+        geometry = gluon_backward.dq_acc_geometry(acc)
+    triton.set_allocator(tma_scratch)  # the kernel makes its TMA descriptors on the device
+    gluon_backward.launch_dkdv_dq_block(do, q, k, v, lse, stride_lse, delta, stride_delta, dk, dv, acc, geometry,
+                                        sm_scale, sm_scale * LOG2E, cfg.block_m, cfg.num_stages, causal,
+                                        accumulate_dkdv, persistent=cfg.persistent)
+    if acc is not dq:
+        dq.add_(acc) if accumulate_dq else dq.copy_(acc)
+    return dq, dk, dv
 
 
 def via_ds_chosen(q: Tensor, causal: bool) -> bool:

@@ -8,6 +8,7 @@ Two uses, both from kernels/NOTES.md Z, where GPU time is the scarce thing:
 
     python -m minigpt_kernels.sm90_build              # every variant: instructions, spills, PRMTs, inner loops
     python -m minigpt_kernels.sm90_build --only fwd   # those whose name contains "fwd"
+    python -m minigpt_kernels.sm90_build --only block # ring attention's block backward (block_variants)
 
 It compiles with `triton.compile(GluonASTSource(...), target=GPUTarget("cuda", 90, 32))` and disassembles with the
 cuobjdump that ships with triton. What ptxas does under another triton can differ from the GPU machines' 3.6.
@@ -45,6 +46,7 @@ class Variant:
     kernel: Any  # a gluon.jit function
     constexprs: dict[str, Any]
     dtype: str = "bf16"
+    fp32: frozenset[str] = frozenset()  # tensors that are fp32 in this variant beside FP32_POINTERS (e.g. DK, DV)
 
 
 def table_variants() -> list[Variant]:
@@ -74,7 +76,7 @@ def table_variants() -> list[Variant]:
                      REDUCER_REGS=bwd.REDUCER_REGS,
                      CONSUMER_REGS=bwd.SPLIT_CONSUMER_REGS if d > 64 else bwd.FUSED_CONSUMER_REGS,
                      KV_BUFS=2 if cfg.persistent and d == 64 else 1, PERSISTENT=cfg.persistent,
-                     GQA=False, WINDOWED=False, DOCS=False)  # as the launchers
+                     GQA=False, WINDOWED=False, DOCS=False, FULL=False, ACCUMULATE_DKDV=False)  # as the launchers
             if masks:  # the masked launch (launch_dkdv_dq_masked): a plain grid, GQA, windows and documents
                 out.append(Variant(f"dkdvdq masked D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel,
                                    dict(c, GQA=True, WINDOWED=True, DOCS=True)))
@@ -87,14 +89,38 @@ def table_variants() -> list[Variant]:
     return list({v.name: v for v in out}.values())  # a row over several head_dims may repeat another's variant
 
 
-def signature(kernel: Any, constexprs: dict[str, Any], dtype: str) -> dict[str, str]:
-    """Argument types by the kernels' naming: capitals are tensors (LSE, DELTA, DQ_ACC fp32; WORK lists int32; the
-    rest the input dtype) except the sizes H and N; *scale is fp32; every other argument an int32."""
+def block_variants() -> list[Variant]:
+    """Ring attention's block backward (launch.launch_backward_block, gluon/backward.launch_dkdv_dq_block) where no
+    table row names it: a block off the diagonal (FULL: no causal mask, N_Q != N_K) adding dK, dV into the travelling
+    fp32 accumulator (ACCUMULATE_DKDV), with and without GQA, on the plain grid with launch.BLOCK_BACKWARD_TILES'
+    stages (3 at head_dim 64, 2 at 128). The diagonal block (causal, fresh) compiles to the table's dense variants."""
+    out = []
+    for d, stages in ((64, 3), (128, 2)):
+        c = dict(HEAD_DIM=d, BLOCK_M=64, STAGES=stages, PRODUCER_REGS=common.PRODUCER_REGS,
+                 REDUCER_REGS=bwd.REDUCER_REGS,
+                 CONSUMER_REGS=bwd.SPLIT_CONSUMER_REGS if d > 64 else bwd.FUSED_CONSUMER_REGS, KV_BUFS=1,
+                 PERSISTENT=False, GQA=False, WINDOWED=False, DOCS=False, FULL=True, ACCUMULATE_DKDV=True)
+        for gqa in (False, True):
+            out.append(Variant(f"dkdvdq block{' GQA' if gqa else ''} D{d} s{stages}", bwd.dkdvdq_kernel,
+                               dict(c, GQA=gqa), fp32=frozenset({"DK", "DV"})))
+    return out
+
+
+def all_variants() -> list[Variant]:
+    """Every variant main() builds: the table's, then the ring's block backward."""
+    return table_variants() + block_variants()
+
+
+def signature(kernel: Any, constexprs: dict[str, Any], dtype: str,
+              fp32: frozenset[str] = frozenset()) -> dict[str, str]:
+    """Argument types by the kernels' naming: capitals are tensors (LSE, DELTA, DQ_ACC fp32, and those in `fp32`;
+    WORK lists int32; the rest the input dtype) except the sizes H and N; *scale is fp32; every other argument an
+    int32."""
     sig = {}
     for name in inspect.signature(kernel.fn).parameters:
         if name in constexprs:
             sig[name] = "constexpr"
-        elif name in FP32_POINTERS:
+        elif name in FP32_POINTERS or name in fp32:
             sig[name] = "*fp32"
         elif name in INT32_POINTERS:
             sig[name] = "*i32"
@@ -109,7 +135,7 @@ def signature(kernel: Any, constexprs: dict[str, Any], dtype: str) -> dict[str, 
 
 def compile_sm90(v: Variant) -> Any:
     """The variant compiled for sm_90 (pointers and strides assumed 16-divisible, as the launchers' inputs are)."""
-    sig = signature(v.kernel, v.constexprs, v.dtype)
+    sig = signature(v.kernel, v.constexprs, v.dtype, v.fp32)
     names = list(sig)
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*" or n.startswith("stride")}
     source = GluonASTSource(v.kernel, sig, {(names.index(k),): val for k, val in v.constexprs.items()}, aligned)
@@ -183,7 +209,7 @@ def main() -> None:
     if not args.json:
         print(f"triton {triton.__version__}, sm_90")
         print("| variant | instructions | STL | PRMT | loops holding wgmmas (instructions) |\n|---|---|---|---|---|")
-    for v in table_variants():
+    for v in all_variants():
         if args.only in v.name:
             reports.append(report(v))
             r = reports[-1]
