@@ -21,7 +21,10 @@ and a causal launch may have Nq != Nk. A row that sees no key gets o = 0 and lse
 span of visible keys (or queries) on the device and skip the tiles outside it (triton_kernels.py, "Masks").
 Causal masked and GQA calls of a sequence against itself (gluon_masks_ready) take the Gluon forward and, unless
 deterministic, the five-matmul backward on sm_90 (dispatch.py's sm90-masks rows; MINIGPT_FLASH_PATH=triton keeps
-the Triton kernels).
+the Triton kernels). The forward's one test of what its Gluon kernel takes is gluon_forward_ready: besides those, on
+sm_90, dense calls (GQA at most) causal or not, with Nq != Nk where not causal, fresh or continued (`accumulate`),
+into an fp32 o or one in q's dtype: ring attention's launches without a window or documents. Masks with non-causal
+or continued calls run the Triton forward.
 """
 from __future__ import annotations
 
@@ -86,6 +89,42 @@ def gluon_masks_ready(q: Tensor, k: Tensor, v: Tensor, causal: bool, q_doc_ids: 
                 and q.shape[1] % k.shape[1] == 0)
     return (not q_offset and not k_offset and same_ids and kv_heads
             and specialized_ready(q, q, q, causal, accumulate, out, also=(k, v, *also)))
+
+
+def gluon_forward_ready(q: Tensor, k: Tensor, v: Tensor, causal: bool, accumulate: bool = False,
+                        out: tuple[Tensor, Tensor] | None = None, *, window: int | None = None,
+                        q_doc_ids: Tensor | None = None, k_doc_ids: Tensor | None = None, q_offset: int | None = None,
+                        k_offset: int | None = None) -> bool:
+    """Whether the Gluon forward (gluon/forward.py) takes this launch_forward call; the Triton forward takes the rest.
+
+    Always: an sm_90 GPU with triton's Gluon API, q, k, v fp16/bf16 of one dtype with head_dim 64 or 128, TMA-aligned
+    and with contiguous last dimensions (specialized_ready's inputs), K/V heads dividing q's; out=(o, lse), if given,
+    with o in q's dtype or fp32 and lse rows a fixed distance apart (_row_stride), Nq apart for a causal fresh call
+    (those variants address a contiguous LSE). Then either
+    - no window, document ids or offsets that move the causal diagonal: causal (Nq == Nk) or not (any Nq, Nk >= 1),
+      fresh or continued (`accumulate`, o fp32); or
+    - a window or document ids (gluon_masks_ready): causal, fresh, a sequence against itself (no offsets, the same
+      ids for queries and keys).
+    Masks with non-causal or continued calls (ring attention's windowed and document launches) stay with Triton."""
+    B, H, n_q = q.shape[:3]
+    if out is None:
+        if accumulate:  # nothing to continue from (launch_forward raises)
+            return False
+    else:
+        o, lse = out
+        stride = _row_stride(lse) if lse.dim() == 3 else None
+        if (o.dtype not in (q.dtype, torch.float32) or (accumulate and o.dtype != torch.float32)
+                or o.stride(-1) != 1 or lse.dtype != torch.float32 or stride is None
+                or (causal and not accumulate and stride != n_q and B * H > 1)):
+            return False
+    shift = (q_offset or 0) - (k_offset or 0)
+    if window is not None or q_doc_ids is not None or k_doc_ids is not None or (
+            causal and (shift != 0 or n_q != k.shape[2])):
+        return causal and not accumulate and gluon_masks_ready(q, k, v, causal, q_doc_ids, k_doc_ids, q_offset,
+                                                               k_offset)
+    return (k.shape == v.shape and k.shape[0] == B and k.shape[3] == q.shape[3] and k.shape[2] >= 1
+            and H % k.shape[1] == 0 and q.dtype == k.dtype == v.dtype
+            and specialized_ready(q, q, q, True, also=(k, v)))
 
 
 def _capability(t: Tensor) -> tuple[int, int] | None:
@@ -282,7 +321,8 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
     `cfg` overrides the tile table (the benchmark's tile exploration).
 
     out=(o, lse): write the result there instead of into new tensors: o (B, H, Nq, D), any dtype, any strides with
-    a contiguous last dimension; lse (B, H, Nq) fp32, a contiguous tensor or a slice of one along Nq.
+    a contiguous last dimension; lse (B, H, Nq) fp32, a contiguous tensor or a slice of one along Nq. On sm_90 the
+    Gluon forward takes the call where gluon_forward_ready says so (the ring's dense launches included), else Triton's.
     accumulate=True: out holds, in fp32, the attention of these rows over other keys (o normalized, lse base 2; a
     row with lse = -inf holds nothing yet, whatever its o) and is overwritten with the attention over both key
     sets. Ring attention folds each arriving block into its running output this way, without a merge pass.
@@ -291,12 +331,12 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
     masked = _masked(q, k, causal, window, q_doc_ids, q_offset, k_offset)
-    if masked:
-        ready = gluon_masks_ready(q, k, v, causal, q_doc_ids, k_doc_ids, q_offset, k_offset, accumulate, out)
-    else:
-        ready = specialized_ready(q, k, v, causal, accumulate, out)
+    ready = gluon_forward_ready(q, k, v, causal, accumulate, out, window=window, q_doc_ids=q_doc_ids,
+                                k_doc_ids=k_doc_ids, q_offset=q_offset, k_offset=k_offset)
     if cfg is not None and cfg.specialized and not ready:
-        raise ValueError(_NOT_SPECIALIZED.format("forward") + "; with masks or GQA, only of a sequence against itself")
+        raise ValueError("flash_attention: the warp-specialized forward takes fp16/bf16 inputs with head_dim 64 or "
+                         "128, TMA-aligned, on an sm_90 GPU; masks only in causal fresh calls of a sequence against "
+                         "itself (see gluon_forward_ready)")
     cfg = cfg or plan("fwd", D, N_Q, q.dtype, causal, capability=_capability(q), gluon_inputs=ready,
                       masked=masked).tiles
     margs, mflags = _mask_args(q, k, causal, window, q_doc_ids, k_doc_ids, q_offset, k_offset, "fwd",
@@ -313,13 +353,17 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
                              f"{tuple(lse.shape)} {lse.dtype} with strides {lse.stride()}")
     if cfg.specialized:
         triton.set_allocator(tma_scratch)  # its TMA descriptors are made on the device, like _use_tma's
-        if masked:  # margs: (ids, ids, strides, shift, window, steps, counts), as _mask_args checked them
+        stride_lse = _row_stride(lse)
+        if masked and causal and not accumulate:  # margs: (ids, ids, strides, shift, window, steps, counts), as
+            # _mask_args checked them
             gluon_forward.launch_forward_masked(q, k, v, o, lse, sm_scale * LOG2E, cfg.block_m // 64, cfg.block_n,
                                                 cfg.num_stages, margs[5] if mflags["WINDOWED"] else None,
-                                                margs[0] if mflags["DOCS"] else None)
+                                                margs[0] if mflags["DOCS"] else None, stride_lse=stride_lse)
             return o, lse
+        # no masks (GQA at most): causal or not, fresh or continuing the rows' (o, lse)
         launch = gluon_forward.launch_forward_persistent if cfg.persistent else gluon_forward.launch_forward_pingpong
-        launch(q, k, v, o, lse, sm_scale * LOG2E, cfg.block_m // 64, cfg.block_n, cfg.num_stages)
+        launch(q, k, v, o, lse, sm_scale * LOG2E, cfg.block_m // 64, cfg.block_n, cfg.num_stages, causal=causal,
+               accumulate=accumulate, stride_lse=stride_lse)
         return o, lse
     grid = (triton.cdiv(N_Q, cfg.block_m), B * H)
     fwd_kernel[grid](q, k, v, o, lse, *strides3(q), *strides3(k), *strides3(v), *strides3(o), _row_stride(lse),

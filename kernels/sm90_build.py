@@ -41,36 +41,48 @@ INT32_POINTERS = {"WORK", "WORK_START", "IDS", "DOC_ENDS"}
 
 @dataclass(frozen=True)
 class Variant:
-    """One compiled form of a kernel: its constexprs as the launcher passes them, and the input dtype."""
+    """One compiled form of a kernel: its constexprs as the launcher passes them, the input dtype, and the tensors
+    given in fp32 beside FP32_POINTERS (the forward's O in ring attention's launches)."""
     name: str
     kernel: Any  # a gluon.jit function
     constexprs: dict[str, Any]
     dtype: str = "bf16"
-    fp32: frozenset[str] = frozenset()  # tensors that are fp32 in this variant beside FP32_POINTERS (e.g. DK, DV)
+    fp32: tuple[str, ...] = ()  # tensors that are fp32 in this variant beside FP32_POINTERS (O, DK, DV)
 
 
 def table_variants() -> list[Variant]:
     """The Gluon variants dispatch.TABLE can pick, read from the table (constexprs as the launchers in gluon/forward.py
     and gluon/backward.py derive them from a TileConfig), plus fp16 where the forward has three consumers (the
-    hand-packed P of NOTES.md Z)."""
+    hand-packed P of NOTES.md Z), and the forward's forms in ring attention's launches: each causal row's with an fp32
+    o written fresh ("fp32 o", the local block) and continued ("continue"), each non-causal row's fresh (o in the
+    input dtype) and continued (fp32 o: the other ranks' blocks; also with GQA), the masked one's with an fp32 o."""
     out = []
-    for kind, d, cfg, masks in ((e.kernel, d, e.tiles, e.masks) for e in TABLE if e.tiles.specialized
-                                for d in e.head_dims):
+    for kind, d, cfg, masks, when in ((e.kernel, d, e.tiles, e.masks, e.when) for e in TABLE if e.tiles.specialized
+                                      for d in e.head_dims):
         mode = "persistent" if cfg.persistent else "plain"
         if kind == "fwd":
             consumers = cfg.block_m // 64
+            causal = when != "sm90-non-causal"
             c = dict(HEAD_DIM=d, NUM_CONSUMERS=consumers, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
                      CONSUMER_REGS=common.CONSUMER_REGS[consumers], PRODUCER_REGS=common.PRODUCER_REGS,
-                     SKIP=cfg.persistent and fwd.consumers_can_stop_early(consumers, cfg.block_n),
-                     PERSISTENT=cfg.persistent, GQA=False, WINDOWED=False, DOCS=False)
+                     SKIP=causal and cfg.persistent and fwd.consumers_can_stop_early(consumers, cfg.block_n),
+                     PERSISTENT=cfg.persistent, GQA=False, WINDOWED=False, DOCS=False, CAUSAL=causal,
+                     CONTINUE=False)
             kernel = fwd.pingpong_fwd_kernel  # one kernel; plain and persistent differ in their work lists
             if masks:  # the masked launch (launch_forward_masked): a plain grid, GQA, windows and documents
                 masked = dict(c, SKIP=False, PERSISTENT=False, GQA=True, WINDOWED=True, DOCS=True)
                 out.append(Variant(f"fwd masked D{d} C{consumers}", kernel, masked))
+                out.append(Variant(f"fwd masked D{d} C{consumers} fp32 o", kernel, masked, fp32=("O",)))
                 continue
-            out.append(Variant(f"fwd {mode} D{d} C{consumers}", kernel, c))
-            if consumers == 3:
-                out.append(Variant(f"fwd {mode} D{d} C{consumers} fp16", kernel, c, "fp16"))
+            name = f"fwd {mode} D{d} C{consumers}" if causal else f"fwd non-causal {mode} D{d} C{consumers}"
+            out.append(Variant(name, kernel, c))
+            if consumers == 3 and causal:
+                out.append(Variant(f"{name} fp16", kernel, c, "fp16"))
+            if causal:
+                out.append(Variant(f"{name} fp32 o", kernel, c, fp32=("O",)))
+            out.append(Variant(f"{name} continue", kernel, dict(c, CONTINUE=True), fp32=("O",)))
+            if not causal:
+                out.append(Variant(f"{name} continue GQA", kernel, dict(c, CONTINUE=True, GQA=True), fp32=("O",)))
         elif kind == "dkdvdq":
             c = dict(HEAD_DIM=d, BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, PRODUCER_REGS=common.PRODUCER_REGS,
                      REDUCER_REGS=bwd.REDUCER_REGS,
@@ -102,7 +114,7 @@ def block_variants() -> list[Variant]:
                  PERSISTENT=False, GQA=False, WINDOWED=False, DOCS=False, FULL=True, ACCUMULATE_DKDV=True)
         for gqa in (False, True):
             out.append(Variant(f"dkdvdq block{' GQA' if gqa else ''} D{d} s{stages}", bwd.dkdvdq_kernel,
-                               dict(c, GQA=gqa), fp32=frozenset({"DK", "DV"})))
+                               dict(c, GQA=gqa), fp32=("DK", "DV")))
     return out
 
 
@@ -111,10 +123,9 @@ def all_variants() -> list[Variant]:
     return table_variants() + block_variants()
 
 
-def signature(kernel: Any, constexprs: dict[str, Any], dtype: str,
-              fp32: frozenset[str] = frozenset()) -> dict[str, str]:
-    """Argument types by the kernels' naming: capitals are tensors (LSE, DELTA, DQ_ACC fp32, and those in `fp32`;
-    WORK lists int32; the rest the input dtype) except the sizes H and N; *scale is fp32; every other argument an
+def signature(kernel: Any, constexprs: dict[str, Any], dtype: str, fp32: tuple[str, ...] = ()) -> dict[str, str]:
+    """Argument types by the kernels' naming: capitals are tensors (LSE, DELTA, DQ_ACC and those in fp32 fp32; WORK
+    lists int32; the rest the input dtype) except the sizes H, N and N_K; *scale is fp32; every other argument an
     int32."""
     sig = {}
     for name in inspect.signature(kernel.fn).parameters:
@@ -124,7 +135,7 @@ def signature(kernel: Any, constexprs: dict[str, Any], dtype: str,
             sig[name] = "*fp32"
         elif name in INT32_POINTERS:
             sig[name] = "*i32"
-        elif name.isupper() and name not in ("H", "N"):
+        elif name.isupper() and name not in ("H", "N", "N_K"):
             sig[name] = f"*{dtype}"
         elif name.endswith("scale"):
             sig[name] = "fp32"
@@ -188,14 +199,18 @@ def loops(listing: str) -> list[Loop]:
 
 def report(v: Variant) -> dict[str, Any]:
     """What one variant compiles to: instructions, STL (spill stores), PRMT, HGMMA, the lengths of the loops that hold
-    wgmmas (innermost first), or the error that stopped it."""
+    wgmmas (innermost first), the four shortest of them as [length, spill loads and stores (LDL + STL)] (a
+    forward's key-tile loops, one per consumer, come first), or the error that stopped it."""
     try:
         listing = sass(compile_sm90(v))
     except Exception as e:  # noqa: BLE001 - reported per variant, so one broken kernel does not hide the others
         return {"name": v.name, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"}
     ops = Counter(op.split(".")[0] for _, op, _ in instructions(listing))
+    found = loops(listing)
     return {"name": v.name, "error": None, "instructions": sum(ops.values()), "STL": ops["STL"], "PRMT": ops["PRMT"],
-            "HGMMA": ops["HGMMA"], "wgmma_loops": sorted({loop.length for loop in loops(listing) if loop.opcodes["HGMMA"]})}
+            "HGMMA": ops["HGMMA"], "wgmma_loops": sorted({loop.length for loop in found if loop.opcodes["HGMMA"]}),
+            "inner_loops": [[loop.length, loop.opcodes["LDL"] + loop.opcodes["STL"]]
+                            for loop in found if loop.opcodes["HGMMA"]][:4]}
 
 
 def main() -> None:
@@ -208,14 +223,16 @@ def main() -> None:
     reports = []
     if not args.json:
         print(f"triton {triton.__version__}, sm_90")
-        print("| variant | instructions | STL | PRMT | loops holding wgmmas (instructions) |\n|---|---|---|---|---|")
+        print("| variant | instructions | STL | PRMT | loops holding wgmmas (instructions) | shortest four "
+              "(instructions/LDL+STL) |\n|---|---|---|---|---|---|")
     for v in all_variants():
         if args.only in v.name:
             reports.append(report(v))
             r = reports[-1]
             if not args.json:
                 print(f"| {v.name} | {r['error']} |" if r["error"] else f"| {v.name} | {r['instructions']} | "
-                      f"{r['STL']} | {r['PRMT']} | {', '.join(map(str, r['wgmma_loops'][:4]))} |", flush=True)
+                      f"{r['STL']} | {r['PRMT']} | {', '.join(map(str, r['wgmma_loops'][:4]))} | "
+                      f"{', '.join(f'{n}/{spills}' for n, spills in r['inner_loops'])} |", flush=True)
     if args.json:
         print(json.dumps(reports))
 
