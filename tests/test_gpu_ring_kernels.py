@@ -1,4 +1,5 @@
-"""GPU-only (sm_90): the Gluon forward on ring attention's calls (python -m pytest -m gpu tests/test_gpu_ring_kernels.py).
+"""GPU-only (sm_90): the Gluon forward on ring attention's calls
+(python -m pytest -m gpu tests/test_gpu_ring_kernels.py).
 
 Non-causal Nq x Nk launches (2c x c and c x 2c, ragged lengths), continued fp32 (o, lse) over a second key set, the fp32
 o in the model's (B, N, H, D) memory order through strided views with LSE row slices, rows holding nothing yet
