@@ -253,21 +253,24 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     held.clear()  # the blocks of other ranks are done with: free them before the local block's launches
     kv = k_ids = None
     homes = [arriving[d] for d in (1, -1) if arriving[d] is not None]
-    # the local block, during the last hops: dK/dV in k's dtype from one launch that writes them all when nothing
-    # comes home (a ring of one, or a window that reaches no other rank), else in fp32 to add the homes' into
+    # the local block, during the last hops: dK/dV in k's dtype from one launch that writes them all (the causal
+    # block; no fp32 copy of k's size beside the arriving accumulators at the layer's peak), else (a window's
+    # launches) in an fp32 buffer that they write and add into
     one_launch = len(plan.local) == 1 and plan.local[0].fresh_keys and plan.local[0].keys == slice(0, k.shape[2])
-    dtype = k.dtype if one_launch and not homes else torch.float32
+    dtype = k.dtype if one_launch else torch.float32
     dk, dv = empty_in_layout_of(k, dtype), empty_in_layout_of(v, dtype)
     _block_backward(do, q, k, v, ids, ids, lse, delta, plan.local, sm_scale, dq, dk, dv)
     dq = dq.to(q.dtype)
     if not homes:
         return dq, dk.to(k.dtype), dv.to(v.dtype)
-    # dK = mine + the other ranks' (fp32), added in fp32 and cast in one pass
+    # dK = mine + the other ranks' (fp32): added in fp32 and cast in one pass, or added into mine
     homes = [home() for home in homes]
     for home in homes[:-1]:
         homes[-1] += home
     theirs_k, theirs_v = unstack_kv(homes[-1])
-    return dq, dk.add_(theirs_k).to(k.dtype), dv.add_(theirs_v).to(v.dtype)
+    if dk.dtype == torch.float32:
+        return dq, dk.add_(theirs_k).to(k.dtype), dv.add_(theirs_v).to(v.dtype)
+    return dq, dk.add_(theirs_k), dv.add_(theirs_v)
 
 
 # An accumulator hop of at least this size is waited for at once instead of during the next block's dQ kernel: two
