@@ -653,14 +653,11 @@ def gluon_block_ready(do: Tensor, q: Tensor, k: Tensor, v: Tensor, causal: bool)
     reaches past the rows of the caller's dQ); q, k, v, do TMA-aligned with a contiguous last dimension; results not
     asked to be deterministic (dQ's reduce-adds sum in a varying order) and MINIGPT_FLASH_PATH unset, auto or
     gluon."""
-    if gluon_backward is None or INTERPRET or not q.is_cuda:
-        return False
-    n_q, n_k, d = q.shape[2], k.shape[2], q.shape[3]
+    n_q, n_k = q.shape[2], k.shape[2]
     lengths = n_q == n_k if causal else (n_q % 64 == 0 and n_k % 128 == 0)
-    return (q.dtype in (torch.float16, torch.bfloat16) and q.dtype == k.dtype == v.dtype == do.dtype
-            and d in (64, 128) and lengths and k.shape == v.shape and q.shape[1] % k.shape[1] == 0
-            and do.shape == q.shape and capability(q.device) == (9, 0)
-            and all(t.stride(-1) == 1 for t in (q, k, v, do)) and tma_ready(q, k, v, do)
+    return (lengths and q.dtype == k.dtype == v.dtype == do.dtype and do.shape == q.shape and k.shape == v.shape
+            and k.shape[0] == q.shape[0] and k.shape[3] == q.shape[3] and q.shape[1] % k.shape[1] == 0
+            and gluon_backward is not None and specialized_ready(q, q, q, True, also=(k, v, do))
             and not torch.are_deterministic_algorithms_enabled()
             and (os.environ.get(PATH_ENV) or "auto") in ("auto", "gluon"))
 
