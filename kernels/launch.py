@@ -641,7 +641,8 @@ def launch_backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
 # ------------------------------------------------------------------------------------------------
 # The tiles of launch_backward_block's Gluon kernel where no table row names them (a block off the diagonal, or
 # GQA): a plain grid of 128-key blocks over 64-query tiles, 3 stages at head_dim 64 and 2 at 128, as dispatch.py's
-# sm90-masks rows. Not timed on such blocks yet (cfg= takes others).
+# sm90-masks rows. On ring attention's off-diagonal blocks (2c x c and c x 2c, c = 4K-16K, one H100) they are within
+# 3.5% of the best of 2-4 stages, plain or persistent (NOTES.md, 'Ring attention's launches timed alone').
 BLOCK_BACKWARD_TILES = {64: TileConfig(64, 128, 4, 3, tma=True, specialized=True),
                         128: TileConfig(64, 128, 4, 2, tma=True, specialized=True)}
 
