@@ -378,6 +378,43 @@ def test_an_unwritable_directory_is_one_line_exit_2(tmp_path, key, how):
     assert not (tmp_path / "run").exists() and not (tmp_path / "outputs").exists()
 
 
+def _read_only_mounts() -> bool:
+    """Whether this machine lets an unprivileged user namespace mount a file system (unshare -rm): where it does, a
+    test can make a real read-only file system, which refuses root too (the chmod case is skipped for root)."""
+    try:
+        return subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@slow
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _read_only_mounts(),
+                    reason="needs unshare -rm (a user namespace) to mount a read-only file system")
+@pytest.mark.parametrize("key", ["hydra.run.dir", "ckpt_dir", "data.cache_dir", "WANDB_DIR"])
+def test_a_read_only_file_system_is_one_line_exit_2(tmp_path, key):
+    """The first round's case: the run folder on a read-only file system (EROFS) ended in a traceback from Hydra's
+    logging setup. A tmpfs mounted read-only in a user namespace, the CLI started inside it."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    bad = mount / "sub"
+    args, env = [*TINY, "max_steps=1"], {}
+    if key == "data.cache_dir":
+        (tmp_path / "corpus.txt").write_text("some text\n" * 100)
+        args += ["data=text", "data.path=corpus.txt"]
+    if key == "WANDB_DIR":
+        args, env = [*[a for a in args if a != "logger=none"], "logger=wandb"], {"WANDB_MODE": "offline",
+                                                                               "WANDB_DIR": str(bad)}
+    else:
+        args.append(f"{key}={bad}")
+    if key != "hydra.run.dir":
+        args.append("hydra.run.dir=run")
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o ro none "$0" && exec "$@"', str(mount),
+                           sys.executable, "-m", "minigpt", *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=180, env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+    one_line_error(proc, 2, f"{key}={bad}", f"{mount} is on a read-only file system", "point", "writable")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "outputs").exists()
+
+
 @pytest.mark.parametrize("argv, hint", [
     (["data.path=/a", "b/c"], """'data.path="/a b/c"'"""),  # data.path=/a b/c typed unquoted: the shell splits it
     (["data.path=/tmp/ünï"], """'data.path="/tmp/ünï"'"""),
