@@ -416,6 +416,40 @@ def test_not_a_text_column_advice(tmp_path):
     ok(cli(tmp_path, *args, "data.text_column=text", "hydra.run.dir=run"), tmp_path / "run")
 
 
+@slow
+def test_too_few_held_out_documents_advice(tiny_config, tmp_path, capsys):
+    """data=pycode's held-out guarantee: `lower data.min_heldout_docs` trains. The fake site root holds out one
+    document in all, so no seq_len reaches two: the line does not say to lower it (it did). (`read the full corpus`
+    is this interpreter's site-packages: not read in a test.)"""
+    from minigpt.run import run
+    from minigpt.summary import ExitCode
+    from test_pycode import fake_site_overrides
+
+    site = fake_site_overrides(tmp_path, min_docs=2)
+    assert run(tiny_config(*site, "max_steps=1")) == ExitCode.BAD_SETTING
+    line = [x for x in capsys.readouterr().err.splitlines() if x.strip()][-1]
+    assert "holds out 0 documents" not in line and "; read the full corpus (data.subset=null), or lower " \
+        "data.min_heldout_docs" in line and "lower seq_len" not in line, line
+    fixed = tiny_config(*site, "max_steps=1", "data.min_heldout_docs=1")
+    fixed.run_dir = fixed.ckpt_dir = str(tmp_path / "followed")
+    assert run(fixed) == 0
+
+
+def test_too_short_held_out_documents_advice():
+    """`lower seq_len (to at most M)`: M is the longest seq_len that min_heldout_docs documents reach (M passes the
+    check, M + 1 does not); the eval's `evaluate at most` alike."""
+    from minigpt.data import BYTES_PER_TOKEN, _check_heldout
+
+    sizes, manifest = [9000, 4000, 4003, 100], {"min_heldout_docs": 2}
+    with pytest.raises(ConfigError) as e:
+        _check_heldout(manifest, sizes, 4096)
+    reach = 4003 // BYTES_PER_TOKEN - 1
+    assert f"lower seq_len (to at most {reach}), read the full corpus" in str(e.value), str(e.value)
+    _check_heldout(manifest, sizes, reach)
+    with pytest.raises(ConfigError):
+        _check_heldout(manifest, sizes, reach + 1)
+
+
 # ------------------------------------------------------------------------------------------------
 # The checkpoint converter
 # ------------------------------------------------------------------------------------------------
