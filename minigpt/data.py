@@ -499,13 +499,18 @@ BYTES_PER_TOKEN = 4  # how the held-out check turns seq_len into bytes (BPE on c
 
 
 def _check_heldout(manifest: dict, val_sizes: list[int], seq_len: int) -> None:
-    """Refuse (ConfigError, exit 2) when fewer than min_heldout_docs held-out documents reach seq_len tokens."""
+    """Refuse (ConfigError, exit 2) when fewer than min_heldout_docs held-out documents reach seq_len tokens. The
+    advice names the longest seq_len that many documents reach, and only where one does (with fewer held-out
+    documents than that in all, no seq_len helps)."""
     need = BYTES_PER_TOKEN * (seq_len + 1)
     have, want = sum(n >= need for n in val_sizes), manifest["min_heldout_docs"]
     if have < want:
+        sizes = sorted(val_sizes, reverse=True)
+        reach = sizes[want - 1] // BYTES_PER_TOKEN - 1 if 0 < want <= len(sizes) else 0
+        shorter = f"lower seq_len (to at most {reach}), " if reach >= 1 else ""
         raise ConfigError(
             f"data.min_heldout_docs={want}: data=pycode holds out {have} documents of at least seq_len={seq_len} "
-            f"tokens (~{need} bytes at {BYTES_PER_TOKEN} bytes a token); lower seq_len, read the full corpus "
+            f"tokens (~{need} bytes at {BYTES_PER_TOKEN} bytes a token); {shorter}read the full corpus "
             f"(data.subset=null), or lower data.min_heldout_docs"
         )
 

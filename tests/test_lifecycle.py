@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -174,6 +175,41 @@ def test_a_signal_in_any_phase_ends_with_one_line_its_code_and_summary(tmp_path,
     else:
         assert "during setup" in line
     assert not (tmp_path / "run" / runlock.LOCK_FILE).exists()
+
+
+@slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_run_stopped_by_a_signal_then_resumed_has_the_losses_of_one_that_was_not(tiny_config, monkeypatch, sig):
+    """Nothing lost, to the bit that matters: the signal arrives inside step 3, the step ends with its checkpoint,
+    and resume=auto continues with the very losses (and val loss) an uninterrupted run has."""
+    import minigpt.train as train
+    from conftest import RecordingLogger
+    from minigpt.run import run
+
+    args = ("max_steps=6", "lr_decay_steps=6", "ckpt_every=0", "eval_every=3")
+    straight = RecordingLogger()
+    assert run(tiny_config(*args), logger=straight) == 0
+    for path in Path(tiny_config().run_dir).iterdir():  # the same run directory again, empty
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    real = train.train_step
+
+    def signalled(t, step):
+        loss = real(t, step)
+        if step == 2:
+            os.kill(os.getpid(), sig)
+        return loss
+    head, tail = RecordingLogger(), RecordingLogger()
+    with monkeypatch.context() as m:
+        m.setattr(train, "train_step", signalled)
+        assert run(tiny_config(*args), logger=head) == 128 + sig
+    s = RunSummary.read(Path(tiny_config().run_dir) / "summary.json")
+    assert (s.status, s.steps) == ("interrupted", 3) and Path(s.checkpoint).name == "ckpt_00000003.pt"
+    assert run(tiny_config(*args, "resume=auto"), logger=tail) == 0
+    assert len(head.series("train/loss")) == 3 and len(tail.series("train/loss")) == 3
+    assert head.series("train/loss") + tail.series("train/loss") == pytest.approx(straight.series("train/loss"),
+                                                                                  rel=1e-6, abs=1e-7)
+    assert head.series("eval/val_loss") + tail.series("eval/val_loss") == pytest.approx(
+        straight.series("eval/val_loss"), rel=1e-6, abs=1e-7)
 
 
 @slow
@@ -375,6 +411,43 @@ def test_an_unwritable_directory_is_one_line_exit_2(tmp_path, key, how):
     if key != "hydra.run.dir":
         args.append("hydra.run.dir=run")
     one_line_error(cli(tmp_path, *args, env=env), 2, f"{key}={bad}", "point", "writable")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "outputs").exists()
+
+
+def _read_only_mounts() -> bool:
+    """Whether this machine lets an unprivileged user namespace mount a file system (unshare -rm): where it does, a
+    test can make a real read-only file system, which refuses root too (the chmod case is skipped for root)."""
+    try:
+        return subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@slow
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _read_only_mounts(),
+                    reason="needs unshare -rm (a user namespace) to mount a read-only file system")
+@pytest.mark.parametrize("key", ["hydra.run.dir", "ckpt_dir", "data.cache_dir", "WANDB_DIR"])
+def test_a_read_only_file_system_is_one_line_exit_2(tmp_path, key):
+    """The first round's case: the run folder on a read-only file system (EROFS) ended in a traceback from Hydra's
+    logging setup. A tmpfs mounted read-only in a user namespace, the CLI started inside it."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    bad = mount / "sub"
+    args, env = [*TINY, "max_steps=1"], {}
+    if key == "data.cache_dir":
+        (tmp_path / "corpus.txt").write_text("some text\n" * 100)
+        args += ["data=text", "data.path=corpus.txt"]
+    if key == "WANDB_DIR":
+        args, env = [*[a for a in args if a != "logger=none"], "logger=wandb"], {"WANDB_MODE": "offline",
+                                                                               "WANDB_DIR": str(bad)}
+    else:
+        args.append(f"{key}={bad}")
+    if key != "hydra.run.dir":
+        args.append("hydra.run.dir=run")
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o ro none "$0" && exec "$@"', str(mount),
+                           sys.executable, "-m", "minigpt", *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=180, env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+    one_line_error(proc, 2, f"{key}={bad}", f"{mount} is on a read-only file system", "point", "writable")
     assert not (tmp_path / "run").exists() and not (tmp_path / "outputs").exists()
 
 

@@ -1,7 +1,7 @@
 """The passkey grid: scoring against stand-in models that read the key, greedy decoding against step-by-step
 decoding, the key's placement at the asked depth (bytes, and any tokenizer's tokens around the filler or pycode
 text), the files, the W&B run, and `minigpt-eval --passkey-grid` on real tiny checkpoints (a byte-level passkey run,
-and a BPE pycode run with both haystacks; bad arguments, missing and damaged checkpoints, out of memory)."""
+and a BPE pycode run with both haystacks; bad arguments, missing, damaged and unsafe checkpoints, out of memory)."""
 import json
 import os
 import re
@@ -362,6 +362,22 @@ def test_missing_or_damaged_checkpoint_ends_with_one_line(run_dir, tmp_path, cap
     ckpt.write_bytes(ckpt.read_bytes()[:1000])
     fails(ckpt, 1, "truncated")
     fails(damaged, 1, "no intact checkpoint")
+
+
+def test_an_unsafe_checkpoint_is_refused_and_never_run(run_dir, tmp_path, capsys):
+    """minigpt-eval loads through the one loader too: a planted pickle (as a file, and as the newest checkpoint of a
+    run directory beside intact older ones: no silent fallback) is refused with exit 2 and never runs."""
+    from test_checkpoint import plant
+
+    run = shutil.copytree(run_dir, tmp_path / "run", ignore=shutil.ignore_patterns("eval"))
+    marker = tmp_path / "ran"
+    planted = plant(run / "checkpoints" / "ckpt_00000009.pt", marker)
+    for path in (planted, run / "checkpoints", run):
+        assert main([str(path), *GRID, "--passkey-lengths", "128", "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "ckpt_00000009.pt" in err[0] and "refused" in err[0], err
+        assert f"python -m minigpt.checkpoint upgrade {planted} --trust" in err[0]
+    assert not marker.exists() and not (tmp_path / "o").exists()
 
 
 def test_a_length_out_of_gpu_memory_is_recorded_and_the_others_go_on(run_dir, tmp_path, monkeypatch, capsys):
