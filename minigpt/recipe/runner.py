@@ -192,8 +192,8 @@ class Invocation:
 
     def evaluate(self, item: Evaluation) -> bool:
         """Its commands; False when one was stopped at the budget (the next invocation does it again, whole)."""
-        reads = self.out / self.plan.run(item.reads).folder / "checkpoints"
-        if not list_checkpoints(reads):
+        reads = self.out / self.plan.run(item.reads).folder / "checkpoints" if item.reads else None
+        if reads and not list_checkpoints(reads):
             raise RecipeError(f"{item.name} reads {item.reads}'s model, and {reads} has no checkpoint (a fresh "
                               f"machine?); --import the export that holds it, or start over in a new --out")
         began = time.monotonic()

@@ -3,7 +3,7 @@
     {"plan": {"variant": "full", "extra": [], "runs": [["baseline", 2048, 64, 0, 2000], ...]},
      "revision": 7,                                   # one more at every write
      "runs": {"baseline": 2000, "2k": 450},           # the step each run's checkpoints reached
-     "evaluations": {"baseline-sliding": {"seconds": 41.0}},      # those done
+     "evaluations": {"baseline-sliding": {"seconds": 41.0}},      # those done (each passkey part on its own)
      "prepared": ["<machine>"],                       # machines whose data cache holds the recipe's token streams
      "tokens": {"train": 28400000, "val": 3000000},   # the token streams' lengths
      "measured": {"2048": 1250000.0},                 # tokens/s by seq_len, from the runs' summaries
@@ -87,15 +87,18 @@ class RecipeState:
         return max(self.runs.get(run.name, run.start), run.start)
 
     def done(self, name: str, plan: Plan) -> bool:
-        if name in self.evaluations:
-            return True
-        runs = {r.name: r for r in plan.runs}
+        """A run trained to its end; an evaluation recorded as done whose output is still there (one whose files
+        were lost is done again, before anything that reads them)."""
+        runs, evals = {r.name: r for r in plan.runs}, {e.name: e for e in plan.evaluations}
+        if name in evals:
+            output = evals[name].output
+            return name in self.evaluations and (output is None or output.is_file())
         return name in runs and self.step(runs[name]) >= runs[name].end
 
     def todo(self, plan: Plan, machine: str) -> list[Item]:
         """What is left, in ORDER: the data (on a machine that has not prepared it, while a run is left), each run
-        from the step it reached, each evaluation not done."""
-        runs, evals = {r.name: r for r in plan.runs}, {e.name: e for e in plan.evaluations}
+        from the step it reached, each evaluation not done (a passkey grid's parts, then their merge)."""
+        runs = {r.name: r for r in plan.runs}
         training = [Train(r, self.step(r), r.end) for r in plan.runs if self.step(r) < r.end]
         items: list[Item] = []
         for name in ORDER:
@@ -104,8 +107,8 @@ class RecipeState:
                     items.append(Prepare(plan.variant.prepare_s))
             elif name in runs:
                 items += [t for t in training if t.run.name == name]
-            elif not self.done(name, plan):
-                items.append(evals[name])
+            else:
+                items += [e for e in plan.evaluations if e.place == name and not self.done(e.name, plan)]
         return items
 
     def live(self, plan: Plan) -> Run | None:
