@@ -94,6 +94,17 @@ def test_the_plan_trains_small_6l_to_64k_in_stages_beside_a_2k_baseline_of_the_s
     assert "--budget-minutes 0.5: must leave more than the 60 s" in capsys.readouterr().err
 
 
+def test_a_state_file_of_an_earlier_recipe_loads_and_drops_what_is_no_longer_kept(tmp_path):
+    plan = build_plan(TINY, tmp_path)
+    old = {"plan": plan.fingerprint(), "revision": 4, "runs": {"baseline": 20}, "evaluations": {},
+           "prepared": ["m"], "tokens": {"train": 28400000, "val": 3000000}, "measured": {}, "segments": []}
+    (tmp_path / STATE_FILE).write_text(json.dumps(old))
+    state = RecipeState.read(tmp_path / STATE_FILE)
+    assert (state.revision, state.runs, state.prepared) == (4, {"baseline": 20}, ["m"])
+    state.save(tmp_path)
+    assert "tokens" not in json.loads((tmp_path / STATE_FILE).read_text())
+
+
 @pytest.fixture
 def cache(tmp_path):
     return f"data.cache_dir={tmp_path / 'cache'}"

@@ -137,7 +137,6 @@ class Invocation:
             self.log(f"prepare: trained the recipe's tokenizer: {self.plan.tokenizer}")
         cfg = compose([*base, f"data.tokenizer={quoted(self.plan.tokenizer)}"], machine=False)
         data = build_data(cfg.data, cfg.seq_len, cfg.seed)
-        self.state.tokens = {"train": int(len(data.train)), "val": int(len(data.val))}
         self.state.prepared = [*[m for m in self.state.prepared if m != self.machine], self.machine]
         tokens = self.plan.run(FINAL).tokens_per_step * self.plan.run(FINAL).end
         self.log(f"prepare: {len(data.train):,} training tokens; the chain's {tokens:,} (and the baseline's) pass over "

@@ -5,7 +5,6 @@
      "runs": {"baseline": 2000, "2k": 450},           # the step each run's checkpoints reached
      "evaluations": {"baseline-sliding": {"seconds": 41.0}},      # those done (each passkey part on its own)
      "prepared": ["<machine>"],                       # machines whose data cache holds the recipe's token streams
-     "tokens": {"train": 28400000, "val": 3000000},   # the token streams' lengths
      "measured": {"2048": 1250000.0},                 # tokens/s by seq_len, from the runs' summaries
      "segments": [{"number": 1, "machine": "...", "finished": "...", "seconds": 497.2, "did": [...],
                    "ended": "budget"}]}
@@ -13,6 +12,7 @@
 It is written after every item, atomically, so an invocation that is killed loses at most the item it was in (and
 that run's checkpoints still say how far it got). `revision` orders states: --import takes a handoff only when it is
 newer than the directory's own. A machine is the kernel's boot id (a fresh machine is a new one), else the host name.
+A key the recipe no longer writes (RETIRED) is dropped on reading, so a directory of an earlier minigpt continues.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from minigpt.files import atomic_write_text
 from minigpt.recipe.plan import ORDER, Item, Plan, Prepare, Run, Train
 
 STATE_FILE = "recipe_state.json"
+RETIRED = ("tokens",)  # the token streams' lengths, never read (recipe.log's prepare line says them)
 
 
 class RecipeError(RuntimeError):
@@ -48,7 +49,6 @@ class RecipeState:
     runs: dict[str, int] = field(default_factory=dict)
     evaluations: dict[str, dict[str, Any]] = field(default_factory=dict)
     prepared: list[str] = field(default_factory=list)
-    tokens: dict[str, int] = field(default_factory=dict)
     measured: dict[str, float] = field(default_factory=dict)
     segments: list[dict[str, Any]] = field(default_factory=list)
 
@@ -58,7 +58,8 @@ class RecipeState:
         if not path.is_file():
             return None
         try:
-            return cls(**json.loads(path.read_text()))
+            data = json.loads(path.read_text())
+            return cls(**{k: v for k, v in data.items() if k not in RETIRED})
         except (OSError, ValueError, TypeError) as e:
             raise RecipeError(f"{path} is unreadable ({type(e).__name__}: {e}); restore it, or start over in a new "
                               f"--out") from e
