@@ -611,7 +611,7 @@ def test_eval_earlier_results_advice(pycode_run, tmp_path):
     result = tmp_path / "first" / "loss_by_position.json"
     (tmp_path / "other.json").write_text("{}")
     code, line = evaluate(str(tmp_path / "other.json"), "--out", str(tmp_path / "o"))
-    assert code == 2 and "not a loss_by_position.json of minigpt-eval" in line, line
+    assert code == 2 and "not a loss_by_position.json or passkey_grid.json of minigpt-eval" in line, line
     assert "give a run directory, a checkpoint or such a file" in line
     code, line = evaluate(str(result))
     assert code == 2 and "say where (--out DIR)" in line, line
