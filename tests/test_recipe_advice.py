@@ -9,12 +9,19 @@ about one item. All slow: the trainer and minigpt-eval run as subprocesses.
 """
 from __future__ import annotations
 
+import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from conftest import ROOT
+from minigpt import runlock
 from minigpt.recipe.cli import main
 from minigpt.recipe.handoff import FILES_TAR, WEIGHTS, export
 from minigpt.recipe.plan import TINY, Train, build_plan
@@ -91,6 +98,67 @@ def state(out: Path) -> RecipeState:
 
 def files(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+# ------------------------------------------------------------------------------------------------
+# A segment: stopped by a signal, by its budget, by a command that failed
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_segment_stopped_by_a_signal_advice(built, tmp_path):
+    """`segment N stopped by SIGTERM after T: its progress is kept; run the recipe again to continue` (128 + 15)."""
+    out = built.copy("prepared", tmp_path / "out")
+    command = [sys.executable, "scripts/long_context_recipe.py", "--tiny", "--out", str(out), "--budget-minutes",
+               str(TRAIN), "--", built.cache]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log, deadline = out / "logs" / "02-baseline.log", time.time() + 120
+    while proc.poll() is None and time.time() < deadline and \
+            not (log.is_file() and "step 4:" in log.read_text(errors="replace")):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("segment 2 stopped by SIGTERM after ") and \
+        err.strip().endswith("its progress is kept; run the recipe again to continue"), err[-2000:]
+    kept = state(out).runs["baseline"]
+    assert kept >= 4  # the trainer finished its step and wrote a checkpoint
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)  # the same command
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"at step {kept}" in (out / "logs" / "03-baseline.log").read_text() and state(out).runs["baseline"] > kept
+
+
+@pytest.mark.slow
+def test_no_step_within_the_budget_advice(built, tmp_path, capsys):
+    out = built.copy("prepared", tmp_path / "out")
+    refused(recipe(built, capsys, out, budget=STOP), 1, "baseline steps 0 -> ", ": no step done within the budget",
+            "raise --budget-minutes")
+    ok(recipe(built, capsys, out, budget=TRAIN))
+    assert state(out).runs["baseline"] > 0
+
+
+@pytest.mark.slow
+def test_an_evaluation_stopped_at_the_budget_advice(built, tmp_path, capsys):
+    out = built.copy("baseline", tmp_path / "out")
+    refused(recipe(built, capsys, out, budget=STOP), 1, "baseline-sliding: stopped at the budget after",
+            "before it finished; raise --budget-minutes")
+    ok(recipe(built, capsys, out, budget=EVAL))
+    assert "baseline-sliding" in state(out).evaluations
+
+
+@pytest.mark.slow
+def test_a_failed_command_advice(built, tmp_path, capsys):
+    """The trainer refuses a run folder that another process holds (two recipes on one --out): its log says to wait
+    until that one ends."""
+    out = built.copy("prepared", tmp_path / "out")
+    runlock.lock(out / "baseline")
+    try:
+        line = refused(recipe(built, capsys, out, budget=TRAIN), 2, "baseline steps 0 -> ", "failed (exit 2): see ",
+                       "fix what it says, then run the recipe again to continue")
+        log = Path(re.search(r"see (\S+);", line)[1])
+        assert "in use by another run" in log.read_text() and "wait until it ends" in log.read_text()
+    finally:
+        runlock.unlock(out / "baseline")  # it ended
+    ok(recipe(built, capsys, out, budget=TRAIN))
+    assert state(out).runs["baseline"] > 0
 
 
 # ------------------------------------------------------------------------------------------------
