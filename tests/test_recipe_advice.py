@@ -203,9 +203,29 @@ def test_an_export_without_the_live_runs_checkpoint_advice(built, tmp_path, caps
     assert "baseline-sliding" in state(out).evaluations and state(handoff).revision == state(out).revision
 
 
+@pytest.mark.slow
+def test_an_unreadable_state_advice(built, tmp_path, capsys):
+    """`restore it`: from a copy, here the one the export beside it holds."""
+    out = built.copy("baseline", tmp_path / "out")
+    (out / STATE_FILE).write_text('{"plan": {"variant"')  # cut short
+    refused(recipe(built, capsys, out, budget=EVAL), 1, "recipe_state.json is unreadable",
+            "restore it, or start over in a new --out")
+    shutil.copy(built.export("baseline") / STATE_FILE, out / STATE_FILE)
+    ok(recipe(built, capsys, out, budget=EVAL))
+
+
 # ------------------------------------------------------------------------------------------------
 # An --import of something that is not a whole export
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_an_import_of_a_folder_without_a_state_advice(built, tmp_path, capsys):
+    (tmp_path / "elsewhere").mkdir()
+    refused(recipe(built, capsys, tmp_path / "out", "--import", str(tmp_path / "elsewhere"), budget=EVAL), 1,
+            "no recipe_state.json there; give the folder an --export wrote")
+    ok(recipe(built, capsys, tmp_path / "out", "--import", str(built.export("baseline")), budget=EVAL))
+    assert "baseline-sliding" in state(tmp_path / "out").evaluations
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("missing", [FILES_TAR, WEIGHTS])
 def test_an_export_missing_a_file_advice(built, tmp_path, capsys, missing):
@@ -218,3 +238,26 @@ def test_an_export_missing_a_file_advice(built, tmp_path, capsys, missing):
     assert "baseline-sliding" in state(tmp_path / "out").evaluations
 
 
+@pytest.mark.slow
+def test_a_damaged_weights_part_advice(built, tmp_path, capsys):
+    handoff = Path(shutil.copytree(built.export("baseline"), tmp_path / "handoff"))
+    (handoff / "weights.00").write_bytes((handoff / "weights.00").read_bytes()[:100])  # a copy cut short
+    refused(recipe(built, capsys, tmp_path / "out", "--import", str(handoff), budget=EVAL), 1,
+            "weights.00 is missing or damaged", "copy every weights.* file of the export")
+    for part in built.export("baseline").glob("weights.*"):
+        shutil.copy(part, handoff / part.name)
+    ok(recipe(built, capsys, tmp_path / "out", "--import", str(handoff), budget=EVAL))
+
+
+@pytest.mark.slow
+def test_a_damaged_weights_manifest_advice(built, tmp_path, capsys):
+    """`export again`: on the machine that has the run (here a copy of its directory), whose next segment runs and
+    then exports."""
+    handoff = Path(shutil.copytree(built.export("baseline"), tmp_path / "handoff"))
+    (handoff / WEIGHTS).write_text((handoff / WEIGHTS).read_text()[:200])
+    refused(recipe(built, capsys, tmp_path / "out", "--import", str(handoff), budget=EVAL), 1,
+            "weights.json is damaged or of another plan", "export again")
+    source = built.copy("baseline", tmp_path / "source")
+    ok(recipe(built, capsys, source, "--export", str(handoff), budget=EVAL))
+    ok(recipe(built, capsys, tmp_path / "out", "--import", str(handoff), budget=TRAIN))
+    assert state(tmp_path / "out").runs["2k"] > 0
