@@ -427,11 +427,8 @@ def _unwritable(tmp_path: Path, how: str) -> Path:
     return locked / "sub"
 
 
-@slow
-@pytest.mark.parametrize("how", ["under-a-file", "chmod"])
-@pytest.mark.parametrize("key", ["hydra.run.dir", "ckpt_dir", "data.cache_dir", "WANDB_DIR"])
-def test_an_unwritable_directory_is_one_line_exit_2(tmp_path, key, how):
-    bad = _unwritable(tmp_path, how)
+def _pointing_at(tmp_path, key: str, bad) -> tuple[list[str], dict[str, str]]:
+    """A one-step tiny run's arguments and environment with `key` (a setting, or WANDB_DIR) pointing at `bad`."""
     args, env = [*TINY, "max_steps=1"], {}
     if key == "data.cache_dir":
         (tmp_path / "corpus.txt").write_text("some text\n" * 100)
@@ -443,6 +440,15 @@ def test_an_unwritable_directory_is_one_line_exit_2(tmp_path, key, how):
         args.append(f"{key}={bad}")
     if key != "hydra.run.dir":
         args.append("hydra.run.dir=run")
+    return args, env
+
+
+@slow
+@pytest.mark.parametrize("how", ["under-a-file", "chmod"])
+@pytest.mark.parametrize("key", ["hydra.run.dir", "ckpt_dir", "data.cache_dir", "WANDB_DIR"])
+def test_an_unwritable_directory_is_one_line_exit_2(tmp_path, key, how):
+    bad = _unwritable(tmp_path, how)
+    args, env = _pointing_at(tmp_path, key, bad)
     one_line_error(cli(tmp_path, *args, env=env), 2, f"{key}={bad}", "point", "writable")
     assert not (tmp_path / "run").exists() and not (tmp_path / "outputs").exists()
 
@@ -466,17 +472,7 @@ def test_a_read_only_file_system_is_one_line_exit_2(tmp_path, key):
     mount = tmp_path / "ro"
     mount.mkdir()
     bad = mount / "sub"
-    args, env = [*TINY, "max_steps=1"], {}
-    if key == "data.cache_dir":
-        (tmp_path / "corpus.txt").write_text("some text\n" * 100)
-        args += ["data=text", "data.path=corpus.txt"]
-    if key == "WANDB_DIR":
-        args, env = [*[a for a in args if a != "logger=none"], "logger=wandb"], {"WANDB_MODE": "offline",
-                                                                               "WANDB_DIR": str(bad)}
-    else:
-        args.append(f"{key}={bad}")
-    if key != "hydra.run.dir":
-        args.append("hydra.run.dir=run")
+    args, env = _pointing_at(tmp_path, key, bad)
     proc = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o ro none "$0" && exec "$@"', str(mount),
                            sys.executable, "-m", "minigpt", *args], cwd=tmp_path, capture_output=True, text=True,
                           timeout=180, env={**os.environ, "PYTHONUNBUFFERED": "1", **env})

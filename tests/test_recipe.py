@@ -71,7 +71,9 @@ def test_the_plan_trains_small_6l_to_64k_in_stages_beside_a_2k_baseline_of_the_s
                 done[item.name] = item.last
     assert done == {r.name: r.end for r in plan.runs}
     evals = [i.name for seg in segments for i, _ in seg if isinstance(i, Evaluation)]
-    assert evals == ["baseline-sliding", "final-loss", "passkey-filler", "passkey-pycode"]
+    assert evals == ["baseline-sliding", "final-loss", *(f"passkey-{h}-{p}" for h in ("filler", "pycode") for p in
+                                                         ("16K-32K-64K", "128K-depths-0-0.5", "128K-depths-0.6-1",
+                                                          "merge"))]
 
     assert main(["--out", str(tmp_path / "lc"), "--dry-run"]) == 0
     printed = capsys.readouterr().out
@@ -90,6 +92,17 @@ def test_the_plan_trains_small_6l_to_64k_in_stages_beside_a_2k_baseline_of_the_s
     assert untouched.plan == plan.fingerprint()
     assert main(["--out", str(tmp_path / "lc"), "--budget-minutes", "0.5"]) == 2  # less than the reserve
     assert "--budget-minutes 0.5: must leave more than the 60 s" in capsys.readouterr().err
+
+
+def test_a_state_file_of_an_earlier_recipe_loads_and_drops_what_is_no_longer_kept(tmp_path):
+    plan = build_plan(TINY, tmp_path)
+    old = {"plan": plan.fingerprint(), "revision": 4, "runs": {"baseline": 20}, "evaluations": {},
+           "prepared": ["m"], "tokens": {"train": 28400000, "val": 3000000}, "measured": {}, "segments": []}
+    (tmp_path / STATE_FILE).write_text(json.dumps(old))
+    state = RecipeState.read(tmp_path / STATE_FILE)
+    assert (state.revision, state.runs, state.prepared) == (4, {"baseline": 20}, ["m"])
+    state.save(tmp_path)
+    assert "tokens" not in json.loads((tmp_path / STATE_FILE).read_text())
 
 
 @pytest.fixture
@@ -122,11 +135,13 @@ def test_the_tiny_recipe_goes_segment_by_segment_on_fresh_directories_to_its_eva
     # the results, every command in the log, the trainer's loss by position
     final = json.loads((out / "eval" / "final" / "loss_by_position.json").read_text())
     assert len(final["curves"]) == 2 and final["goals"]["paired_difference"]
-    for haystack in ("filler", "pycode"):
-        assert json.loads((out / "eval" / "passkey" / f"passkey_{haystack}" / "passkey_grid.json").read_text())["cells"]
+    for haystack in ("filler", "pycode"):  # merged from its parts: every cell once, with the plan's keys
+        grid = json.loads((out / "eval" / "passkey" / f"passkey_{haystack}" / "passkey_grid.json").read_text())
+        assert sorted((c["length"], c["depth"], c["keys"]) for c in grid["cells"]) == \
+            [(n, d, TINY.keys) for n in TINY.passkey_lengths for d in TINY.depths]
     log = (out / "recipe.log").read_text()
     assert log.count("$ python -m minigpt ") == sum(len(p) for p in pieces(state).values())
-    assert log.count("$ python -m minigpt.eval ") >= 5  # one stopped at a budget runs again
+    assert log.count("$ python -m minigpt.eval ") >= sum(len(e.argvs) for e in plan.evaluations)  # or again, if stopped
     metrics = [json.loads(line) for line in (out / "stages" / "64k" / "metrics.jsonl").read_text().splitlines()]
     assert any("eval/loss_by_position/512-1024" in m for m in metrics)
     # nothing left: a re-run says so and changes nothing

@@ -8,8 +8,9 @@
 small-6l is trained 2K -> 8K (RoPE base 10K -> 1M) -> 32K -> 64K on pycode with 10% passkey examples, and a 2K
 baseline on the same tokens (configs/recipe/long_context*.yaml); then minigpt-eval reads the final model at every
 position to 64K against the baseline's sliding 2K windows (the goal figures) and scores its passkey grid at
-16K-128K in both haystacks. Everything lands in --out (default runs/long_context): recipe_state.json (what is done),
-recipe.log (every command, its exit code and seconds), logs/, each run's directory, eval/.
+16K-128K in both haystacks (20 keys a cell, in parts that each fit a segment, merged into one grid per haystack).
+Everything lands in --out (default runs/long_context): recipe_state.json (what is done), recipe.log (every command,
+its exit code and seconds), logs/, each run's directory, eval/.
 
 Each invocation does what its budget allows and stops: a run late for the budget is stopped (it writes a
 checkpoint) and resumed by the next invocation. Overrides after `--` go to every trainer command, e.g.
@@ -88,7 +89,8 @@ def describe(plan: Plan, state: RecipeState, machine: str, budget_s: float) -> s
                      f"(configs/recipe/{r.preset}.yaml; {_tokens(r.tokens_per_step * (r.end - r.start))} tokens) "
                      f"[{status}]")
     lines.append("evaluations:")
-    lines += [f"  {e.name:<17} {e.what} [{'done' if e.name in state.evaluations else 'to do'}]"
+    width = max(len(e.name) for e in plan.evaluations)
+    lines += [f"  {e.name:<{width}} {e.what} [{'done' if state.done(e.name, plan) else 'to do'}]"
               for e in plan.evaluations]
     rates = ", ".join(f"{length_label(n)} {state.measured.get(str(n), r):,.0f}" +
                       (" measured" if str(n) in state.measured else "") for n, r in v.tokens_per_s.items())
