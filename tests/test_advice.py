@@ -684,9 +684,81 @@ def test_a_multirun_is_checked_before_hydra_writes(tmp_path):
     bad = _unwritable(tmp_path, "under-a-file")
     one_line_error(cli(tmp_path, *args, "data.path=x", f"hydra.sweep.dir={bad}"), 2,
                    "point hydra.sweep.dir at a writable directory")
+    one_line_error(cli(tmp_path, *args, "data.path=x", f"ckpt_dir={bad}", "hydra.sweep.dir=s"), 2,  # a job's
+                   "multirun job #0: ckpt_dir=", "point ckpt_dir at a writable directory")
     assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()  # nothing written
-    proc = cli(tmp_path, *args, "data.path=x", f"ckpt_dir={bad}", "hydra.sweep.dir=s")  # a job's: checked per job
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert "point ckpt_dir at a writable directory" in proc.stderr and "0 of 2 jobs ok" in proc.stderr
+    assert not (tmp_path / "s").exists()
     proc = cli(tmp_path, *args, 'data.path="a b/c.txt"', f"hydra.sweep.dir={tmp_path / 'sweep'}")
     assert proc.returncode == 0 and "2 of 2 jobs ok" in proc.stdout, proc.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------------------
+# A multirun's job folders (minigpt/multirun.py): checked and locked before Hydra starts
+# ------------------------------------------------------------------------------------------------
+def multirun(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return cli(cwd, "-m", *TINY, "max_steps=1", *args)
+
+
+def jobs_ok(proc: subprocess.CompletedProcess, n: int) -> None:
+    assert proc.returncode == 0 and f"{n} of {n} jobs ok" in proc.stdout, (proc.stdout[-2000:], proc.stderr[-2000:])
+
+
+@slow
+def test_a_multirun_job_folder_in_use_advice(tmp_path):
+    runlock.lock(tmp_path / "S" / "0")
+    try:
+        one_line_error(multirun(tmp_path, "hydra.sweep.dir=S", "seed=1"), 2, "S/0 (job #0 of the multirun)",
+                       "wait until it ends", "or choose another hydra.sweep.dir")
+        jobs_ok(multirun(tmp_path, "hydra.sweep.dir=another", "seed=1"), 1)
+    finally:
+        runlock.unlock(tmp_path / "S" / "0")  # it ended
+    jobs_ok(multirun(tmp_path, "hydra.sweep.dir=S", "seed=1"), 1)
+
+
+@slow
+@pytest.mark.parametrize("followed", [["resume=auto", "hydra.sweep.dir=S"], ["hydra.sweep.dir=new"]])
+def test_a_multirun_over_another_runs_checkpoints_advice(tmp_path, followed):
+    jobs_ok(multirun(tmp_path, "hydra.sweep.dir=S", "seed=1"), 1)
+    one_line_error(cli(tmp_path, "-m", *TINY, "max_steps=2", "hydra.sweep.dir=S", "seed=1"), 2,
+                   "holds checkpoints of another run", "continue it with resume=auto, or choose a new hydra.sweep.dir")
+    jobs_ok(cli(tmp_path, "-m", *TINY, "max_steps=2", "seed=1", *followed), 1)
+    folder = tmp_path / followed[-1].partition("=")[2] / "0"
+    assert RunSummary.read(folder / "summary.json").steps == 2
+
+
+@slow
+@pytest.mark.parametrize("followed", [["hydra.sweep.dir=new"], ["resume=auto", "hydra.sweep.dir=S"]])
+def test_a_multirun_over_another_runs_summary_advice(tmp_path, followed):
+    jobs_ok(multirun(tmp_path, "hydra.sweep.dir=S", "seed=1", "save_checkpoints=false"), 1)
+    one_line_error(multirun(tmp_path, "hydra.sweep.dir=S", "seed=1"), 2, "S/0 (job #0 of the multirun): holds "
+                   "another run's summary.json", "choose a new hydra.sweep.dir, or continue that run with resume=auto")
+    proc = multirun(tmp_path, "seed=1", *followed)
+    if followed[0] == "resume=auto":  # that run kept no checkpoint, and finished: it says so, changes nothing
+        assert proc.returncode == 0 and "already finished" in proc.stdout, proc.stderr[-2000:]
+    else:
+        jobs_ok(proc, 1)
+
+
+BY_NUMBER = "hydra.sweep.subdir=${hydra.job.num}"
+
+
+@slow
+@pytest.mark.parametrize("refused, needles, followed, n", [
+    (["hydra.sweep.dir=S", "hydra.sweep.subdir=x", "seed=1,2"], ["jobs #0 and #1 would share the folder S/x", BY_NUMBER],
+     ["hydra.sweep.dir=S", BY_NUMBER, "seed=1,2"], 2),
+    (["hydra.sweep.dir=S", "hydra.sweep.subdir=${now:%H-%M-%S}", "seed=1"], ["reads the clock", BY_NUMBER],
+     ["hydra.sweep.dir=S", BY_NUMBER, "seed=1"], 1),
+    (["hydra.sweep.dir=S", "hydra.sweep.subdir=${hydra:job.num}", "seed=1"], ["cannot tell the jobs' folders",
+     BY_NUMBER], ["hydra.sweep.dir=S", BY_NUMBER, "seed=1"], 1),
+    (["hydra.sweep.dir=S", "ckpt_dir=ck", "seed=1,2"], ["ckpt_dir=ck: jobs #0 and #1 would share it",
+     "leave ckpt_dir unset"], ["hydra.sweep.dir=S", "seed=1,2"], 2),
+    (["hydra.sweep.dir=S${seed}", "seed=1,2"], ["a different folder for each job (S1, S2)",
+     "give the multirun one directory"], ["hydra.sweep.dir=S", "seed=1,2"], 2),
+    (["hydra.sweep.dir=S", "hydra/launcher=joblib", "seed=1,2"], ["hydra/launcher: ", "give the sweep as value lists"],
+     ["hydra.sweep.dir=S", "seed=1,2"], 2),
+], ids=["shared-folder", "clock-subdir", "runtime-subdir", "shared-ckpt-dir", "sweep-dir-per-job", "other-launcher"])
+def test_multirun_folders_known_up_front_advice(tmp_path, refused, needles, followed, n):
+    one_line_error(multirun(tmp_path, *refused), 2, *needles)
+    assert not list(tmp_path.iterdir())  # nothing written
+    jobs_ok(multirun(tmp_path, *followed), n)
+    assert all((tmp_path / "S" / str(k) / "summary.json").is_file() for k in range(n))

@@ -153,6 +153,39 @@ def test_a_folder_whose_run_failed_before_its_first_step_is_reused(tmp_path):
     assert RunSummary.read(tmp_path / "run" / "summary.json").status == "ok"
 
 
+# A multirun (-m): Hydra writes multirun.yaml, each job's .hydra/ and cli.log before our job function runs, so its
+# jobs are checked and their folders locked before Hydra starts (minigpt/multirun.py)
+@slow
+def test_a_multirun_whose_job_folder_is_in_use_writes_nothing(tmp_path):
+    runlock.lock(tmp_path / "S" / "0")  # a live run (this test process) in job 0's folder
+    try:
+        before = listing(tmp_path / "S")
+        time.sleep(0.01)
+        proc = cli(tmp_path, "-m", *TINY, "max_steps=1", "hydra.sweep.dir=S", "seed=1")
+        one_line_error(proc, 2, "S/0 (job #0 of the multirun): in use by another run", f"pid {os.getpid()}",
+                       "choose another hydra.sweep.dir")
+        assert listing(tmp_path / "S") == before  # no multirun.yaml, .hydra/ or cli.log; no mtime changed
+    finally:
+        runlock.unlock(tmp_path / "S" / "0")
+
+
+@slow
+def test_a_multirun_into_a_finished_sweep_leaves_it_untouched(tmp_path):
+    proc = cli(tmp_path, "-m", *TINY, "max_steps=1", "hydra.sweep.dir=S", "seed=1,2")  # into a fresh folder: runs
+    assert proc.returncode == 0 and "2 of 2 jobs ok" in proc.stdout, proc.stderr[-2000:]
+    assert all(RunSummary.read(tmp_path / "S" / k / "summary.json").status == "ok" for k in "01")
+    assert not list((tmp_path / "S").rglob(runlock.LOCK_FILE))  # every job's lock given back
+    before = listing(tmp_path / "S")
+    config = (tmp_path / "S" / "0" / ".hydra" / "config.yaml").read_bytes()
+    time.sleep(0.01)
+    one_line_error(cli(tmp_path, "-m", *TINY, "max_steps=1", "hydra.sweep.dir=S", "seed=3,4"), 2,
+                   "holds checkpoints of another run", "or choose a new hydra.sweep.dir")
+    proc = cli(tmp_path, "-m", *TINY, "max_steps=1", "hydra.sweep.dir=S", "seed=1,2", "resume=auto")
+    assert proc.returncode == 0 and proc.stdout.count("already finished") == 2, proc.stderr[-2000:]
+    assert "Launching" not in proc.stdout + proc.stderr  # every job finished: Hydra did not start
+    assert listing(tmp_path / "S") == before and \
+        (tmp_path / "S" / "0" / ".hydra" / "config.yaml").read_bytes() == config
+
 # ------------------------------------------------------------------------------------------------
 # Signals: one line, 128 + signal, a summary; at any phase
 # ------------------------------------------------------------------------------------------------

@@ -20,7 +20,9 @@ step and mean second moments with a first moment of zero (restart_adam: about te
 first step). The run then resumes from it (resume=auto) at the same step, with the same batches (a batch is a
 function of the step) and the same schedule; what is lost is the weights' bits below bf16 and the optimizer's
 moments beyond those means, so hand off where a stage ends when you can. An import is skipped when the directory's
-own state is as new (a machine that kept its disk).
+own state is as new (a machine that kept its disk), unless the directory lacks the checkpoint the export's weights
+are of while its state is at that step (given the state alone, or its checkpoints lost): then only that checkpoint
+is rebuilt. An export whose state has a model and no weights.json is refused (a copy that missed a file).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from minigpt.checkpoint import CheckpointError, list_checkpoints, newest_intact, save_checkpoint
+from minigpt.checkpoint import CheckpointError, list_checkpoints, newest_intact, save_checkpoint, step_of
 from minigpt.config import TrainConfig
 from minigpt.files import atomic_write, atomic_write_text
 from minigpt.recipe.plan import Plan, Run
@@ -135,7 +137,10 @@ def _small_files(out: Path, dest: Path) -> tuple[list[Path], list[str]]:
 
 
 def export(out: Path, dest: Path, state: RecipeState, plan: Plan, say: Callable[[str], None] = print) -> list[Path]:
-    """Write the export of `out` into `dest` (module docstring); returns the files written."""
+    """Write the export of `out` into `dest` (module docstring); returns the files written. An export that cannot be
+    made (no checkpoint of the live run) is refused before an earlier export in `dest` is touched."""
+    live = state.live(plan)
+    newest = live_checkpoint(out, live) if live is not None else None
     dest.mkdir(parents=True, exist_ok=True)
     # the state goes last, atomically: it is what an import reads first, so an export cut short leaves the old
     # state (or none) beside the new files, never a newer state without its files
@@ -151,9 +156,8 @@ def export(out: Path, dest: Path, state: RecipeState, plan: Plan, say: Callable[
     written.append(atomic_write(dest / FILES_TAR, tar))
     if large:
         say(f"export: left out {len(large)} large file(s): {', '.join(large)}")
-    live = state.live(plan)
     if live is not None:
-        written += export_weights(out, live, dest)
+        written += write_weights(*newest, live, dest)
     written.append(atomic_write_text(dest / STATE_FILE, (out / STATE_FILE).read_text()))
     if live is not None:
         say(f"export: {dest} holds the recipe's files and {live.name}'s weights at step "
@@ -164,15 +168,26 @@ def export(out: Path, dest: Path, state: RecipeState, plan: Plan, say: Callable[
     return written
 
 
-def export_weights(out: Path, run: Run, dest: Path) -> list[Path]:
+def live_checkpoint(out: Path, run: Run) -> tuple[Path, dict]:
+    """The newest intact checkpoint of `run` in `out` (path, loaded); RecipeError if there is none. The state says
+    the run has steps only once a checkpoint of them was written, so none here means it was lost."""
     ckpt_dir = out / run.folder / "checkpoints"
     candidates = [p for p in list_checkpoints(ckpt_dir) if p.is_file()]
     if not candidates:
-        raise RecipeError(f"{ckpt_dir}: no checkpoint of {run.name} to export; run the recipe again to train it")
+        raise RecipeError(f"{ckpt_dir}: no checkpoint of {run.name} to export (a fresh machine, or checkpoints "
+                          f"removed?); --import the export that holds it, or start over in a new --out")
     try:
-        path, ckpt = newest_intact(candidates, warn=print)
+        return newest_intact(candidates, warn=print)
     except CheckpointError as e:
         raise RecipeError(f"export: {e}") from e
+
+
+def export_weights(out: Path, run: Run, dest: Path) -> list[Path]:
+    return write_weights(*live_checkpoint(out, run), run, dest)
+
+
+def write_weights(path: Path, ckpt: dict, run: Run, dest: Path) -> list[Path]:
+    """weights.NN and weights.json in `dest` of the checkpoint `ckpt` (loaded from `path`) of `run`."""
     blob, tensors, tied = pack_weights(ckpt["model"])
     parts = []
     for i in range(0, len(blob), PART_BYTES):
@@ -200,27 +215,50 @@ def import_handoff(src: Path, out: Path, plan: Plan, say: Callable[[str], None] 
     theirs.check(plan, out)
     ours = RecipeState.read(out / STATE_FILE)
     if ours is not None and ours.revision >= theirs.revision:
-        say(f"--import {src}: {out} is as new (its state's revision {ours.revision}, the export's "
-            f"{theirs.revision}); nothing imported")
+        lacking = _manifest(src, plan) if (src / WEIGHTS).is_file() else None
+        if lacking is None or not _lacks(out, ours, *lacking[1:]):
+            say(f"--import {src}: {out} is as new (its state's revision {ours.revision}, the export's "
+                f"{theirs.revision}); nothing imported")
+            return
+        manifest, run, step = lacking  # as new, but without the checkpoint the state is at: only that comes in
+        path = rebuild_checkpoint(src, manifest, out / run.folder / "checkpoints")
+        say(f"--import {src}: {out}'s state is as new (revision {ours.revision}, the export's {theirs.revision}) "
+            f"but had no checkpoint of {run.name} at step {step}; it continues from {path} (bf16 weights, fresh "
+            f"optimizer moments)")
         return
     if not (src / FILES_TAR).is_file():
         raise RecipeError(f"--import {src}: no {FILES_TAR}; copy every file of the export")
+    live = theirs.live(plan)
+    if live is not None and not (src / WEIGHTS).is_file():
+        raise RecipeError(f"--import {src}: no {WEIGHTS}, and its state has {live.name}'s model (step "
+                          f"{theirs.step(live)}); copy every file of the export")
     out.mkdir(parents=True, exist_ok=True)
     with tarfile.open(src / FILES_TAR) as t:
         unpack(t, out)
     if (src / WEIGHTS).is_file():
-        try:
-            manifest = json.loads((src / WEIGHTS).read_text())
-            run, step = plan.run(manifest["run"]), int(manifest["step"])  # its folder from the plan, not the file
-        except (ValueError, KeyError, TypeError) as e:
-            raise RecipeError(f"--import {src}: {WEIGHTS} is damaged or of another plan ({type(e).__name__}: {e}); "
-                              f"export again") from e
+        manifest, run, step = _manifest(src, plan)
         path = rebuild_checkpoint(src, manifest, out / run.folder / "checkpoints")
         theirs.runs[run.name] = step
         say(f"--import {src}: {manifest['run']} continues from {path} (step {manifest['step']}; bf16 weights, "
             f"fresh optimizer moments)")
     atomic_write_text(out / STATE_FILE, json.dumps(asdict(theirs), indent=1) + "\n")
     say(f"--import {src}: the recipe's state (revision {theirs.revision}) and files are in {out}")
+
+
+def _manifest(src: Path, plan: Plan) -> tuple[dict, Run, int]:
+    """weights.json of the export in `src`: (manifest, its run, its step); RecipeError if damaged."""
+    try:
+        manifest = json.loads((src / WEIGHTS).read_text())
+        return manifest, plan.run(manifest["run"]), int(manifest["step"])  # its folder from the plan, not the file
+    except (ValueError, KeyError, TypeError) as e:
+        raise RecipeError(f"--import {src}: {WEIGHTS} is damaged or of another plan ({type(e).__name__}: {e}); "
+                          f"export again") from e
+
+
+def _lacks(out: Path, ours: RecipeState, run: Run, step: int) -> bool:
+    """Our state is at `step` of `run`, and `out` has no checkpoint of it that far (the export's weights would do)."""
+    ckpts = [p for p in list_checkpoints(out / run.folder / "checkpoints") if p.is_file() and step_of(p) >= step]
+    return ours.step(run) == step and not ckpts
 
 
 def unpack(tar: tarfile.TarFile, out: Path) -> None:
