@@ -65,10 +65,16 @@ class PasskeyData:
     QUESTION = " What is the pass key? The pass key is {key}."
     KEY_DIGITS = 5
 
+    @classmethod
+    def shortest(cls) -> int:
+        """The shortest seq_len that holds the needle, the question and the key."""
+        key = "0" * cls.KEY_DIGITS
+        return len(cls.NEEDLE.format(key=key)) + len(cls.QUESTION.format(key=key))
+
     def __post_init__(self):
-        fixed = len(self.NEEDLE.format(key="0" * self.KEY_DIGITS)) + len(self.QUESTION.format(key="0" * self.KEY_DIGITS))
-        if self.seq_len + 1 < fixed + 1:
-            raise DataError(f"seq_len={self.seq_len}: the passkey task needs seq_len >= {fixed} (key + question)")
+        if self.seq_len < self.shortest():
+            raise DataError(f"seq_len={self.seq_len}: the passkey task needs seq_len >= {self.shortest()} "
+                            f"(key + question)")
         # The key sits just before the final '.', i.e. y[-1-KEY_DIGITS : -1] (y is the text shifted by one).
         self.answer = slice(self.seq_len - 1 - self.KEY_DIGITS, self.seq_len - 1)
 
@@ -584,6 +590,9 @@ def save_manifest(data: PasskeyData | TokenData, run_dir: str | Path, write: boo
 def build_data(cfg: DataConfig, seq_len: int, seed: int) -> PasskeyData | TokenData:
     """The data source named by cfg.name."""
     if cfg.name == "passkey":
+        if seq_len < PasskeyData.shortest():  # a setting, so exit 2 (DataError is for the data's own faults)
+            raise ConfigError(f"seq_len={seq_len}: data=passkey needs seq_len >= {PasskeyData.shortest()} (its "
+                              f"needle, question and key); raise seq_len, or choose other data (data=text ...)")
         return PasskeyData(seq_len, seed)
     if cfg.name == "text":
         return load_text(cfg, seq_len, seed)

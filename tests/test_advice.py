@@ -159,6 +159,19 @@ def test_a_passkey_example_needs_a_longer_seq_len_advice(tmp_path):
 
 
 @slow
+def test_passkey_data_needs_a_longer_seq_len_advice(tmp_path):
+    """`raise seq_len, or choose other data`: data=passkey (the default data) below its shortest seq_len is a setting
+    (exit 2, one line); the seq_len the line names trains."""
+    import re
+
+    args = [a for a in TINY if not a.startswith("seq_len=")] + ["data=passkey", "max_steps=1"]
+    line = one_line_error(cli(tmp_path, *args, "seq_len=64", "hydra.run.dir=short"), 2, "seq_len=64",
+                          "raise seq_len, or choose other data")
+    need = int(re.search(r"needs seq_len >= (\d+)", line).group(1))
+    ok(cli(tmp_path, *args, f"seq_len={need}", "hydra.run.dir=long"), tmp_path / "long")
+
+
+@slow
 def test_flash_on_cpu_with_the_interpreter(tmp_path):
     """The third way out of `attention=flash` on CPU: TRITON_INTERPRET=1 (Triton's slow interpreter)."""
     pytest.importorskip("triton")

@@ -422,9 +422,18 @@ def default_out(e: Evaluated) -> Path:
     return e.run_dir / "eval"
 
 
-def accuracy_line(name: str, result: dict[str, Any]) -> str:
-    return f"{name}: passkey ({result['haystack']}) mean accuracy {100 * result['mean_accuracy']:.1f}%, " + \
-        ", ".join(f"{length_label(int(n))} {100 * a:.0f}%" for n, a in result["by_length"].items())
+def write_grid(result: dict[str, Any], out: Path, folder: str, grids: list, name: str, attention: str,
+               rope_scaling: str, rope_factor: float, command: str) -> list[Path]:
+    """One haystack's grid written into out/folder (titled with the model and command), added to `grids` (for W&B)
+    and its accuracy printed; returns the files written. A grid scored here and one merged from parts alike."""
+    rope = f", rope={rope_scaling}×{rope_factor:g}" if rope_scaling != "none" else ""
+    title = f"{name}, {result['haystack']} haystack, attention={attention}{rope}; {command}"
+    paths = write_outputs(result, out / folder, wrap(title, 110))
+    grids.append((folder, result, paths[2] if len(paths) > 2 else None))
+    if result["mean_accuracy"] is not None:
+        print(f"{name}: passkey ({result['haystack']}) mean accuracy {100 * result['mean_accuracy']:.1f}%, " +
+              ", ".join(f"{length_label(int(n))} {100 * a:.0f}%" for n, a in result["by_length"].items()))
+    return paths
 
 
 def merge_grid_files(paths: list[Path], args: argparse.Namespace, command: str, say: Callable[[str], None]) -> int:
@@ -444,17 +453,11 @@ def merge_grid_files(paths: list[Path], args: argparse.Namespace, command: str, 
     try:
         for result, n in merged:
             run = result["run"]
-            name = f"{run.get('checkpoint')} step {run.get('step')}"
             rope = run.get("rope") or {}
-            title = f"{name}, {result['haystack']} haystack, attention={run.get('attention')}" + (
-                f", rope={rope['scaling']}×{rope['factor']:g}" if rope.get("scaling", "none") != "none" else "") + \
-                f"; {n} parts merged: {command}"
-            folder = f"passkey_{result['haystack']}"
-            files = write_outputs(result, args.out / folder, wrap(title, 110))
-            written += files
-            grids.append((folder, result, files[2] if len(files) > 2 else None))
-            if result["mean_accuracy"] is not None:
-                print(accuracy_line(name, result))
+            written += write_grid(result, args.out, f"passkey_{result['haystack']}", grids,
+                                  f"{run.get('checkpoint')} step {run.get('step')}", run.get("attention"),
+                                  rope.get("scaling", "none"), rope.get("factor", 1.0),
+                                  f"{n} parts merged: {command}")
     except WriteError as e:
         say(f"error: {e}")
         return 1
@@ -566,14 +569,8 @@ def main(argv: list[str] | None = None) -> int:
             for result in passkey_grids(e, lambda: cache.get(e), device, dtype, args, say):
                 folder = f"passkey_{result['haystack']}" if len(models) == 1 else \
                     f"{e.run_dir.resolve().name}-{e.source}/passkey_{result['haystack']}"
-                title = f"{e.name}, {result['haystack']} haystack, attention={e.attention}" + (
-                    f", rope={e.model.cfg.rope_scaling}×{e.model.cfg.rope_factor:g}"
-                    if e.model.cfg.rope_scaling != "none" else "") + f"; {command}"
-                paths = write_outputs(result, out / folder, wrap(title, 110))
-                written += paths
-                grids.append((folder, result, paths[2] if len(paths) > 2 else None))
-                if result["mean_accuracy"] is not None:
-                    print(accuracy_line(e.name, result))
+                written += write_grid(result, out, folder, grids, e.name, e.attention, e.model.cfg.rope_scaling,
+                                      e.model.cfg.rope_factor, command)
             e.model.to("cpu")
     except WriteError as e:
         say(f"error: {e}")

@@ -183,6 +183,7 @@ def live_checkpoint(out: Path, run: Run) -> tuple[Path, dict]:
 
 
 def export_weights(out: Path, run: Run, dest: Path) -> list[Path]:
+    """weights.NN and weights.json in `dest` of run's newest intact checkpoint in `out`."""
     return write_weights(*live_checkpoint(out, run), run, dest)
 
 
