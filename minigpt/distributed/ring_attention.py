@@ -41,8 +41,8 @@ step's compute so the transfer overlaps it. Every rank issues the same sends and
 order, whatever its data: recomputing a block (levers.py) runs the forward's ring again on all ranks.
 
 Memory: NCCL's sends and receives pin their tensors to NCCL's stream, so the allocator reuses a freed message only
-once the GPU has passed that point. The host is kept at most CallFence.LAG ring calls ahead of the GPU (CallFence),
-or each layer's messages would take fresh memory.
+once the GPU has passed that point. The host is kept one or two ring calls ahead of the GPU (CallFence), or each
+layer's messages would take fresh memory.
 """
 from __future__ import annotations
 
@@ -140,27 +140,25 @@ class Ring:
 
 
 class CallFence:
-    """Keeps the host at most LAG ring calls ahead of the GPU, so that the memory of the ring's messages is reused.
+    """Keeps the host at most one or two ring calls ahead of the GPU, so that the ring's messages reuse memory.
 
     PyTorch's NCCL send and receive record their tensors on NCCL's stream (for point-to-point ops whatever
     TORCH_NCCL_AVOID_RECORD_STREAMS says), and the caching allocator hands a freed block of such a tensor out again
     only after NCCL's stream has passed, on the GPU, the point where the host freed it. In a training step nothing
     makes the host wait until the loss is read, so it runs a whole backward ahead: every layer's messages and
-    accumulators were freed long before the GPU got there, and each layer's took fresh memory (22 GiB reserved for
-    6 allocated per rank at 256K tokens, measured on 2 × H100). Waiting, as a call starts, until the GPU has finished
-    the call LAG calls back leaves at most LAG calls' buffers waiting; with LAG = 2 the GPU still has a whole call
-    queued while the host waits, so it does not idle (with LAG = 1 it would, for the host's ~1 ms to post the next
-    call's first kernel)."""
-
-    LAG = 2
+    accumulators were freed long before the GPU got there, and each layer's took fresh memory (20.9 GiB reserved for
+    6.0 allocated per rank at 256K tokens on 2 × H100). As a call starts, the host waits until the GPU has finished
+    the call `lag` calls back: at most `lag` calls' buffers wait. With lag 1 (measured at 256K: 8.2 GiB reserved, the
+    step 0.8% slower) the GPU runs out of queued ring work while the host posts the next call's first kernel (~1 ms),
+    which only a long call hides; lag 2 (10.5 GiB reserved, no slower) keeps a whole call queued."""
 
     def __init__(self, new_event: Callable[[], object] = torch.cuda.Event):
         self.new_event = new_event  # an event on the current stream (a stand-in in tests)
         self.ends: deque = deque()  # events after the last calls' work, oldest first
 
-    def enter(self) -> None:
-        """A call starts: wait until the GPU has finished the call LAG calls back."""
-        while len(self.ends) >= self.LAG:
+    def enter(self, lag: int) -> None:
+        """A call starts: wait until the GPU has finished the call `lag` calls back."""
+        while len(self.ends) >= lag:
             self.ends.popleft().synchronize()
 
     def leave(self) -> None:
@@ -168,6 +166,12 @@ class CallFence:
         end = self.new_event()
         end.record()
         self.ends.append(end)
+
+
+def fence_lag(k: Tensor) -> int:
+    """How many ring calls the host may run ahead: 1 for a long shard (a K/V message of SERIAL_HOP_BYTES or more,
+    whose call takes tens of ms), else 2."""
+    return 1 if 2 * k.numel() * k.element_size() >= SERIAL_HOP_BYTES else 2
 
 
 FENCE = CallFence()  # this process's ring calls on CUDA (one GPU per process)
@@ -229,7 +233,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | Non
     from minigpt_kernels.launch import empty_in_layout_of
 
     if q.is_cuda:
-        FENCE.enter()
+        FENCE.enter(fence_lag(k))
     plan = _Plan(group, q.shape[2], window)
     ids = None if document_ids is None else document_ids.contiguous()
     local = (stack_kv(k, v), ids) if plan.steps else None  # the local block as it travels (if it does)
@@ -265,7 +269,7 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     from minigpt_kernels.launch import empty_in_layout_of, launch_backward_delta
 
     if q.is_cuda:
-        FENCE.enter()
+        FENCE.enter(fence_lag(k))
     plan = _Plan(group, q.shape[2], window)
     ids = None if document_ids is None else document_ids.contiguous()
     local = (stack_kv(k, v), ids) if plan.steps else None
