@@ -77,12 +77,16 @@ def _masks(launch: Launch, q_ids: Tensor | None, k_ids: Tensor | None) -> dict:
 def _block_forward(q: Tensor, k: Tensor, v: Tensor, q_ids: Tensor | None, k_ids: Tensor | None,
                    launches: list[Launch], sm_scale: float, o: Tensor, lse: Tensor) -> None:
     """Fold a block's keys into the running fp32 (o, lse) of the local rows that see them: its launches, each
-    continuing the rows' result, or writing their first state (the local block's first launch for those rows)."""
+    continuing the rows' result, or writing their first state (the local block's first launch for those rows).
+    Plain grids, never the table's persistent ones: NCCL's kernel of the transfer in flight holds SMs, and a
+    persistent kernel's work lists, fixed per SM on the host, wait for it (a block's dK/dV/dQ took 2.90 ms beside
+    a hop against 1.47 ms alone on an H100)."""
     from minigpt_kernels.launch import launch_forward
 
     for l in launches:
         launch_forward(_rows(q, l.rows), _rows(k, l.keys), _rows(v, l.keys), l.causal, sm_scale,
-                       out=(_rows(o, l.rows), _rows(lse, l.rows)), accumulate=not l.fresh_rows, **_masks(l, q_ids, k_ids))
+                       out=(_rows(o, l.rows), _rows(lse, l.rows)), accumulate=not l.fresh_rows, persistent=False,
+                       **_masks(l, q_ids, k_ids))
 
 
 def _block_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, q_ids: Tensor | None, k_ids: Tensor | None,
@@ -91,14 +95,15 @@ def _block_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, q_ids: Tensor |
     """A block's dQ, dK, dV over the local queries, one launch_backward_block per launch (the fused five-matmul Gluon
     kernel where it takes the launch, else the Triton dQ and dK/dV kernels): dQ added into the fp32 dq, dK/dV added
     into the fp32 (dk, dv) (the block's travelling accumulator), or written there by the local block's first launch
-    for those keys. lse and delta are the final ones: P = exp2(s − lse) and delta = rowsum(dO ∘ O) of the whole row."""
+    for those keys. lse and delta are the final ones: P = exp2(s − lse) and delta = rowsum(dO ∘ O) of the whole row.
+    Plain grids, as _block_forward's."""
     from minigpt_kernels.launch import launch_backward_block
 
     for l in launches:
         launch_backward_block(_rows(do, l.rows), _rows(q, l.rows), _rows(k, l.keys), _rows(v, l.keys),
                               _rows(lse, l.rows), _rows(delta, l.rows), l.causal, sm_scale, _rows(dq, l.rows),
                               _rows(dk, l.keys), _rows(dv, l.keys), accumulate_dq=True,
-                              accumulate_dkdv=not l.fresh_keys, **_masks(l, q_ids, k_ids))
+                              accumulate_dkdv=not l.fresh_keys, persistent=False, **_masks(l, q_ids, k_ids))
 
 
 # ------------------------------------------------------------------------------------------------
