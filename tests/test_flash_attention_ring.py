@@ -197,7 +197,7 @@ def ring_forward_on_one_process(q, k, v, K, scale):
     out = []
     for rank in range(K):
         q_r = shards[rank][0]
-        o, lse = launch.empty_in_layout_of(q_r, torch.float32), torch.empty(q_r.shape[:3])
+        o, lse = launch.empty_in_layout_of(q_r, torch.float32), torch.empty(q_r.shape[:3], device=q.device)
         _block_forward(q_r, shards[rank][1], shards[rank][2], None, None, block_launches(rank, rank, K, c), scale,
                        o, lse)
         for direction, depth in ring_schedule(K, c).steps():
