@@ -1,6 +1,7 @@
 """The launchers: run the kernels of triton_kernels.py and gluon/ on tensors, with the plan dispatch.py gives (or the
 tiles a caller forces), and check what they are given. Public for ring attention (minigpt/ring_attention.py), which
-launches the forward and the backward's kernels one by one, into its own fp32 accumulators.
+launches the forward and the backward's kernels one by one, into its own fp32 accumulators, on plain grids
+(persistent=False: NCCL's kernels hold SMs beside them, which a persistent kernel's fixed work lists wait for).
 
     launch_forward                    (o, lse), fresh or continued over more keys (accumulate)
     launch_backward                   (dq, dk, dv): the path the plan names
@@ -29,6 +30,7 @@ or continued calls run the Triton forward.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 
@@ -316,9 +318,11 @@ def _grad_outputs(out: tuple[Tensor, ...] | None, accumulate: bool, names: tuple
 def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float, cfg: TileConfig | None = None,
                    out: tuple[Tensor, Tensor] | None = None, accumulate: bool = False, *, window: int | None = None,
                    q_doc_ids: Tensor | None = None, k_doc_ids: Tensor | None = None, q_offset: int | None = None,
-                   k_offset: int | None = None) -> tuple[Tensor, Tensor]:
+                   k_offset: int | None = None, persistent: bool = True) -> tuple[Tensor, Tensor]:
     """Run the forward kernel: (o, lse) of the Nq rows of q against the Nk keys of k, v (Nq == Nk when causal).
-    `cfg` overrides the tile table (the benchmark's tile exploration).
+    `cfg` overrides the tile table (the benchmark's tile exploration). persistent=False: the table's tiles on a plain
+    grid even where its row is persistent (ring attention: its launches share the SMs with NCCL's kernels, and a
+    persistent kernel's fixed work lists wait for them); cfg is taken as given.
 
     out=(o, lse): write the result there instead of into new tensors: o (B, H, Nq, D), any dtype, any strides with
     a contiguous last dimension; lse (B, H, Nq) fp32, a contiguous tensor or a slice of one along Nq. On sm_90 the
@@ -337,8 +341,9 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
         raise ValueError("flash_attention: the warp-specialized forward takes fp16/bf16 inputs with head_dim 64 or "
                          "128, TMA-aligned, on an sm_90 GPU; masks only in causal fresh calls of a sequence against "
                          "itself (see gluon_forward_ready)")
-    cfg = cfg or plan("fwd", D, N_Q, q.dtype, causal, capability=_capability(q), gluon_inputs=ready,
-                      masked=masked).tiles
+    if cfg is None:
+        cfg = plan("fwd", D, N_Q, q.dtype, causal, capability=_capability(q), gluon_inputs=ready, masked=masked).tiles
+        cfg = cfg if persistent else dataclasses.replace(cfg, persistent=False)
     margs, mflags = _mask_args(q, k, causal, window, q_doc_ids, k_doc_ids, q_offset, k_offset, "fwd",
                                (cfg.block_m, cfg.block_n))
     if out is None:
@@ -667,7 +672,8 @@ def launch_backward_block(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
                           sm_scale: float, dq: Tensor, dk: Tensor, dv: Tensor, accumulate_dq: bool,
                           accumulate_dkdv: bool, *, cfg: TileConfig | None = None, window: int | None = None,
                           q_doc_ids: Tensor | None = None, k_doc_ids: Tensor | None = None,
-                          q_offset: int | None = None, k_offset: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                          q_offset: int | None = None, k_offset: int | None = None,
+                          persistent: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """One launch of ring attention's backward: the N_Q query rows of q, do against the N_K keys of k, v (N_Q == N_K
     when causal without offsets), lse and delta the whole rows' (the final ones; (B, H, N_Q) fp32, contiguous rows
     or row slices of such, as launch_backward_dq takes them). Adds the block's dQ into dq (fp32, q's shape, any
@@ -680,8 +686,9 @@ def launch_backward_block(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
     where its strides have a 2-D form (dq_acc_geometry: the ring's dq rows in q's layout have one; a fresh dq is
     zeroed first), else into a zeroed fp32 scratch in q's layout that is then added (or copied) into dq. Not
     deterministic (dQ's summation order varies). Tiles: causal without GQA, the table's five-matmul row for N_Q
-    (persistent where it says); else BLOCK_BACKWARD_TILES (a plain grid); cfg overrides them (Gluon only: ValueError
-    where the Gluon kernel does not take the call). Otherwise the seven-matmul Triton kernels, launch_backward_dq
+    (persistent where it says, unless persistent=False: a plain grid, as launch_forward's); else
+    BLOCK_BACKWARD_TILES (a plain grid); cfg overrides them (Gluon only: ValueError where the Gluon kernel does not
+    take the call). Otherwise the seven-matmul Triton kernels, launch_backward_dq
     then launch_backward_dkdv, with the same semantics and the masks."""
     _check_lengths(q, k, v, causal, q_offset is not None or k_offset is not None)
     (dq,) = _grad_outputs((dq,), accumulate_dq, ("dq",), (q,))
@@ -707,6 +714,7 @@ def launch_backward_block(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
     if cfg is None:  # the diagonal block as the table's five-matmul backward runs it; other blocks a plain grid
         cfg = (plan("bwd", D, N_Q, q.dtype, True, capability=_capability(q), gluon_inputs=True, path="gluon").tiles
                if causal and not gqa else BLOCK_BACKWARD_TILES[D])
+        cfg = cfg if persistent else dataclasses.replace(cfg, persistent=False)
     (lse, stride_lse), (delta, stride_delta) = _rows_in(lse), _rows_in(delta)
     (lse, stride_lse), (delta, stride_delta) = _rows_for_tma(lse, stride_lse), _rows_for_tma(delta, stride_delta)
     geometry = gluon_backward.dq_acc_geometry(dq)

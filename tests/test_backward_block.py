@@ -187,6 +187,42 @@ def test_the_gluon_path_adds_dq_through_its_2d_form(launch_kind, accumulate, dq_
     check(got, prefill, x["refs"], accumulate, accumulate, tol)
 
 
+def test_the_rings_block_backward_runs_on_plain_grids_and_other_callers_keep_the_tables_tiles(monkeypatch):
+    """As on an H100/H200 (gluon_block_ready stubbed True, sm_90, the GPU table) at head_dim 64 and 2c = 4K rows, where
+    the table's five-matmul row for the local causal block is persistent: _block_backward's launches (rank 0 of two:
+    its own block, then rank 1's) reach the Gluon launcher with persistent=False and the row's stages;
+    launch_backward_block called as anyone else calls it gets the row's persistent schedule."""
+    from minigpt.distributed.ring_attention import _block_backward
+    from minigpt.distributed.ring_plan import block_launches
+    from minigpt_kernels import dispatch
+
+    monkeypatch.setattr(launch, "gluon_block_ready", lambda *a: True)
+    monkeypatch.setattr(launch, "_capability", lambda t: (9, 0))
+    monkeypatch.setattr(dispatch, "INTERPRET", False)
+    calls = []
+
+    def spy(do, q, k, v, lse, stride_lse, delta, stride_delta, dk, dv, dq_acc, acc_geometry, sm_scale, qk_scale,
+            block_m, stages, causal, accumulate_dkdv, persistent=False, programs=None):
+        calls.append((causal, stages, persistent))
+    monkeypatch.setattr(gluon_backward, "launch_dkdv_dq_block", spy)
+    K, c, H, D = 2, 2048, 2, 64
+    row = dispatch.plan("bwd", D, 2 * c, torch.bfloat16, True, capability=(9, 0), gluon_inputs=True, path="gluon")
+    assert row.tiles.persistent
+    q, do = (torch.randn(1, 2 * c, H, D).bfloat16().transpose(1, 2) for _ in range(2))
+    k, v = unstack_kv(torch.randn(2, 1, 2 * c, H, D).bfloat16())
+    lse, delta = torch.zeros(1, H, 2 * c), torch.zeros(1, H, 2 * c)
+    dq = launch.empty_in_layout_of(q, torch.float32).zero_()
+    dk, dv = unstack_kv(torch.zeros(2, 1, 2 * c, H, D))
+    local, other = block_launches(0, 0, K, c), block_launches(1, 0, K, c)
+    for launches in (local, other):
+        _block_backward(do, q, k, v, None, None, lse, delta, launches, D ** -0.5, dq, dk, dv)
+    assert [l.causal for l in local + other] == [True] + [False] * len(other)
+    assert calls == [(True, row.tiles.num_stages, False)] + [(False, 3, False)] * len(other)
+    calls.clear()
+    launch.launch_backward_block(do, q, k, v, lse, delta, True, D ** -0.5, dq, dk, dv, True, False)
+    assert calls == [(True, row.tiles.num_stages, True)]
+
+
 # ------------------------------------------------------------------------------------------------
 # dq_acc_geometry
 # ------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from attention_reference import rel_err
-from minigpt.distributed.ring_attention import _block_forward, stack_kv, unstack_kv
+from minigpt.distributed.ring_attention import _block_forward, _rows, stack_kv, unstack_kv
 from minigpt.distributed.ring_plan import RingSchedule, block_launches, ring_schedule
 from minigpt.distributed.sharding import zigzag_shard
 from minigpt_kernels import dispatch, launch
@@ -197,7 +197,7 @@ def ring_forward_on_one_process(q, k, v, K, scale):
     out = []
     for rank in range(K):
         q_r = shards[rank][0]
-        o, lse = launch.empty_in_layout_of(q_r, torch.float32), torch.empty(q_r.shape[:3])
+        o, lse = launch.empty_in_layout_of(q_r, torch.float32), torch.empty(q_r.shape[:3], device=q.device)
         _block_forward(q_r, shards[rank][1], shards[rank][2], None, None, block_launches(rank, rank, K, c), scale,
                        o, lse)
         for direction, depth in ring_schedule(K, c).steps():
@@ -214,7 +214,8 @@ def test_ring_forward_through_the_gluon_launchers_equals_whole_sequence_attentio
     row slices) all reach the Gluon launchers, the local block causal and fresh, the others non-causal and
     continued, with the caller's buffers (no copy) and their LSE row stride; the mirrored kernel gives attention
     over the whole sequence at each rank's positions. With GQA (the second case) the local block takes the masked
-    launcher (a plain grid, as causal GQA calls always have), the others the persistent one."""
+    launcher (a plain grid, as causal GQA calls always have), the others the plain ping-pong one (the ring asks for
+    plain grids where the table's rows are persistent)."""
     Hq, Hkv = heads
     B, N, D = 1, 2 * K * c, 64
     g = torch.Generator().manual_seed(K + c)
@@ -226,7 +227,7 @@ def test_ring_forward_through_the_gluon_launchers_equals_whole_sequence_attentio
     assert len(on_sm90) == K * launches
     for name, q_l, o_l, lse_l, options in on_sm90:
         local = options["causal"]
-        assert name == ("launch_forward_masked" if local and Hq != Hkv else "launch_forward_persistent")
+        assert name == ("launch_forward_masked" if local and Hq != Hkv else "launch_forward_pingpong")
         assert options["accumulate"] == (not local)
         assert q_l.shape[2] == 2 * c if local else q_l.shape[2] in (c, 2 * c)
         assert o_l.dtype == torch.float32 and options["stride_lse"] == 2 * c  # rows of the rank's (B, H, 2c) LSE
@@ -239,6 +240,30 @@ def test_ring_forward_through_the_gluon_launchers_equals_whole_sequence_attentio
         want_lse = zigzag_shard(lse_ref, K, rank, dim=2)
         assert not o.isnan().any() and rel_err(o, want_o) < TOL[dtype], rank
         assert (lse.double() - want_lse).abs().max() < 1e-4, rank
+
+
+def test_the_rings_forward_launches_run_on_plain_grids_and_other_callers_keep_the_tables_tiles(on_sm90):
+    """Where the table's Gluon forward row is persistent (head_dim 64, 1K-128K query rows), _block_forward's
+    launches (the local causal block, 2c rows; a block of another rank, c or 2c rows continued) reach the plain-grid
+    launcher with the row's tiles; launch_forward called as anyone else calls it gets the persistent launcher."""
+    K, c, D = 2, 1024, 64
+    g = torch.Generator().manual_seed(3)
+    q, k, v = model_rows(1, 2 * c, 2, D, torch.bfloat16, g, parts=3)
+    o, lse = launch.empty_in_layout_of(q, torch.float32), torch.empty(1, 2, 2 * c)
+    ring_calls = []
+    for src in (0, 1):  # rank 0's own block, then rank 1's
+        launches = block_launches(src, 0, K, c)
+        _block_forward(q, k, v, None, None, launches, D ** -0.5, o, lse)
+        ring_calls += [(l, src) for l in launches]
+    assert [name for name, *_ in on_sm90] == ["launch_forward_pingpong"] * len(ring_calls)
+    for (_, q_l, *_, options), (l, _) in zip(on_sm90, ring_calls):
+        tiles = dispatch.plan("fwd", D, q_l.shape[2], q.dtype, l.causal, capability=(9, 0), gluon_inputs=True).tiles
+        assert tiles.persistent and options["causal"] == l.causal  # the table would run this launch persistent
+    on_sm90.clear()
+    for l, src in ring_calls:  # the same launches, as another caller makes them
+        launch.launch_forward(_rows(q, l.rows), _rows(k, l.keys), _rows(v, l.keys), l.causal, D ** -0.5,
+                              out=(_rows(o, l.rows), _rows(lse, l.rows)), accumulate=not l.fresh_rows)
+    assert [name for name, *_ in on_sm90] == ["launch_forward_persistent"] * len(ring_calls)
 
 
 @pytest.mark.parametrize("nq,nk,kv_heads", [(1000, 2000, 2), (2000, 1000, 1), (1024, 1, 2), (1030, 129, 2)])

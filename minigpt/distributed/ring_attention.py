@@ -39,10 +39,15 @@ computed last, while that hop is under way.
 Communication is `torch.distributed.batch_isend_irecv` on the context-parallel group, posted before the
 step's compute so the transfer overlaps it. Every rank issues the same sends and receives in the same
 order, whatever its data: recomputing a block (levers.py) runs the forward's ring again on all ranks.
+
+Memory: NCCL's sends and receives pin their tensors to NCCL's stream, so the allocator reuses a freed message only
+once the GPU has passed that point. The host is kept one or two ring calls ahead of the GPU (CallFence), or each
+layer's messages would take fresh memory.
 """
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Callable
 
 import torch
@@ -72,12 +77,16 @@ def _masks(launch: Launch, q_ids: Tensor | None, k_ids: Tensor | None) -> dict:
 def _block_forward(q: Tensor, k: Tensor, v: Tensor, q_ids: Tensor | None, k_ids: Tensor | None,
                    launches: list[Launch], sm_scale: float, o: Tensor, lse: Tensor) -> None:
     """Fold a block's keys into the running fp32 (o, lse) of the local rows that see them: its launches, each
-    continuing the rows' result, or writing their first state (the local block's first launch for those rows)."""
+    continuing the rows' result, or writing their first state (the local block's first launch for those rows).
+    Plain grids, never the table's persistent ones: NCCL's kernel of the transfer in flight holds SMs, and a
+    persistent kernel's work lists, fixed per SM on the host, wait for it (a block's dK/dV/dQ took 2.90 ms beside
+    a hop against 1.47 ms alone on an H100)."""
     from minigpt_kernels.launch import launch_forward
 
     for l in launches:
         launch_forward(_rows(q, l.rows), _rows(k, l.keys), _rows(v, l.keys), l.causal, sm_scale,
-                       out=(_rows(o, l.rows), _rows(lse, l.rows)), accumulate=not l.fresh_rows, **_masks(l, q_ids, k_ids))
+                       out=(_rows(o, l.rows), _rows(lse, l.rows)), accumulate=not l.fresh_rows, persistent=False,
+                       **_masks(l, q_ids, k_ids))
 
 
 def _block_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, q_ids: Tensor | None, k_ids: Tensor | None,
@@ -86,14 +95,15 @@ def _block_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, q_ids: Tensor |
     """A block's dQ, dK, dV over the local queries, one launch_backward_block per launch (the fused five-matmul Gluon
     kernel where it takes the launch, else the Triton dQ and dK/dV kernels): dQ added into the fp32 dq, dK/dV added
     into the fp32 (dk, dv) (the block's travelling accumulator), or written there by the local block's first launch
-    for those keys. lse and delta are the final ones: P = exp2(s − lse) and delta = rowsum(dO ∘ O) of the whole row."""
+    for those keys. lse and delta are the final ones: P = exp2(s − lse) and delta = rowsum(dO ∘ O) of the whole row.
+    Plain grids, as _block_forward's."""
     from minigpt_kernels.launch import launch_backward_block
 
     for l in launches:
         launch_backward_block(_rows(do, l.rows), _rows(q, l.rows), _rows(k, l.keys), _rows(v, l.keys),
                               _rows(lse, l.rows), _rows(delta, l.rows), l.causal, sm_scale, _rows(dq, l.rows),
                               _rows(dk, l.keys), _rows(dv, l.keys), accumulate_dq=True,
-                              accumulate_dkdv=not l.fresh_keys, **_masks(l, q_ids, k_ids))
+                              accumulate_dkdv=not l.fresh_keys, persistent=False, **_masks(l, q_ids, k_ids))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -132,6 +142,44 @@ class Ring:
         """Send t to the next rank and receive the previous rank's tensor of the same shape (see send)."""
         wait = self.send((t,), 1)
         return lambda: wait()[0]
+
+
+class CallFence:
+    """Keeps the host at most one or two ring calls ahead of the GPU, so that the ring's messages reuse memory.
+
+    PyTorch's NCCL send and receive record their tensors on NCCL's stream (for point-to-point ops whatever
+    TORCH_NCCL_AVOID_RECORD_STREAMS says), and the caching allocator hands a freed block of such a tensor out again
+    only after NCCL's stream has passed, on the GPU, the point where the host freed it. In a training step nothing
+    makes the host wait until the loss is read, so it runs a whole backward ahead: every layer's messages and
+    accumulators were freed long before the GPU got there, and each layer's took fresh memory (20.9 GiB reserved for
+    6.0 allocated per rank at 256K tokens on 2 × H100). As a call starts, the host waits until the GPU has finished
+    the call `lag` calls back: at most `lag` calls' buffers wait. With lag 1 (measured at 256K: 8.2 GiB reserved, the
+    step 0.8% slower) the GPU runs out of queued ring work while the host posts the next call's first kernel (~1 ms),
+    which only a long call hides; lag 2 (10.5 GiB reserved, no slower) keeps a whole call queued."""
+
+    def __init__(self, new_event: Callable[[], object] = torch.cuda.Event):
+        self.new_event = new_event  # an event on the current stream (a stand-in in tests)
+        self.ends: deque = deque()  # events after the last calls' work, oldest first
+
+    def enter(self, lag: int) -> None:
+        """A call starts: wait until the GPU has finished the call `lag` calls back."""
+        while len(self.ends) >= lag:
+            self.ends.popleft().synchronize()
+
+    def leave(self) -> None:
+        """A call has been issued (its last waits on NCCL's stream included): mark its end on the current stream."""
+        end = self.new_event()
+        end.record()
+        self.ends.append(end)
+
+
+def fence_lag(k: Tensor) -> int:
+    """How many ring calls the host may run ahead: 1 for a long shard (a K/V message of SERIAL_HOP_BYTES or more,
+    whose call takes tens of ms), else 2."""
+    return 1 if 2 * k.numel() * k.element_size() >= SERIAL_HOP_BYTES else 2
+
+
+FENCE = CallFence()  # this process's ring calls on CUDA (one GPU per process)
 
 
 def stack_kv(k: Tensor, v: Tensor) -> Tensor:
@@ -189,6 +237,8 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | Non
     fp32 (B, H, N_local)."""
     from minigpt_kernels.launch import empty_in_layout_of
 
+    if q.is_cuda:
+        FENCE.enter(fence_lag(k))
     plan = _Plan(group, q.shape[2], window)
     ids = None if document_ids is None else document_ids.contiguous()
     local = (stack_kv(k, v), ids) if plan.steps else None  # the local block as it travels (if it does)
@@ -207,6 +257,8 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | Non
         incoming = post(i + 1)
         kv, k_ids = held[direction]
         _block_forward(q, *unstack_kv(kv), ids, k_ids, launches, sm_scale, o, lse)
+    if q.is_cuda:
+        FENCE.leave()
     return o.to(q.dtype), lse
 
 
@@ -221,6 +273,8 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     for it make their last hop home (the larger transfer: fp32), so that hop does not wait alone."""
     from minigpt_kernels.launch import empty_in_layout_of, launch_backward_delta
 
+    if q.is_cuda:
+        FENCE.enter(fence_lag(k))
     plan = _Plan(group, q.shape[2], window)
     ids = None if document_ids is None else document_ids.contiguous()
     local = (stack_kv(k, v), ids) if plan.steps else None
@@ -262,9 +316,13 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     _block_backward(do, q, k, v, ids, ids, lse, delta, plan.local, sm_scale, dq, dk, dv)
     dq = dq.to(q.dtype)
     if not homes:
+        if q.is_cuda:
+            FENCE.leave()
         return dq, dk.to(k.dtype), dv.to(v.dtype)
     # dK = mine + the other ranks' (fp32): added in fp32 and cast in one pass, or added into mine
     homes = [home() for home in homes]
+    if q.is_cuda:
+        FENCE.leave()
     for home in homes[:-1]:
         homes[-1] += home
     theirs_k, theirs_v = unstack_kv(homes[-1])
