@@ -1,5 +1,6 @@
 """W&B offline runs in the long-context recipe: the export carries them and an import puts them back byte for byte,
-the largest left out (in one line) when the tar would pass its cap. On a real offline run that minigpt's
+the largest left out (in one line) when the tar would pass its cap, and one is published into results/ with no
+machine path, within the results/ rules, still a run `wandb sync` takes. On a real offline run that minigpt's
 WandbLogger writes here (config, history, summary and console output holding this machine's paths)."""
 import os
 import shutil
@@ -10,10 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from minigpt import wandb_offline
 from minigpt.recipe import handoff
+from minigpt.recipe.cli import main
 from minigpt.recipe.plan import TINY, build_plan
 from minigpt.recipe.state import RecipeState
-from minigpt.wandb_offline import frame_payloads, read_payloads
+from minigpt.wandb_offline import PublishError, frame_payloads, publish_run, read_payloads
+from test_results_rules import rule_violations, tracked_files
+from wandb_records import read_records
 
 WRITE_RUN = """
 import sys
@@ -100,3 +105,38 @@ def test_the_largest_wandb_files_are_left_out_when_the_tar_would_pass_its_cap(ou
     assert [line for line in said if "left out" in line] == [
         "export: left out 1 W&B file(s) to keep recipe_files.tar.gz within 0.125 MiB: "
         "baseline/wandb/offline-run-20261126_000000-big (300,000 bytes)"]
+
+
+def test_a_published_run_holds_no_machine_path_and_wandb_sync_still_takes_it(out, tmp_path, capsys, monkeypatch):
+    run = wandb_run(out)
+    raw = tmp_path / "raw" / "results" / "recipe" / "wandb_offline" / run.name
+    shutil.copytree(run, raw, ignore=shutil.ignore_patterns("logs", "tmp"))
+    assert any("machine path" in line for line in rule_violations(raw.parents[3], tracked_files(raw.parents[3])))
+
+    results = tmp_path / "repo" / "results" / "recipe"
+    assert main(["--tiny", "--out", str(out), "--publish-wandb", str(results)]) == 0
+    published = results / "wandb_offline" / run.name
+    assert f"published stages/64k/wandb/{run.name} as {published}" in capsys.readouterr().out
+    assert sorted(run_files(published)) == sorted(run_files(run)) and not (published / "logs").exists()
+    assert rule_violations(tmp_path / "repo", tracked_files(tmp_path / "repo")) == []
+
+    before, after = read_records(next(run.glob("*.wandb"))), read_records(next(published.glob("*.wandb")))
+    assert [r.WhichOneof("record_type") for r in after] == [r.WhichOneof("record_type") for r in before]
+    changed = [a for a, b in zip(after, before) if a != b]
+    assert {r.WhichOneof("record_type") for r in changed} <= {"run", "environment", "summary", "output_raw"}
+    config = {u.key: u.value_json for r in after if r.HasField("run") for u in r.run.config.update}
+    assert config["run_dir"] == '"stages/64k"' and config["data"] == '{"cache_dir":"cache"}'
+    assert b"checkpoint stages/64k/checkpoints/ckpt_00000004.pt" in (published / "files" / "output.log").read_bytes()
+
+    p = subprocess.run([sys.executable, "-m", "wandb", "sync", "--dry-run", str(results / "wandb_offline")],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "WANDB_SILENT": "false"})
+    assert f"{run.name}/{next(published.glob('*.wandb')).name}" in p.stdout + p.stderr, p.stdout + p.stderr
+    assert "Would sync 1 run(s)" in p.stdout + p.stderr
+
+    monkeypatch.setattr(wandb_offline, "RUN_BYTES", 1000)
+    with pytest.raises(PublishError, match="over the 1,000 a published run may hold"):
+        publish_run(run, tmp_path / "other", out)
+    assert not (tmp_path / "other").exists()
+    shutil.rmtree(run.parent)
+    assert main(["--tiny", "--out", str(out), "--publish-wandb", str(results)]) == 1
+    assert "stages/64k/wandb: no W&B offline run" in capsys.readouterr().err
