@@ -151,11 +151,12 @@ class CallFence:
     TORCH_NCCL_AVOID_RECORD_STREAMS says), and the caching allocator hands a freed block of such a tensor out again
     only after NCCL's stream has passed, on the GPU, the point where the host freed it. In a training step nothing
     makes the host wait until the loss is read, so it runs a whole backward ahead: every layer's messages and
-    accumulators were freed long before the GPU got there, and each layer's took fresh memory (20.9 GiB reserved for
+    accumulators were freed long before the GPU got there, and each layer's took fresh memory (21.0 GiB reserved for
     6.0 allocated per rank at 256K tokens on 2 × H100). As a call starts, the host waits until the GPU has finished
-    the call `lag` calls back: at most `lag` calls' buffers wait. With lag 1 (measured at 256K: 8.2 GiB reserved, the
-    step 0.8% slower) the GPU runs out of queued ring work while the host posts the next call's first kernel (~1 ms),
-    which only a long call hides; lag 2 (10.5 GiB reserved, no slower) keeps a whole call queued."""
+    the call `lag` calls back: at most `lag` calls' buffers wait. With lag 1 the GPU runs out of queued ring work
+    while the host posts the next call's first kernel (~1 ms); lag 2 keeps a whole call queued. Measured at 256K
+    against main in the same job: lag 1 reserved 8.2 GiB for a step 0.5-0.6% slower, lag 2 10.5 GiB and no slower;
+    long shards take lag 1 (2.3 GiB for half a percent), short ones, where that ms weighs more, lag 2."""
 
     def __init__(self, new_event: Callable[[], object] = torch.cuda.Event):
         self.new_event = new_event  # an event on the current stream (a stand-in in tests)
