@@ -316,20 +316,15 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     dk, dv = empty_in_layout_of(k, dtype), empty_in_layout_of(v, dtype)
     _block_backward(do, q, k, v, ids, ids, lse, delta, plan.local, sm_scale, dq, dk, dv)
     dq = dq.to(q.dtype)
-    if not homes:
-        if q.is_cuda:
-            FENCE.leave()
-        return dq, dk.to(k.dtype), dv.to(v.dtype)
-    # dK = mine + the other ranks' (fp32): added in fp32 and cast in one pass, or added into mine
-    homes = [home() for home in homes]
+    if homes:  # dK = mine + the other ranks' (fp32): added into mine (then cast in one pass where mine is fp32)
+        homes = [home() for home in homes]
+        for home in homes[:-1]:
+            homes[-1] += home
+        theirs_k, theirs_v = unstack_kv(homes[-1])
+        dk, dv = dk.add_(theirs_k), dv.add_(theirs_v)
     if q.is_cuda:
         FENCE.leave()
-    for home in homes[:-1]:
-        homes[-1] += home
-    theirs_k, theirs_v = unstack_kv(homes[-1])
-    if dk.dtype == torch.float32:
-        return dq, dk.add_(theirs_k).to(k.dtype), dv.add_(theirs_v).to(v.dtype)
-    return dq, dk.add_(theirs_k), dv.add_(theirs_v)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 # An accumulator hop of at least this size is waited for at once instead of during the next block's dQ kernel: two
