@@ -155,28 +155,36 @@ class CallFence:
     6.0 allocated per rank at 256K tokens on 2 × H100). As a call starts, the host waits until the GPU has finished
     the call `lag` calls back: at most `lag` calls' buffers wait. With lag 1 (measured at 256K: 8.2 GiB reserved, the
     step 0.8% slower) the GPU runs out of queued ring work while the host posts the next call's first kernel (~1 ms),
-    which only a long call hides; lag 2 (10.5 GiB reserved, no slower) keeps a whole call queued."""
+    which only a long call hides; lag 2 (10.5 GiB reserved, no slower) keeps a whole call queued. Lag 0 waits at the
+    call's end for the call itself, so none of its buffers is left waiting while the host allocates the next
+    layer's (with lag 1 those were 2.25 GiB at 256K)."""
 
     def __init__(self, new_event: Callable[[], object] = torch.cuda.Event):
         self.new_event = new_event  # an event on the current stream (a stand-in in tests)
         self.ends: deque = deque()  # events after the last calls' work, oldest first
 
     def enter(self, lag: int) -> None:
-        """A call starts: wait until the GPU has finished the call `lag` calls back."""
-        while len(self.ends) >= lag:
-            self.ends.popleft().synchronize()
+        """A call starts: wait until the GPU has finished the call `lag` calls back (lag 0: nothing is in flight)."""
+        self._wait_until_in_flight(max(lag - 1, 0))
 
-    def leave(self) -> None:
-        """A call has been issued (its last waits on NCCL's stream included): mark its end on the current stream."""
+    def leave(self, lag: int) -> None:
+        """A call has been issued (its last waits on NCCL's stream included): mark its end on the current stream;
+        with lag 0, wait for it, so that the buffers it frees are reusable as soon as the host goes on."""
         end = self.new_event()
         end.record()
         self.ends.append(end)
+        if lag == 0:
+            self._wait_until_in_flight(0)
+
+    def _wait_until_in_flight(self, calls: int) -> None:
+        while len(self.ends) > calls:
+            self.ends.popleft().synchronize()
 
 
 def fence_lag(k: Tensor) -> int:
-    """How many ring calls the host may run ahead: 1 for a long shard (a K/V message of SERIAL_HOP_BYTES or more,
-    whose call takes tens of ms), else 2."""
-    return 1 if 2 * k.numel() * k.element_size() >= SERIAL_HOP_BYTES else 2
+    """How many ring calls the host may run ahead: none for a long shard (a K/V message of SERIAL_HOP_BYTES or more:
+    the call takes tens of ms, beside which the host's ~1 ms to post the next work is small), else 2."""
+    return 0 if 2 * k.numel() * k.element_size() >= SERIAL_HOP_BYTES else 2
 
 
 FENCE = CallFence()  # this process's ring calls on CUDA (one GPU per process)
@@ -238,7 +246,8 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | Non
     from minigpt_kernels.launch import empty_in_layout_of
 
     if q.is_cuda:
-        FENCE.enter(fence_lag(k))
+        lag = fence_lag(k)
+        FENCE.enter(lag)
     plan = _Plan(group, q.shape[2], window)
     ids = None if document_ids is None else document_ids.contiguous()
     local = (stack_kv(k, v), ids) if plan.steps else None  # the local block as it travels (if it does)
@@ -258,7 +267,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | Non
         kv, k_ids = held[direction]
         _block_forward(q, *unstack_kv(kv), ids, k_ids, launches, sm_scale, o, lse)
     if q.is_cuda:
-        FENCE.leave()
+        FENCE.leave(lag)
     return o.to(q.dtype), lse
 
 
@@ -274,7 +283,8 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     from minigpt_kernels.launch import empty_in_layout_of, launch_backward_delta
 
     if q.is_cuda:
-        FENCE.enter(fence_lag(k))
+        lag = fence_lag(k)
+        FENCE.enter(lag)
     plan = _Plan(group, q.shape[2], window)
     ids = None if document_ids is None else document_ids.contiguous()
     local = (stack_kv(k, v), ids) if plan.steps else None
@@ -317,12 +327,12 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     dq = dq.to(q.dtype)
     if not homes:
         if q.is_cuda:
-            FENCE.leave()
+            FENCE.leave(lag)
         return dq, dk.to(k.dtype), dv.to(v.dtype)
     # dK = mine + the other ranks' (fp32): added in fp32 and cast in one pass, or added into mine
     homes = [home() for home in homes]
     if q.is_cuda:
-        FENCE.leave()
+        FENCE.leave(lag)
     for home in homes[:-1]:
         homes[-1] += home
     theirs_k, theirs_v = unstack_kv(homes[-1])
