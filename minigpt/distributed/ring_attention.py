@@ -33,8 +33,9 @@ buffer (with GQA the kernel sums a K/V head's group of query heads itself). One 
 fused five-matmul Gluon kernel takes it (sm_90, no mask on the launch: the full off-diagonal blocks and the causal
 local block of dense attention), else the Triton dQ and dK/dV kernels run (launch.launch_backward_block). dQ stays
 local; each block's dK/dV accumulator (fp32, Hkv heads) starts at the first other rank that holds the block,
-travels with it and, after the block's last hop, goes straight back to the block's owner, which adds its own share,
-computed last, while that hop is under way.
+travels with it and, after the block's last hop, goes straight back to the block's owner in k's dtype (half the
+bytes, and no fp32 buffer of k's size waiting for it), which adds its own share, computed last, while that hop is
+under way.
 
 Communication is `torch.distributed.batch_isend_irecv` on the context-parallel group, posted before the
 step's compute so the transfer overlaps it. Every rank issues the same sends and receives in the same
@@ -278,8 +279,8 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
 
     Each other rank's block is processed as it arrives, in one launch per plan launch that adds its dQ into the
     local fp32 dq and its dK/dV into the block's accumulator, which then travels on with the block, or home after the
-    block's last hop. The local block comes last: its launches run while the accumulators of the other ranks' dK/dV
-    for it make their last hop home (the larger transfer: fp32), so that hop does not wait alone."""
+    block's last hop (in k's dtype). The local block comes last: its launches run while the accumulators of the other
+    ranks' dK/dV for it make their last hop home (the larger transfer), so that hop does not wait alone."""
     from minigpt_kernels.launch import empty_in_layout_of, launch_backward_delta
 
     if q.is_cuda:
@@ -307,13 +308,17 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
         # the first rank after a block's owner starts its accumulator: fp32 zeros laid out as kv
         dkv = (arriving[direction] or _ready(torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)))()
         _block_backward(do, q, *unstack_kv(kv), ids, k_ids, lse, delta, launches, sm_scale, dq, *unstack_kv(dkv))
-        # hand the accumulator on with its block; after the block's last hop, straight home to its owner
+        # hand the accumulator on with its block (fp32: the next holders add into it); after the block's last hop,
+        # straight home to its owner in k's dtype: half the bytes to send and to land, and the fp32 accumulator,
+        # never handed to NCCL, is free at once (the owner's sum is rounded to k's dtype in any case)
         last = depth == plan.depth(direction)
-        wait = plan.ring.send((dkv,), -direction * depth if last else direction)
-        arriving[direction] = lambda wait=wait: wait()[0]
-        if dkv.numel() * dkv.element_size() >= SERIAL_HOP_BYTES:
-            arriving[direction] = _ready(arriving[direction]())  # a long shard: wait now, one accumulator in flight
+        hop = dkv.to(kv.dtype) if last else dkv
         del dkv
+        wait = plan.ring.send((hop,), -direction * depth if last else direction)
+        arriving[direction] = lambda wait=wait: wait()[0]
+        if hop.numel() * hop.element_size() >= SERIAL_HOP_BYTES:
+            arriving[direction] = _ready(arriving[direction]())  # a long shard: wait now, one accumulator in flight
+        del hop
     held.clear()  # the blocks of other ranks are done with: free them before the local block's launches
     kv = k_ids = None
     homes = [arriving[d] for d in (1, -1) if arriving[d] is not None]
@@ -329,21 +334,21 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
         if q.is_cuda:
             FENCE.leave(lag)
         return dq, dk.to(k.dtype), dv.to(v.dtype)
-    # dK = mine + the other ranks' (fp32): added in fp32 and cast in one pass, or added into mine
+    # dK = mine + the other ranks' (in k's dtype; both directions' summed in fp32 first, where a window has two):
+    # added into mine, in fp32 and cast in one pass where mine is fp32
     homes = [home() for home in homes]
     if q.is_cuda:
         FENCE.leave(lag)
-    for home in homes[:-1]:
-        homes[-1] += home
-    theirs_k, theirs_v = unstack_kv(homes[-1])
+    theirs = homes[0] if len(homes) == 1 else homes[0].float().add_(homes[1])
+    theirs_k, theirs_v = unstack_kv(theirs)
     if dk.dtype == torch.float32:
         return dq, dk.add_(theirs_k).to(k.dtype), dv.add_(theirs_v).to(v.dtype)
     return dq, dk.add_(theirs_k), dv.add_(theirs_v)
 
 
 # An accumulator hop of at least this size is waited for at once instead of during the next block's dQ kernel: two
-# fp32 (dK, dV) accumulators in flight take 12 KB per local token (for 768 channels), and at such sizes the hop
-# (~4 ms per GiB over NVLink) is small beside a block's compute.
+# fp32 (dK, dV) accumulators in flight take 12 KB per local token (for 768 channels; 6 KB going home in bf16), and at
+# such sizes the hop (~4 ms per GiB over NVLink) is small beside a block's compute.
 SERIAL_HOP_BYTES = 256 << 20
 
 
