@@ -35,8 +35,8 @@ def inputs(case: dict) -> dict:
     """The whole sequence's q (B, N, Hq, D), k, v (B, N, Hkv, D), dO and document ids, the same on every rank."""
     g = torch.Generator().manual_seed(case.get("seed", 0))
     B, N, Hq, Hkv, D, dtype = case["B"], case["N"], case["Hq"], case["Hkv"], 16, case.get("dtype", torch.float32)
-    return {"q": torch.randn(B, N, Hq, D, generator=g).to(dtype), "k": torch.randn(B, N, Hkv, D, generator=g).to(dtype),
-            "v": torch.randn(B, N, Hkv, D, generator=g).to(dtype), "do": torch.randn(B, N, Hq, D, generator=g).to(dtype),
+    shapes = {"q": (B, N, Hq, D), "k": (B, N, Hkv, D), "v": (B, N, Hkv, D), "do": (B, N, Hq, D)}
+    return {**{name: torch.randn(*shape, generator=g).to(dtype) for name, shape in shapes.items()},
             "ids": documents(case.get("docs"), B, N)}
 
 
