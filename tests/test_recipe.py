@@ -83,6 +83,11 @@ def test_the_plan_trains_small_6l_to_64k_in_stages_beside_a_2k_baseline_of_the_s
     assert f"segment {len(segments)}," in printed and "total: ~" in printed and not (tmp_path / "lc").exists()
     assert "model.rope_base=10000 -> 1e+06" in printed
 
+    # the evaluations log to W&B where the trainer does (FULL composes logger=wandb; TINY and logger=none: no W&B)
+    assert all("--wandb" in argv for e in plan.evaluations for argv in e.argvs) and plan.runs[-1].logger == "wandb"
+    for quiet in (build_plan(TINY, tmp_path / "lc"), build_plan(FULL, tmp_path / "lc", ("logger=none",))):
+        assert not any("--wandb" in argv for e in quiet.evaluations for argv in e.argvs)
+
     tiny = build_plan(TINY, tmp_path / "lc").fingerprint()
     with pytest.raises(ConfigError, match="started by another plan .its variant: tiny, now: full.; continue it with "
                                           "--tiny as it was started"):

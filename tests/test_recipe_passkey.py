@@ -51,9 +51,10 @@ def test_the_full_plan_scores_every_cell_once_with_20_keys_in_parts_that_each_fi
         assert sorted(cells) == sorted((h, n, d, 20) for n in FULL.passkey_lengths for d in DEFAULT_DEPTHS)
         assert FULL.keys >= 20 and len(parts) >= 2  # issue 34: >= 20 keys a cell
         assert all(e.seconds <= min(usable, FULL.passkey_part_s + FULL.passkey_start_s[h]) for e in parts)
-        # the merge reads exactly the parts' files and writes where one command over the grid would
+        # the merge reads exactly the parts' files and writes where one command over the grid would (its W&B run
+        # too, as the trainer's logger is W&B)
         (argv,) = merge.argvs
-        assert merge.reads is None and list(argv) == [*(str(e.output) for e in parts), "--out",
+        assert merge.reads is None and list(argv) == [*(str(e.output) for e in parts), "--wandb", "--out",
                                                       str(plan.out / "eval" / "passkey")]
         assert merge.output == plan.out / "eval" / "passkey" / f"passkey_{h}" / "passkey_grid.json"
         assert all(e.output.parent.parent == Path(e.argvs[0][-1]) for e in parts)

@@ -4,9 +4,12 @@ A machine that is given back takes its disk along, and what comes back from one 
 this recipe was planned for: at most 8 files of 16 MiB). An export is
 
     recipe_state.json         the state (state.py)
-    recipe_files.tar.gz       every other file of the output directory under SMALL_FILE bytes but the checkpoints
-                              and W&B folders: the log, each command's output, summaries, metrics, tokenizers,
-                              corpus manifests, Hydra records, the evaluations
+    recipe_files.tar.gz       every other file of the output directory under SMALL_FILE bytes but the checkpoints:
+                              the log, each command's output, summaries, metrics, tokenizers, corpus manifests,
+                              Hydra records, the evaluations; and the W&B offline runs of the trainer and of
+                              minigpt-eval --wandb (each wandb/offline-run-*/'s .wandb file and files/, not W&B's
+                              logs/ and symlinks: minigpt/wandb_offline.py), as many as keep the tar within
+                              TAR_BYTES, the largest files left out first and named in one line
     weights.json, weights.NN  the newest checkpoint of the live run (state.live: the one model still to be trained
                               or read) as bf16 weights: the tensors' bytes, all high bytes (sign and exponent, which
                               compress well) then all low bytes, zlib, cut into parts of at most PART_BYTES; the
@@ -14,15 +17,16 @@ this recipe was planned for: at most 8 files of 16 MiB). An export is
                               each part's size and digest, and AdamW's state in a few numbers (its step, each
                               parameter's mean second moment)
 
-small-6l's 21.0M parameters are 40 MiB in bf16, 28 MiB compressed as initialized. An import unpacks the files and
-rebuilds that checkpoint with the trainer's own save_checkpoint: the weights back in fp32, AdamW restarted from its
-step and mean second moments with a first moment of zero (restart_adam: about ten steps of warmup, no full-size
-first step). The run then resumes from it (resume=auto) at the same step, with the same batches (a batch is a
-function of the step) and the same schedule; what is lost is the weights' bits below bf16 and the optimizer's
-moments beyond those means, so hand off where a stage ends when you can. An import is skipped when the directory's
-own state is as new (a machine that kept its disk), unless the directory lacks the checkpoint the export's weights
-are of while its state is at that step (given the state alone, or its checkpoints lost): then only that checkpoint
-is rebuilt. An export whose state has a model and no weights.json is refused (a copy that missed a file).
+small-6l's 21.0M parameters are 40 MiB in bf16, 28 MiB compressed as initialized. An import unpacks the files (the
+W&B runs back where they were, byte for byte) and rebuilds that checkpoint with the trainer's own save_checkpoint:
+the weights back in fp32, AdamW restarted from its step and mean second moments with a first moment of zero
+(restart_adam: about ten steps of warmup, no full-size first step). The run then resumes from it (resume=auto) at
+the same step, with the same batches (a batch is a function of the step) and the same schedule; what is lost is the
+weights' bits below bf16 and the optimizer's moments beyond those means, so hand off where a stage ends when you
+can. An import is skipped when the directory's own state is as new (a machine that kept its disk), unless the
+directory lacks the checkpoint the export's weights are of while its state is at that step (given the state alone,
+or its checkpoints lost): then only that checkpoint is rebuilt. An export whose state has a model and no
+weights.json is refused (a copy that missed a file).
 """
 from __future__ import annotations
 
@@ -43,12 +47,14 @@ from minigpt.config import TrainConfig
 from minigpt.files import atomic_write, atomic_write_text
 from minigpt.recipe.plan import Plan, Run
 from minigpt.recipe.state import STATE_FILE, RecipeError, RecipeState
+from minigpt.wandb_offline import run_folder
 
 FILES_TAR = "recipe_files.tar.gz"
 WEIGHTS = "weights.json"
 PART_BYTES = 15 << 20
+TAR_BYTES = PART_BYTES  # recipe_files.tar.gz: one file of the export like a part, under the machines' 16 MiB
 SMALL_FILE = 8 << 20  # larger files stay behind (none of the recipe's own are)
-LEFT_OUT_DIRS = {"checkpoints", "wandb"}
+LEFT_OUT_DIRS = {"checkpoints", "wandb"}  # of wandb/, the offline runs travel (run_folder)
 LEFT_OUT_NAMES = {"run.lock", STATE_FILE}
 
 
@@ -121,19 +127,52 @@ def restart_adam(optimizer: torch.optim.Optimizer, summary: dict | None) -> None
 # --------------------------------------------------------------------------------------------
 # export
 # --------------------------------------------------------------------------------------------
-def _small_files(out: Path, dest: Path) -> tuple[list[Path], list[str]]:
-    """The files of `out` that travel in the tar, and the large ones that do not ("path (size)")."""
-    files, large = [], []
+def _small_files(out: Path, dest: Path) -> tuple[list[Path], list[Path], list[str]]:
+    """The files of `out` that travel in the tar: the recipe's own, the W&B offline runs' (run_folder: each .wandb
+    file and files/); and the large ones that do not ("path (size)"). Symlinks stay behind."""
+    files, wandb_files, large = [], [], []
     for path in sorted(out.rglob("*")):
         rel = path.relative_to(out)
-        if not path.is_file() or LEFT_OUT_DIRS & set(rel.parts) or path.name in LEFT_OUT_NAMES or \
-                ".tmp" in path.name or path.resolve().is_relative_to(dest.resolve()):
+        in_run = run_folder(rel) is not None
+        if path.is_symlink() or not path.is_file() or (LEFT_OUT_DIRS & set(rel.parts) and not in_run) or \
+                path.name in LEFT_OUT_NAMES or ".tmp" in path.name or path.resolve().is_relative_to(dest.resolve()):
             continue
         if path.stat().st_size > SMALL_FILE:
             large.append(f"{rel} ({path.stat().st_size / 2**20:.0f} MiB)")
         else:
-            files.append(path)
-    return files, large
+            (wandb_files if in_run else files).append(path)
+    return files, wandb_files, large
+
+
+def write_files_tar(out: Path, dest: Path, files: list[Path], wandb_files: list[Path],
+                    say: Callable[[str], None]) -> Path:
+    """recipe_files.tar.gz in `dest`: `files`, and as many of `wandb_files` as keep it within TAR_BYTES, the largest
+    left out first (said in one line)."""
+    kept, left = sorted(wandb_files, key=lambda p: p.stat().st_size), []
+
+    def tar(f) -> None:
+        with tarfile.open(fileobj=f, mode="w:gz") as t:
+            for path in files + kept:
+                t.add(path, arcname=str(path.relative_to(out)))
+    while True:
+        path = atomic_write(dest / FILES_TAR, tar)
+        over = path.stat().st_size - TAR_BYTES
+        if over <= 0 or not kept:
+            break
+        while kept and over > 0:  # the largest out until what they add compressed covers the excess
+            left.append(kept.pop())
+            over -= len(zlib.compress(left[-1].read_bytes(), 9))
+    if left:
+        by_run: dict[str, int] = {}
+        for p in left:
+            folder = str(run_folder(p.relative_to(out)))
+            by_run[folder] = by_run.get(folder, 0) + p.stat().st_size
+        say(f"export: left out {len(left)} W&B file(s) to keep {FILES_TAR} within {TAR_BYTES / 2**20:g} MiB: " +
+            ", ".join(f"{folder} ({n:,} bytes)" for folder, n in by_run.items()))
+    if over > 0:
+        say(f"export: {FILES_TAR} is {path.stat().st_size / 2**20:.1f} MiB without W&B files, over the "
+            f"{TAR_BYTES / 2**20:g} MiB a file of the export should be")
+    return path
 
 
 def export(out: Path, dest: Path, state: RecipeState, plan: Plan, say: Callable[[str], None] = print) -> list[Path]:
@@ -146,14 +185,8 @@ def export(out: Path, dest: Path, state: RecipeState, plan: Plan, say: Callable[
     # state (or none) beside the new files, never a newer state without its files
     for old in [dest / STATE_FILE, *dest.glob("weights.*"), dest / FILES_TAR]:
         old.unlink(missing_ok=True)
-    written: list[Path] = []
-    files, large = _small_files(out, dest)
-
-    def tar(f) -> None:
-        with tarfile.open(fileobj=f, mode="w:gz") as t:
-            for path in files:
-                t.add(path, arcname=str(path.relative_to(out)))
-    written.append(atomic_write(dest / FILES_TAR, tar))
+    files, wandb_files, large = _small_files(out, dest)
+    written = [write_files_tar(out, dest, files, wandb_files, say)]
     if large:
         say(f"export: left out {len(large)} large file(s): {', '.join(large)}")
     if live is not None:

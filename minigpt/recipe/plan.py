@@ -141,6 +141,7 @@ class Run:
     rope: dict  # model.rope_* as composed
     overrides: tuple[str, ...]  # the variant's, then its own
     what: str  # model, attention and data, for the plan's description
+    logger: str = "none"  # logger.name as composed: with wandb, the evaluations log to W&B too
 
     @property
     def tokens_per_step(self) -> int:
@@ -342,7 +343,7 @@ def compose_run(name: str, preset: str, folder: str, after: str | None, variant:
     what = f"model={cfg.model.name} attention={cfg.attention.name} data={cfg.data.name}" + \
         (f" data.passkey_fraction={cfg.data.passkey_fraction:g}" if cfg.data.passkey_fraction else "")
     return Run(name, preset, folder, after, cfg.seq_len, cfg.batch_size, start, cfg.max_steps,
-               {k: getattr(cfg.model, k) for k in ROPE_KEYS}, overrides, what)
+               {k: getattr(cfg.model, k) for k in ROPE_KEYS}, overrides, what, cfg.logger.name)
 
 
 def grid_parts(variant: Variant, haystack: str) -> list[GridPart]:
@@ -381,10 +382,11 @@ def part_seconds(variant: Variant, part: GridPart) -> float:
         part.keys * len(part.depths) * sum(variant.passkey_key_s[n] for n in part.lengths)
 
 
-def passkey_evaluations(variant: Variant, out: Path, final: str) -> list[Evaluation]:
+def passkey_evaluations(variant: Variant, out: Path, final: str, wandb: bool = False) -> list[Evaluation]:
     """Each haystack's grid: its parts (grid_parts), each into eval/passkey/parts/<part>/, then their merge into
-    eval/passkey/passkey_<haystack>/."""
+    eval/passkey/passkey_<haystack>/; `wandb`: each command logs a W&B run too."""
     k = length_label
+    logs = ["--wandb"] if wandb else []
     items: list[Evaluation] = []
     for haystack in HAYSTACKS:
         folder = f"passkey_{haystack}"
@@ -396,27 +398,29 @@ def passkey_evaluations(variant: Variant, out: Path, final: str) -> list[Evaluat
             items.append(Evaluation(
                 part.name, FINAL, ((final, "--no-loss", "--passkey-grid", "--passkey-lengths",
                                     ",".join(k(n) for n in part.lengths), "--depths", *map(str, part.depths),
-                                    "--keys", str(part.keys), "--haystack", haystack,
+                                    "--keys", str(part.keys), "--haystack", haystack, *logs,
                                     "--out", str(file.parent.parent)),),
                 part_seconds(variant, part), f"the final model's passkey grid in {haystack} at "
                                              f"{', '.join(k(n) for n in part.lengths)}, {depths} x {part.keys} keys",
                 slot=f"passkey-{haystack}", output=file))
         merged = out / "eval" / "passkey"
         items.append(Evaluation(
-            f"passkey-{haystack}-merge", None, ((*map(str, files), "--out", str(merged)),),
+            f"passkey-{haystack}-merge", None, ((*map(str, files), *logs, "--out", str(merged)),),
             variant.eval_seconds["passkey-merge"], f"the {len(parts)} parts into one {haystack} grid, "
                                                    f"eval/passkey/{folder}/",
             slot=f"passkey-{haystack}", output=merged / folder / "passkey_grid.json"))
     return items
 
 
-def evaluations(variant: Variant, out: Path) -> list[Evaluation]:
-    """The minigpt-eval commands of the recipe, in ORDER."""
+def evaluations(variant: Variant, out: Path, wandb: bool = False) -> list[Evaluation]:
+    """The minigpt-eval commands of the recipe, in ORDER; `wandb`: each also logs a W&B run (minigpt-eval --wandb),
+    into wandb/ of its --out, where the export finds it."""
     v, k = variant, length_label
     final, baseline = str(out / dict((n, f) for n, _, f, _ in RUNS)[FINAL]), str(out / "baseline")
     sliding_out, final_out = out / "eval" / "baseline_sliding", out / "eval" / "final"
+    logs = ["--wandb"] if wandb else []
     common = [*(["--resamples", str(v.resamples)] if v.resamples else []),
-              *(["--min-docs", str(v.min_docs)] if v.min_docs else [])]
+              *(["--min-docs", str(v.min_docs)] if v.min_docs else []), *logs]
     span = lambda s: f"{k(s[0])},{k(s[1])}"  # noqa: E731
     goals = ["--goal-near", span(v.goal_near)]
     second = out / "eval" / f"final_{k(v.goal_far_second[0])}_{k(v.goal_far_second[1])}"
@@ -429,11 +433,11 @@ def evaluations(variant: Variant, out: Path) -> list[Evaluation]:
             (final, str(sliding_out / "loss_by_position.json"), "--lengths", k(v.length), "--goal-far",
              span(v.goal_far), *goals, *common, "--out", str(final_out)),
             (str(final_out / "loss_by_position.json"), "--goal-far", span(v.goal_far_second), *goals,
-             *(["--resamples", str(v.resamples)] if v.resamples else []), "--out", str(second))),
+             *(["--resamples", str(v.resamples)] if v.resamples else []), *logs, "--out", str(second))),
             v.eval_seconds["final-loss"], f"the final model at every position to {k(v.length)} against the "
                                           f"baseline's curve: the goal figures",
             output=second / "loss_by_position.json"),
-        *passkey_evaluations(v, out, final),
+        *passkey_evaluations(v, out, final, wandb),
     ]
 
 
@@ -448,4 +452,4 @@ def build_plan(variant: Variant, out: str | Path, extra: tuple[str, ...] = ()) -
             raise ConfigError(f"configs/recipe/{preset}.yaml: max_steps={run.end} must come after {after}'s last "
                               f"step, {start}")
         runs.append(run)
-    return Plan(variant, out, runs, extra, evaluations(variant, out))
+    return Plan(variant, out, runs, extra, evaluations(variant, out, wandb=runs[-1].logger == "wandb"))
