@@ -18,11 +18,13 @@ are protobuf `Record`s.
 publish_run copies a run into results/<subject>/wandb_offline/, all `wandb sync` needs (it replays the .wandb file
 and uploads the files/ its records name), with its machine paths rewritten: the recipe's directory dropped (paths
 relative to it, as everywhere in results/; also as it was on the machine that wrote the run, from the environment
-record's root), any other path into a home, root, temporary or work folder cut to its last name. W&B writes them
+record's root), any other absolute path (or a Windows drive's) cut to its last name; URLs stay. W&B writes them
 into the .wandb file (the run record's config: run_dir, ckpt_dir, data.cache_dir; the environment record: the
 command's arguments, the W&B directory, the Python executable; the summary: the checkpoint's path; the console
 output's records), files/output.log (the console output) and logs/ (left out); offline, no files/wandb-metadata.json
-or config.yaml is written.
+or config.yaml is written. What the records say of the machine and its user beyond paths (host, user name, e-mail,
+disks, GPU serials: PRIVATE_FIELDS) is dropped. A .wandb file whose last frame was cut short (a run stopped while
+writing) is read up to it.
 """
 from __future__ import annotations
 
@@ -79,7 +81,9 @@ def read_payloads(data: bytes, name: str = "the .wandb file") -> list[bytes]:
         if kind == 0 and length == 0:  # zeros: the end of what was written
             break
         chunk = data[pos + FRAME : pos + FRAME + length]
-        if len(chunk) != length or crc != zlib.crc32(chunk, zlib.crc32(bytes([kind]))):
+        if len(chunk) != length:  # the last frame cut short: a run stopped while writing; what came before stands
+            break
+        if crc != zlib.crc32(chunk, zlib.crc32(bytes([kind]))):
             raise PublishError(f"{name}: a damaged record at byte {pos}")
         pending = chunk if kind in (FULL, FIRST) else pending + chunk
         if kind in (FULL, LAST):
@@ -118,7 +122,8 @@ def scrub(text: str, roots: list[str]) -> str:
 
     def cut(m: re.Match) -> str:
         token = m.group()
-        return re.split(r"[/\\]", token.rstrip("/\\"))[-1] if re.search(MACHINE_PATH, token) else token
+        absolute = token.startswith("/") and "/" in token[1:]  # /opt/...: a URL starts with its scheme
+        return re.split(r"[/\\]", token.rstrip("/\\"))[-1] if absolute or re.search(MACHINE_PATH, token) else token
     return PATH_TOKEN.sub(cut, text)
 
 
@@ -142,14 +147,26 @@ def scrub_message(message: Message, roots: list[str]) -> None:
             value[:] = [scrub(v, roots) for v in value]
 
 
+# what a run's records say of the machine and its user beyond paths: dropped from a published run (the GPU's model,
+# count and CUDA version stay: gpu_type, gpu_count, cuda_version)
+PRIVATE_FIELDS = {"environment": ("host", "username", "email", "docker", "disk", "gpu_nvidia", "gpu_amd", "slurm",
+                                  "coreweave"),
+                  "run": ("host",)}
+
+
 def parse_records(payloads: list[bytes]) -> list[Message]:
     """The payloads as W&B `Record`s."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     records = []
+    from google.protobuf.message import DecodeError
+
     for payload in payloads:
         records.append(pb.Record())
-        records[-1].ParseFromString(payload)
+        try:
+            records[-1].ParseFromString(payload)
+        except DecodeError as e:
+            raise PublishError(f"a record of the .wandb file does not decode ({e}): a damaged run") from None
     return records
 
 
@@ -160,6 +177,9 @@ def scrub_records(payloads: list[bytes], roots: list[str]) -> list[bytes]:
     for payload, record in zip(payloads, parse_records(payloads)):
         before = type(record)()
         before.CopyFrom(record)
+        kind = record.WhichOneof("record_type")
+        for name in PRIVATE_FIELDS.get(kind, ()):
+            getattr(record, kind).ClearField(name)
         scrub_message(record, roots)
         out.append(payload if record == before else record.SerializeToString())
     return out
@@ -195,7 +215,8 @@ def scrub_file(data: bytes, roots: list[str]) -> bytes:
 # --------------------------------------------------------------------------------------------
 def newest_run(run_dir: Path) -> Path:
     """The newest offline run folder of a run directory (the names sort by their start time)."""
-    runs = sorted(p for p in (run_dir / "wandb").glob("offline-run-*") if p.is_dir() and not p.is_symlink())
+    runs = sorted(p for p in (run_dir / "wandb").glob("offline-run-*")
+                  if p.is_dir() and not p.is_symlink() and len(list(p.glob("*.wandb"))) == 1)
     if not runs:
         raise PublishError(f"{run_dir / 'wandb'}: no W&B offline run (trained with logger=none, or online?)")
     return runs[-1]

@@ -16,12 +16,14 @@ import re
 import subprocess
 from pathlib import Path
 
+from minigpt.wandb_offline import MACHINE_DIRS
+
 ROOT = Path(__file__).resolve().parent.parent
 MAX_FILE = 1_000_000
 MAX_TOTAL = 5_000_000
 MAX_WANDB_RUN = 1_000_000
 WANDB_OFFLINE = "wandb_offline"  # results/<subject>/wandb_offline/offline-run-*/
-MACHINE_PATH = re.compile(rb"/home/|/root/|/tmp/|/work/|/Users/")
+MACHINE_PATH = re.compile(MACHINE_DIRS.encode())  # the same list a W&B run is published against
 DRIVE_LETTER = re.compile(rb"(?<![A-Za-z0-9])[A-Za-z]:\\")  # checked in text files only (binary bytes may match)
 CITATION = re.compile(r"(?<![\w:/.-])results/[\w./*{},+@<>=-]*")
 

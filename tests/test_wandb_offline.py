@@ -27,7 +27,8 @@ from minigpt.loggers import WandbLogger
 run_dir, cache = sys.argv[1:]
 ckpt = run_dir + "/checkpoints/ckpt_00000004.pt"
 logger = WandbLogger(project="minigpt", name="64k", directory=run_dir, mode="offline",
-                     config={"run_dir": run_dir, "data": {"cache_dir": cache}})
+                     config={"run_dir": run_dir, "data": {"cache_dir": cache},
+                             "python": "/opt/torch/.venv/bin/python3", "source": "https://example.org/docs/x"})
 print(f"done: 4 steps; checkpoint {ckpt}")
 for step in range(1, 61):  # over 32 KiB: records cut across the file's blocks
     logger.log({"train/loss": 5.0 - step, "note": "x" * 600}, step=step)
@@ -86,10 +87,10 @@ def test_the_export_carries_the_wandb_runs_and_an_import_puts_them_back_byte_for
     assert run_files(back / rel) == run_files(run) and len(run_files(run)) >= 3  # .wandb, output.log, requirements
 
 
-def test_the_largest_wandb_files_are_left_out_when_the_tar_would_pass_its_cap(out, tmp_path, monkeypatch):
+def test_the_largest_wandb_runs_are_left_out_whole_when_the_tar_would_pass_its_cap(out, tmp_path, monkeypatch):
     big = out / "baseline" / "wandb" / "offline-run-20261126_000000-big"
     (big / "files" / "media").mkdir(parents=True)
-    (big / "run-big.wandb").write_bytes(frame_payloads([b"\x08\x01"]))
+    (big / "run-big.wandb").write_bytes(record := frame_payloads([b"\x08\x01"]))
     (big / "files" / "media" / "noise.bin").write_bytes(os.urandom(300_000))  # does not compress
     monkeypatch.setattr(handoff, "TAR_BYTES", 2**17)
     said: list[str] = []
@@ -99,12 +100,11 @@ def test_the_largest_wandb_files_are_left_out_when_the_tar_would_pass_its_cap(ou
     with tarfile.open(tar) as t:
         names = set(t.getnames())
     assert tar.stat().st_size <= 2**17
-    assert "baseline/wandb/offline-run-20261126_000000-big/files/media/noise.bin" not in names
-    assert "baseline/wandb/offline-run-20261126_000000-big/run-big.wandb" in names  # only the largest went
+    assert not any("offline-run-20261126_000000-big" in n for n in names)  # the largest run, whole
     assert any(n.startswith(wandb_run(out).relative_to(out).as_posix()) for n in names) and "recipe.log" in names
     assert [line for line in said if "left out" in line] == [
-        "export: left out 1 W&B file(s) to keep recipe_files.tar.gz within 0.125 MiB: "
-        "baseline/wandb/offline-run-20261126_000000-big (300,000 bytes)"]
+        "export: left out 1 W&B run(s) to keep recipe_files.tar.gz within 0.125 MiB: "
+        f"baseline/wandb/offline-run-20261126_000000-big ({300_000 + len(record):,} bytes)"]
 
 
 def test_a_published_run_holds_no_machine_path_and_wandb_sync_still_takes_it(out, tmp_path, capsys, monkeypatch):
@@ -126,6 +126,12 @@ def test_a_published_run_holds_no_machine_path_and_wandb_sync_still_takes_it(out
     assert {r.WhichOneof("record_type") for r in changed} <= {"run", "environment", "summary", "output_raw"}
     config = {u.key: u.value_json for r in after if r.HasField("run") for u in r.run.config.update}
     assert config["run_dir"] == '"stages/64k"' and config["data"] == '{"cache_dir":"cache"}'
+    assert config["python"] == '"python3"' and config["source"] == '"https://example.org/docs/x"'  # any path; not URLs
+    hosts = [(r.environment.host, r.environment.username) for r in before if r.HasField("environment")]
+    assert hosts and hosts[0][0], hosts  # W&B named the machine (and, where it knows one, the user)...
+    assert all(not (r.environment.host or r.environment.username) for r in after if r.HasField("environment"))
+    data = next(run.glob("*.wandb")).read_bytes()
+    assert read_payloads(data[:-5]) == read_payloads(data)[:-1]  # a run cut off mid-write: read up to the cut
     assert b"checkpoint stages/64k/checkpoints/ckpt_00000004.pt" in (published / "files" / "output.log").read_bytes()
 
     p = subprocess.run([sys.executable, "-m", "wandb", "sync", "--dry-run", str(results / "wandb_offline")],

@@ -152,13 +152,14 @@ class CallFence:
     TORCH_NCCL_AVOID_RECORD_STREAMS says), and the caching allocator hands a freed block of such a tensor out again
     only after NCCL's stream has passed, on the GPU, the point where the host freed it. In a training step nothing
     makes the host wait until the loss is read, so it runs a whole backward ahead: every layer's messages and
-    accumulators were freed long before the GPU got there, and each layer's took fresh memory (20.9 GiB reserved for
+    accumulators were freed long before the GPU got there, and each layer's took fresh memory (21.0 GiB reserved for
     6.0 allocated per rank at 256K tokens on 2 × H100). As a call starts, the host waits until the GPU has finished
-    the call `lag` calls back: at most `lag` calls' buffers wait. With lag 1 (measured at 256K: 8.2 GiB reserved, the
-    step 0.8% slower) the GPU runs out of queued ring work while the host posts the next call's first kernel (~1 ms),
-    which only a long call hides; lag 2 (10.5 GiB reserved, no slower) keeps a whole call queued. Lag 0 waits at the
-    call's end for the call itself, so none of its buffers is left waiting while the host allocates the next
-    layer's (with lag 1 those were 2.25 GiB at 256K)."""
+    the call `lag` calls back: at most `lag` calls' buffers wait. With lag 1 the GPU runs out of queued ring work
+    while the host posts the next call's first kernel (~1 ms); lag 2 keeps a whole call queued. Measured at 256K
+    against main in the same job: lag 1 reserved 8.2 GiB for a step 0.5-0.6% slower, lag 2 10.5 GiB and no slower.
+    With lag 1 the buffers of the call in flight (2.25 GiB at 256K) still wait while the host allocates the next
+    layer's; lag 0 waits at a call's end for the call itself, so none of its buffers is left waiting. Long shards
+    take lag 0 (their calls take tens of ms, beside which the host's ~1 ms is small), short ones lag 2."""
 
     def __init__(self, new_event: Callable[[], object] = torch.cuda.Event):
         self.new_event = new_event  # an event on the current stream (a stand-in in tests)
@@ -330,20 +331,15 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     dk, dv = empty_in_layout_of(k, dtype), empty_in_layout_of(v, dtype)
     _block_backward(do, q, k, v, ids, ids, lse, delta, plan.local, sm_scale, dq, dk, dv)
     dq = dq.to(q.dtype)
-    if not homes:
-        if q.is_cuda:
-            FENCE.leave(lag)
-        return dq, dk.to(k.dtype), dv.to(v.dtype)
-    # dK = mine + the other ranks' (in k's dtype; both directions' summed in fp32 first, where a window has two):
-    # added into mine, in fp32 and cast in one pass where mine is fp32
-    homes = [home() for home in homes]
+    if homes:  # dK = mine + the other ranks' (in k's dtype; where a window has two, summed in fp32 first): added
+        # into mine (then cast in one pass where mine is fp32)
+        homes = [home() for home in homes]
+        theirs = homes[0] if len(homes) == 1 else homes[0].float().add_(homes[1])
+        theirs_k, theirs_v = unstack_kv(theirs)
+        dk, dv = dk.add_(theirs_k), dv.add_(theirs_v)
     if q.is_cuda:
         FENCE.leave(lag)
-    theirs = homes[0] if len(homes) == 1 else homes[0].float().add_(homes[1])
-    theirs_k, theirs_v = unstack_kv(theirs)
-    if dk.dtype == torch.float32:
-        return dq, dk.add_(theirs_k).to(k.dtype), dv.add_(theirs_v).to(v.dtype)
-    return dq, dk.add_(theirs_k), dv.add_(theirs_v)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 # An accumulator hop of at least this size is waited for at once instead of during the next block's dQ kernel: two

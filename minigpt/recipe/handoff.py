@@ -9,7 +9,7 @@ this recipe was planned for: at most 8 files of 16 MiB). An export is
                               Hydra records, the evaluations; and the W&B offline runs of the trainer and of
                               minigpt-eval --wandb (each wandb/offline-run-*/'s .wandb file and files/, not W&B's
                               logs/ and symlinks: minigpt/wandb_offline.py), as many as keep the tar within
-                              TAR_BYTES, the largest files left out first and named in one line
+                              TAR_BYTES, the largest runs left out first and named in one line
     weights.json, weights.NN  the newest checkpoint of the live run (state.live: the one model still to be trained
                               or read) as bf16 weights: the tensors' bytes, all high bytes (sign and exponent, which
                               compress well) then all low bytes, zlib, cut into parts of at most PART_BYTES; the
@@ -36,7 +36,7 @@ import sys
 import tarfile
 import zlib
 from dataclasses import asdict
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Callable
 
 import numpy as np
@@ -146,31 +146,33 @@ def _small_files(out: Path, dest: Path) -> tuple[list[Path], list[Path], list[st
 
 def write_files_tar(out: Path, dest: Path, files: list[Path], wandb_files: list[Path],
                     say: Callable[[str], None]) -> Path:
-    """recipe_files.tar.gz in `dest`: `files`, and as many of `wandb_files` as keep it within TAR_BYTES, the largest
-    left out first (said in one line)."""
-    kept, left = sorted(wandb_files, key=lambda p: p.stat().st_size), []
+    """recipe_files.tar.gz in `dest`: `files`, and as many whole W&B runs of `wandb_files` as keep it within
+    TAR_BYTES, the largest runs left out first (said in one line): a run without its .wandb file is no run."""
+    runs: dict[PurePath, list[Path]] = {}
+    for p in wandb_files:
+        runs.setdefault(run_folder(p.relative_to(out)), []).append(p)
+
+    def size(run: PurePath) -> int:
+        return sum(p.stat().st_size for p in runs[run])
+    kept, left = sorted(runs, key=size), []
 
     def tar(f) -> None:
         with tarfile.open(fileobj=f, mode="w:gz") as t:
-            for path in files + kept:
+            for path in files + [p for run in kept for p in runs[run]]:
                 t.add(path, arcname=str(path.relative_to(out)))
     while True:
         path = atomic_write(dest / FILES_TAR, tar)
         over = path.stat().st_size - TAR_BYTES
         if over <= 0 or not kept:
             break
-        while kept and over > 0:  # the largest out until what they add compressed covers the excess
+        while kept and over > 0:  # the largest runs out until what they add compressed covers the excess
             left.append(kept.pop())
-            over -= len(zlib.compress(left[-1].read_bytes(), 9))
+            over -= sum(len(zlib.compress(p.read_bytes(), 9)) for p in runs[left[-1]])
     if left:
-        by_run: dict[str, int] = {}
-        for p in left:
-            folder = str(run_folder(p.relative_to(out)))
-            by_run[folder] = by_run.get(folder, 0) + p.stat().st_size
-        say(f"export: left out {len(left)} W&B file(s) to keep {FILES_TAR} within {TAR_BYTES / 2**20:g} MiB: " +
-            ", ".join(f"{folder} ({n:,} bytes)" for folder, n in by_run.items()))
+        say(f"export: left out {len(left)} W&B run(s) to keep {FILES_TAR} within {TAR_BYTES / 2**20:g} MiB: " +
+            ", ".join(f"{run} ({size(run):,} bytes)" for run in left))
     if over > 0:
-        say(f"export: {FILES_TAR} is {path.stat().st_size / 2**20:.1f} MiB without W&B files, over the "
+        say(f"export: {FILES_TAR} is {path.stat().st_size / 2**20:.1f} MiB without W&B runs, over the "
             f"{TAR_BYTES / 2**20:g} MiB a file of the export should be")
     return path
 
