@@ -110,7 +110,8 @@ def test_a_recomputed_blocks_k_and_v_travel_the_ring_without_a_copy(tiny_config)
 
 def test_the_call_fence_waits_for_the_call_lag_calls_back():
     """The host waits, as a ring call starts, for the end of the call `lag` calls back (the memory NCCL pinned
-    is reused only once the GPU is past it); long shards wait for the previous call, short ones for the one before."""
+    is reused only once the GPU is past it), and with lag 0 for the call itself as it ends; long shards take lag 0,
+    short ones 2."""
     from minigpt.distributed.ring_attention import SERIAL_HOP_BYTES, CallFence, fence_lag
 
     log = []
@@ -127,17 +128,24 @@ def test_the_call_fence_waits_for_the_call_lag_calls_back():
         def synchronize(self):
             log.append(("host waits for", self.call))
 
+    def waits():
+        return [call for what, call in log if what == "host waits for"]
+
     fence = CallFence(Event)
-    for _ in range(4):
+    for _ in range(4):  # calls 0-3, lag 2: call 2 waits for call 0, call 3 for call 1
         fence.enter(2)
-        fence.leave()
-    assert [e for e in log if e[0] == "host waits for"] == [("host waits for", 0), ("host waits for", 1)]
-    log.clear()
-    fence.enter(1)  # a long shard: calls 2 and 3 both done before it starts
-    assert log == [("host waits for", 2), ("host waits for", 3)]
-    fence.enter(1)  # nothing left in flight: no wait
-    assert log == [("host waits for", 2), ("host waits for", 3)]
+        fence.leave(2)
+    assert waits() == [0, 1]
+    fence.enter(1)  # lag 1: calls 2 and 3 both done before it starts
+    assert waits() == [0, 1, 2, 3]
+    fence.leave(1)
+    fence.enter(0)  # lag 0 after a lag-1 call: that call (4) done first
+    assert waits() == [0, 1, 2, 3, 4]
+    fence.leave(0)  # and lag 0 waits for its own end (call 5)
+    assert waits() == [0, 1, 2, 3, 4, 5] and log[-2:] == [("end of call", 5), ("host waits for", 5)]
+    fence.enter(2)  # nothing left in flight: no wait
+    assert waits() == [0, 1, 2, 3, 4, 5]
     channels = 768  # a K/V message is 2 · N · channels bf16 values
     long_n = -(-SERIAL_HOP_BYTES // (2 * channels * 2))  # the shortest long shard
-    assert fence_lag(torch.empty(1, 1, long_n, channels, dtype=torch.bfloat16)) == 1
+    assert fence_lag(torch.empty(1, 1, long_n, channels, dtype=torch.bfloat16)) == 0
     assert fence_lag(torch.empty(1, 1, long_n - 1, channels, dtype=torch.bfloat16)) == 2

@@ -34,9 +34,9 @@ def documents(kind: str | None, B: int, N: int) -> torch.Tensor | None:
 def inputs(case: dict) -> dict:
     """The whole sequence's q (B, N, Hq, D), k, v (B, N, Hkv, D), dO and document ids, the same on every rank."""
     g = torch.Generator().manual_seed(case.get("seed", 0))
-    B, N, Hq, Hkv, D = case["B"], case["N"], case["Hq"], case["Hkv"], 16
-    return {"q": torch.randn(B, N, Hq, D, generator=g), "k": torch.randn(B, N, Hkv, D, generator=g),
-            "v": torch.randn(B, N, Hkv, D, generator=g), "do": torch.randn(B, N, Hq, D, generator=g),
+    B, N, Hq, Hkv, D, dtype = case["B"], case["N"], case["Hq"], case["Hkv"], 16, case.get("dtype", torch.float32)
+    shapes = {"q": (B, N, Hq, D), "k": (B, N, Hkv, D), "v": (B, N, Hkv, D), "do": (B, N, Hq, D)}
+    return {**{name: torch.randn(*shape, generator=g).to(dtype) for name, shape in shapes.items()},
             "ids": documents(case.get("docs"), B, N)}
 
 
@@ -46,9 +46,14 @@ def _worker(rank, cases, out):
 
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    sends = []
+    sends, dtypes = [], []
     send = Ring.send
-    Ring.send = lambda self, tensors, shift: sends.append(shift) or send(self, tensors, shift)  # count the hops
+
+    def counted(self, tensors, shift):  # count the hops and note what they carry
+        sends.append(shift)
+        dtypes.append([t.dtype for t in tensors if t is not None])
+        return send(self, tensors, shift)
+    Ring.send = counted
     results = []
     for case in cases:
         x = inputs(case)
@@ -57,12 +62,13 @@ def _worker(rank, cases, out):
         backend = RingFlashAttention(None)
         heads = [t.transpose(1, 2) for t in shard]  # (B, H, N_local, D) views, as the model calls it
         sends.clear()
+        dtypes.clear()
         with count_tiles() as tiles:
             o = backend(*heads, window=case.get("window"), document_ids=ids)
             forward_sends = len(sends)
             o.transpose(1, 2).backward(zigzag_shard(x["do"], world, rank, dim=1))
         got = {"o": o.transpose(1, 2).detach(), "dq": shard[0].grad, "dk": shard[1].grad, "dv": shard[2].grad,
-               "sends": (forward_sends, len(sends) - forward_sends),
+               "sends": (forward_sends, len(sends) - forward_sends), "backward_dtypes": dtypes[forward_sends:],
                "tiles": [(kind, int(counts.sum())) for kind, counts, _ in tiles]}
         if case.get("kept"):  # kept attention: the forward with its LSE, then the saved forward made differentiable
             kept = [t.detach().clone().requires_grad_() for t in shard]
@@ -202,3 +208,30 @@ def test_the_cli_under_torchrun_refuses_a_ring_without_flash(tmp_path):
     assert errors == ["error: attention=sdpa: context parallelism (parallel.context=2) needs attention=flash "
                       "(ring attention over our kernel)"]
     assert "exitcode  : 2" in done.stderr and done.returncode != 0 and not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.parametrize("world,case", [(2, dict(B=1, N=46, Hq=4, Hkv=2)),  # one hop: straight home
+                                        (4, dict(B=1, N=60, Hq=2, Hkv=2)),  # two hops on, then home
+                                        (4, dict(B=1, N=60, Hq=2, Hkv=1, window=11))])  # homes from both sides
+def test_accumulators_go_home_in_half_precision_and_stay_as_close_as_one_process(world, case, tmp_path):
+    """In fp16 the dK/dV accumulators travel in fp32 and make their last hop home in k's dtype; the ring's results
+    stay as close to the float64 reference as one process's fp16 kernel (within 1.5x its error)."""
+    case = dict(case, dtype=torch.float16)
+    ranks = run_ring(world, [case], tmp_path)[0]
+    ref, one = references(case)
+    for name in ("o", "dq", "dk", "dv"):
+        ring = zigzag_unshard([r[name] for r in ranks], dim=1, n=case["N"])
+        assert rel_err(ring, ref[name]) <= 1.5 * rel_err(one[name], ref[name]), \
+            (name, rel_err(ring, ref[name]), rel_err(one[name], ref[name]))
+    # the backward's sends: the K/V messages (fp16), the accumulators' hops on to the next holder (fp32: a block
+    # travelling d ranks one way hops on d - 1 times) and home (fp16; the last send is one)
+    from minigpt.distributed.ring_plan import ring_schedule
+    from minigpt.distributed.sharding import padded_len
+
+    schedule = ring_schedule(world, padded_len(case["N"], world) // (2 * world), case.get("window"))
+    onward_hops = sum(max(depth - 1, 0) for depth in (schedule.forward, schedule.backward))
+    for r in ranks:
+        sends = r["backward_dtypes"]
+        assert sends[-1] == [torch.float16], sends
+        assert sum(m == [torch.float32] for m in sends) == onward_hops, sends
+        assert all(m in ([torch.float16], [torch.float32]) for m in sends), sends

@@ -33,8 +33,9 @@ buffer (with GQA the kernel sums a K/V head's group of query heads itself). One 
 fused five-matmul Gluon kernel takes it (sm_90, no mask on the launch: the full off-diagonal blocks and the causal
 local block of dense attention), else the Triton dQ and dK/dV kernels run (launch.launch_backward_block). dQ stays
 local; each block's dK/dV accumulator (fp32, Hkv heads) starts at the first other rank that holds the block,
-travels with it and, after the block's last hop, goes straight back to the block's owner, which adds its own share,
-computed last, while that hop is under way.
+travels with it and, after the block's last hop, goes straight back to the block's owner in k's dtype (half the
+bytes, and no fp32 buffer of k's size waiting for it), which adds its own share, computed last, while that hop is
+under way.
 
 Communication is `torch.distributed.batch_isend_irecv` on the context-parallel group, posted before the
 step's compute so the transfer overlaps it. Every rank issues the same sends and receives in the same
@@ -155,29 +156,38 @@ class CallFence:
     6.0 allocated per rank at 256K tokens on 2 × H100). As a call starts, the host waits until the GPU has finished
     the call `lag` calls back: at most `lag` calls' buffers wait. With lag 1 the GPU runs out of queued ring work
     while the host posts the next call's first kernel (~1 ms); lag 2 keeps a whole call queued. Measured at 256K
-    against main in the same job: lag 1 reserved 8.2 GiB for a step 0.5-0.6% slower, lag 2 10.5 GiB and no slower;
-    long shards take lag 1 (2.3 GiB for half a percent), short ones, where that ms weighs more, lag 2."""
+    against main in the same job: lag 1 reserved 8.2 GiB for a step 0.5-0.6% slower, lag 2 10.5 GiB and no slower.
+    With lag 1 the buffers of the call in flight (2.25 GiB at 256K) still wait while the host allocates the next
+    layer's; lag 0 waits at a call's end for the call itself, so none of its buffers is left waiting (with the home
+    hop in k's dtype: 6.1 GiB reserved for 5.9 allocated at 256K, the step 0.8% faster than lag 1's). Long shards
+    take lag 0 (their calls take tens of ms, beside which the host's ~1 ms is small), short ones lag 2."""
 
     def __init__(self, new_event: Callable[[], object] = torch.cuda.Event):
         self.new_event = new_event  # an event on the current stream (a stand-in in tests)
         self.ends: deque = deque()  # events after the last calls' work, oldest first
 
     def enter(self, lag: int) -> None:
-        """A call starts: wait until the GPU has finished the call `lag` calls back."""
-        while len(self.ends) >= lag:
-            self.ends.popleft().synchronize()
+        """A call starts: wait until the GPU has finished the call `lag` calls back (lag 0: nothing is in flight)."""
+        self._wait_until_in_flight(max(lag - 1, 0))
 
-    def leave(self) -> None:
-        """A call has been issued (its last waits on NCCL's stream included): mark its end on the current stream."""
+    def leave(self, lag: int) -> None:
+        """A call has been issued (its last waits on NCCL's stream included): mark its end on the current stream;
+        with lag 0, wait for it, so that the buffers it frees are reusable as soon as the host goes on."""
         end = self.new_event()
         end.record()
         self.ends.append(end)
+        if lag == 0:
+            self._wait_until_in_flight(0)
+
+    def _wait_until_in_flight(self, calls: int) -> None:
+        while len(self.ends) > calls:
+            self.ends.popleft().synchronize()
 
 
 def fence_lag(k: Tensor) -> int:
-    """How many ring calls the host may run ahead: 1 for a long shard (a K/V message of SERIAL_HOP_BYTES or more,
-    whose call takes tens of ms), else 2."""
-    return 1 if 2 * k.numel() * k.element_size() >= SERIAL_HOP_BYTES else 2
+    """How many ring calls the host may run ahead: none for a long shard (a K/V message of SERIAL_HOP_BYTES or more:
+    the call takes tens of ms, beside which the host's ~1 ms to post the next work is small), else 2."""
+    return 0 if 2 * k.numel() * k.element_size() >= SERIAL_HOP_BYTES else 2
 
 
 FENCE = CallFence()  # this process's ring calls on CUDA (one GPU per process)
@@ -239,7 +249,8 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | Non
     from minigpt_kernels.launch import empty_in_layout_of
 
     if q.is_cuda:
-        FENCE.enter(fence_lag(k))
+        lag = fence_lag(k)
+        FENCE.enter(lag)
     plan = _Plan(group, q.shape[2], window)
     ids = None if document_ids is None else document_ids.contiguous()
     local = (stack_kv(k, v), ids) if plan.steps else None  # the local block as it travels (if it does)
@@ -259,7 +270,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | Non
         kv, k_ids = held[direction]
         _block_forward(q, *unstack_kv(kv), ids, k_ids, launches, sm_scale, o, lse)
     if q.is_cuda:
-        FENCE.leave()
+        FENCE.leave(lag)
     return o.to(q.dtype), lse
 
 
@@ -270,12 +281,13 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
 
     Each other rank's block is processed as it arrives, in one launch per plan launch that adds its dQ into the
     local fp32 dq and its dK/dV into the block's accumulator, which then travels on with the block, or home after the
-    block's last hop. The local block comes last: its launches run while the accumulators of the other ranks' dK/dV
-    for it make their last hop home (the larger transfer: fp32), so that hop does not wait alone."""
+    block's last hop (in k's dtype). The local block comes last: its launches run while the accumulators of the other
+    ranks' dK/dV for it make their last hop home (the larger transfer), so that hop does not wait alone."""
     from minigpt_kernels.launch import empty_in_layout_of, launch_backward_delta
 
     if q.is_cuda:
-        FENCE.enter(fence_lag(k))
+        lag = fence_lag(k)
+        FENCE.enter(lag)
     plan = _Plan(group, q.shape[2], window)
     ids = None if document_ids is None else document_ids.contiguous()
     local = (stack_kv(k, v), ids) if plan.steps else None
@@ -298,13 +310,17 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
         # the first rank after a block's owner starts its accumulator: fp32 zeros laid out as kv
         dkv = (arriving[direction] or _ready(torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)))()
         _block_backward(do, q, *unstack_kv(kv), ids, k_ids, lse, delta, launches, sm_scale, dq, *unstack_kv(dkv))
-        # hand the accumulator on with its block; after the block's last hop, straight home to its owner
+        # hand the accumulator on with its block (fp32: the next holders add into it); after the block's last hop,
+        # straight home to its owner in k's dtype: half the bytes to send and to land, and the fp32 accumulator,
+        # never handed to NCCL, is free at once (the owner's sum is rounded to k's dtype in any case)
         last = depth == plan.depth(direction)
-        wait = plan.ring.send((dkv,), -direction * depth if last else direction)
-        arriving[direction] = lambda wait=wait: wait()[0]
-        if dkv.numel() * dkv.element_size() >= SERIAL_HOP_BYTES:
-            arriving[direction] = _ready(arriving[direction]())  # a long shard: wait now, one accumulator in flight
+        hop = dkv.to(kv.dtype) if last else dkv
         del dkv
+        wait = plan.ring.send((hop,), -direction * depth if last else direction)
+        arriving[direction] = lambda wait=wait: wait()[0]
+        if hop.numel() * hop.element_size() >= SERIAL_HOP_BYTES:
+            arriving[direction] = _ready(arriving[direction]())  # a long shard: wait now, one accumulator in flight
+        del hop
     held.clear()  # the blocks of other ranks are done with: free them before the local block's launches
     kv = k_ids = None
     homes = [arriving[d] for d in (1, -1) if arriving[d] is not None]
@@ -316,20 +332,20 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     dk, dv = empty_in_layout_of(k, dtype), empty_in_layout_of(v, dtype)
     _block_backward(do, q, k, v, ids, ids, lse, delta, plan.local, sm_scale, dq, dk, dv)
     dq = dq.to(q.dtype)
-    if homes:  # dK = mine + the other ranks' (fp32): added into mine (then cast in one pass where mine is fp32)
+    if homes:  # dK = mine + the other ranks' (in k's dtype; where a window has two, summed in fp32 first): added
+        # into mine (then cast in one pass where mine is fp32)
         homes = [home() for home in homes]
-        for home in homes[:-1]:
-            homes[-1] += home
-        theirs_k, theirs_v = unstack_kv(homes[-1])
+        theirs = homes[0] if len(homes) == 1 else homes[0].float().add_(homes[1])
+        theirs_k, theirs_v = unstack_kv(theirs)
         dk, dv = dk.add_(theirs_k), dv.add_(theirs_v)
     if q.is_cuda:
-        FENCE.leave()
+        FENCE.leave(lag)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 # An accumulator hop of at least this size is waited for at once instead of during the next block's dQ kernel: two
-# fp32 (dK, dV) accumulators in flight take 12 KB per local token (for 768 channels), and at such sizes the hop
-# (~4 ms per GiB over NVLink) is small beside a block's compute.
+# fp32 (dK, dV) accumulators in flight take 12 KB per local token (for 768 channels; 6 KB going home in bf16), and at
+# such sizes the hop (~4 ms per GiB over NVLink) is small beside a block's compute.
 SERIAL_HOP_BYTES = 256 << 20
 
 
