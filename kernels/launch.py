@@ -215,7 +215,8 @@ def _mask_args(q: Tensor, k: Tensor, causal: bool, window: int | None, q_doc_ids
 
 
 def _masked(q: Tensor, k: Tensor, causal: bool, window, q_doc_ids, q_offset, k_offset) -> bool:
-    """Whether a launch needs the Triton kernels' masks or GQA (the Gluon and dS paths take neither)."""
+    """Whether a launch has masks or GQA: then only the Triton kernels take it, or on sm_90 the masked Gluon forward
+    and five-matmul backward where gluon_masks_ready says so (the dense Gluon and dS paths take neither)."""
     shift = (q_offset or 0) - (k_offset or 0)
     return (q.shape[1] != k.shape[1] or window is not None or q_doc_ids is not None
             or (causal and (shift != 0 or q.shape[2] != k.shape[2])))

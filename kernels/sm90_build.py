@@ -52,7 +52,8 @@ def table_variants() -> list[Variant]:
     and gluon/backward.py derive them from a TileConfig), plus fp16 where the forward has three consumers (the
     hand-packed P of NOTES.md Z)."""
     out = []
-    for kind, d, cfg, masks in ((e.kernel, e.head_dims[0], e.tiles, e.masks) for e in TABLE if e.tiles.specialized):
+    for kind, d, cfg, masks in ((e.kernel, d, e.tiles, e.masks) for e in TABLE if e.tiles.specialized
+                                for d in e.head_dims):
         mode = "persistent" if cfg.persistent else "plain"
         if kind == "fwd":
             consumers = cfg.block_m // 64
@@ -61,12 +62,13 @@ def table_variants() -> list[Variant]:
                      SKIP=cfg.persistent and fwd.consumers_can_stop_early(consumers, cfg.block_n),
                      PERSISTENT=cfg.persistent, GQA=False, WINDOWED=False, DOCS=False)
             kernel = fwd.pingpong_fwd_kernel  # one kernel; plain and persistent differ in their work lists
+            if masks:  # the masked launch (launch_forward_masked): a plain grid, GQA, windows and documents
+                masked = dict(c, SKIP=False, PERSISTENT=False, GQA=True, WINDOWED=True, DOCS=True)
+                out.append(Variant(f"fwd masked D{d} C{consumers}", kernel, masked))
+                continue
             out.append(Variant(f"fwd {mode} D{d} C{consumers}", kernel, c))
             if consumers == 3:
                 out.append(Variant(f"fwd {mode} D{d} C{consumers} fp16", kernel, c, "fp16"))
-            if not cfg.persistent or d == 128:  # the masked launch: a plain grid, GQA, windows and documents
-                masked = dict(c, SKIP=False, PERSISTENT=False, GQA=True, WINDOWED=True, DOCS=True)
-                out.append(Variant(f"fwd masked D{d} C{consumers}", kernel, masked))
         elif kind == "dkdvdq":
             c = dict(HEAD_DIM=d, BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, PRODUCER_REGS=common.PRODUCER_REGS,
                      REDUCER_REGS=bwd.REDUCER_REGS,
@@ -82,7 +84,7 @@ def table_variants() -> list[Variant]:
             c = dict(HEAD_DIM=d, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, PRODUCER_REGS=common.PRODUCER_REGS,
                      CONSUMER_REGS=common.CONSUMER_REGS[bwd.CONSUMERS.value])
             out.append(Variant(f"dq D{d}", bwd.dq_kernel, c))
-    return out
+    return list({v.name: v for v in out}.values())  # a row over several head_dims may repeat another's variant
 
 
 def signature(kernel: Any, constexprs: dict[str, Any], dtype: str) -> dict[str, str]:

@@ -190,8 +190,9 @@ class SdpaAttention(AttentionBackend):
         except RuntimeError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             what = " and ".join(name for name, used in (("GQA", gqa), ("a mask", masks)) if used)
+            what = f" with {what}" if what else ""
             return (f"PyTorch cannot run its {self.sdpa_backend} kernel on {device.type} with {str(dtype)[6:]} at "
-                    f"head_dim {head_dim}{' with ' + what if what else ''} ({first[:120]}); use attention.sdpa_backend=auto or another of "
+                    f"head_dim {head_dim}{what} ({first[:120]}); use attention.sdpa_backend=auto or another of "
                     f"{', '.join(SDPA_KERNELS)}")
         return None
 

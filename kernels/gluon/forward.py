@@ -27,7 +27,10 @@ while the consumers finish. Shorter sequences, many tiles of little work each, g
 the Triton forward at head_dim 64, 27% at 128).
 
 Scope: causal, fp16/bf16, head_dim 64 or 128, one length for queries and keys, TMA-aligned inputs, contiguous LSE,
-sm_90 (wgmma). dispatch.py picks them by sequence length; launch.py falls back to the Triton forward otherwise.
+sm_90 (wgmma). With WINDOWED / DOCS / GQA (launch_forward_masked, a plain grid) it also takes a sliding window,
+document ids and fewer K/V heads than query heads: each query tile visits only the key tiles its rows see, and only
+the tiles some row cannot fully see get the elementwise mask. dispatch.py picks the variants by sequence length (and
+masks); launch.py falls back to the Triton forward otherwise.
 """
 from __future__ import annotations
 
@@ -52,8 +55,9 @@ def _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale, mask, WINDO
                     DOCS: gl.constexpr):
     """Fold one tile of scores into the running row max m and row sum l (base 2). Returns (p, α, m_new, l_new):
     p = exp2(s·scale − m_new) are the tile's unnormalized probabilities, α = exp2(m_old − m_new) rescales what was
-    accumulated under the old max. `mask` = (window, the rows' document ids, the sequence's ids, its documents' starts,
-    their ends, N) where WINDOWED or DOCS; a masked tile may then leave a row with no key seen yet (its max stays −inf)."""
+    accumulated under the old max. `mask` = (window, the rows' document ids, the sequence's ids, its documents'
+    starts, their ends, N) where WINDOWED or DOCS; a masked tile may then leave a row with no key seen yet (its max
+    stays −inf)."""
     if masked:  # keys after the row (and so keys past the end), out of the window or of the row's document: p = 0
         keys = key0 + cols
         visible = gl.expand_dims(rows, 1) >= gl.expand_dims(keys, 0)
@@ -379,9 +383,9 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
                         DOCS: gl.constexpr):
     """Program p computes items WORK[WORK_START[p] : WORK_START[p+1]] (item = bh · n_qtiles + query tile): causal
     attention of one tile of 64·NUM_CONSUMERS query rows of one (batch, head) each. H: query heads; GQA: K/V head
-    h // group. WINDOWED: keys i − window < j; DOCS: keys of the row's document, IDS (B, N) non-decreasing int32
-    rows stride_ids apart, DOC_STARTS and DOC_ENDS (B, N) contiguous int32: where each token's document starts and
-    ends (exclusive), found before the launch. Without them the last six are unused."""
+    h // group. WINDOWED: keys i − window < j; DOCS: keys of the row's document, IDS (B, N) non-decreasing
+    int32/int64 rows stride_ids apart, DOC_STARTS and DOC_ENDS (B, N) contiguous int32: where each token's document
+    starts and ends (exclusive), found before the launch. Without them the last six are unused."""
     dtype: gl.constexpr = Q.dtype.element_ty
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS_PER_CONSUMER, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -403,7 +407,8 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=NUM_CONSUMERS)
     fence_async_shared()
-    mask = (window, 0, IDS, DOC_STARTS, DOC_ENDS, N)  # the rows' own document ids (the 0) are filled in per item by the consumers
+    # the rows' own document ids (the 0) are filled in per item by the consumers
+    mask = (window, 0, IDS, DOC_STARTS, DOC_ENDS, N)
 
     shared = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
               O, LSE, H, stride_ob, stride_oh, stride_on, N, qk_scale, WORK, WORK_START, n_qtiles, mask, stride_ids)
@@ -487,8 +492,8 @@ def launch_forward_persistent(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
 def launch_forward_masked(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float, consumers: int,
                           block_n: int, stages: int, window: int | None, document_ids: Tensor | None) -> None:
     """launch_forward_pingpong's contract with GQA (k, v with H / group heads) and the masks: `window` (keys
-    i − window < j) and `document_ids` ((B, N) int32, non-decreasing, rows with a contiguous last dimension; keys of
-    the row's document), as a plain grid (the key tiles per query tile depend on the ids, so no work list is
+    i − window < j) and `document_ids` ((B, N) int32/int64, non-decreasing, rows with a contiguous last dimension;
+    keys of the row's document), as a plain grid (the key tiles per query tile depend on the ids, so no work list is
     balanced on the host). Each query tile visits only the key tiles its rows see, found on the device (each
     token's document bounds by torch.searchsorted, then four loads per item)."""
     B, H, N, _ = q.shape

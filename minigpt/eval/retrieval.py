@@ -1,11 +1,11 @@
 """Passkey retrieval over a grid of context lengths × key depths: the measure of whether a model uses its context.
 
-A cell (length L, depth d) holds `keys_per_cell` passkey sequences of
-L tokens, each with its own key, the needle at depth d: the fraction of the filler before it (0 = first thing in
-the context, after the start token of a haystack in a tokenizer's tokens; 1 = just before the question), to the
-nearest token. Keys are a pure function of (seed, L, d, index), so two checkpoints are scored on the same keys. The model reads the text up to and including the question's
-"The pass key is " and decodes the KEY_DIGITS digits greedily (argmax, each fed back); a cell's accuracy is the
-share of keys it reproduces exactly, its digit accuracy the share of digits right in place.
+A cell (length L, depth d) holds `keys_per_cell` passkey sequences of L tokens, each with its own key, the needle at
+depth d: the fraction of the filler before it (0 = first thing in the context, after the start token of a haystack
+in a tokenizer's tokens; 1 = just before the question), to the nearest token. Keys are a pure function of (seed, L,
+d, index), so two checkpoints are scored on the same keys. The model reads the text up to and including the
+question's "The pass key is " and decodes the KEY_DIGITS digits greedily (argmax, each fed back); a cell's accuracy
+is the share of keys it reproduces exactly, its digit accuracy the share of digits right in place.
 
 Decoding writes into a fixed (B, L) buffer: the prompt, then KEY_DIGITS slots. Step i reads the logits at the
 position before slot i and writes their argmax into it. Attention is causal, so the slots not yet written cannot

@@ -28,6 +28,7 @@ from pathlib import Path
 from minigpt.config import ConfigError
 from minigpt.data import DataError
 from minigpt.eval.passkey_grid import length_label
+from minigpt.files import WriteError
 from minigpt.recipe.handoff import export, import_handoff
 from minigpt.recipe.plan import FULL, TINY, Evaluation, Item, Plan, Prepare, Train, build_plan, shown
 from minigpt.recipe.runner import CommandFailed, Invocation, check_budget
@@ -144,14 +145,16 @@ def main(argv: list[str] | None = None) -> int:
             print("--dry-run: --import and --export are left out (nothing is read or written)")
         print(describe(plan, existing or RecipeState(plan.fingerprint()), machine, budget_s))
         return 0
-    return run(plan, args.import_dir, args.export, machine, budget_s)
+    return run(plan, args.import_dir, args.export, machine, budget_s, exiting=True)
 
 
-def run(plan: Plan, import_dir: Path | None, export_dir: Path | None, machine: str, budget_s: float) -> int:
-    """One invocation: import, the segment, export; returns the exit code (module docstring)."""
+def run(plan: Plan, import_dir: Path | None, export_dir: Path | None, machine: str, budget_s: float,
+        exiting: bool = False) -> int:
+    """One invocation: import, the segment, export; returns the exit code (module docstring). exiting: the command's
+    outermost context (signals.StopSignals), as main passes it; the Python API leaves the handlers as it found them."""
     began = time.monotonic()
     code, ended, line = 0, "failed", ""
-    with StopSignals() as stop:
+    with StopSignals(exiting=exiting) as stop:
         try:
             plan.out.mkdir(parents=True, exist_ok=True)
             if import_dir is not None:
@@ -181,7 +184,7 @@ def run(plan: Plan, import_dir: Path | None, export_dir: Path | None, machine: s
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return ExitCode.BAD_SETTING
-        except (RecipeError, DataError, OSError) as e:
+        except (RecipeError, DataError, OSError, WriteError) as e:  # WriteError: a full disk, said in one line
             print(f"error: {e}", file=sys.stderr)
             return 1
     print(closing_line(plan, state, machine, budget_s, ended, line, time.monotonic() - began),

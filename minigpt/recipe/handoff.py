@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import sys
 import tarfile
 import zlib
@@ -138,9 +137,11 @@ def _small_files(out: Path, dest: Path) -> tuple[list[Path], list[str]]:
 def export(out: Path, dest: Path, state: RecipeState, plan: Plan, say: Callable[[str], None] = print) -> list[Path]:
     """Write the export of `out` into `dest` (module docstring); returns the files written."""
     dest.mkdir(parents=True, exist_ok=True)
-    for old in [*dest.glob("weights.*"), dest / FILES_TAR]:
+    # the state goes last, atomically: it is what an import reads first, so an export cut short leaves the old
+    # state (or none) beside the new files, never a newer state without its files
+    for old in [dest / STATE_FILE, *dest.glob("weights.*"), dest / FILES_TAR]:
         old.unlink(missing_ok=True)
-    written = [Path(shutil.copyfile(out / STATE_FILE, dest / STATE_FILE))]
+    written: list[Path] = []
     files, large = _small_files(out, dest)
 
     def tar(f) -> None:
@@ -153,6 +154,8 @@ def export(out: Path, dest: Path, state: RecipeState, plan: Plan, say: Callable[
     live = state.live(plan)
     if live is not None:
         written += export_weights(out, live, dest)
+    written.append(atomic_write_text(dest / STATE_FILE, (out / STATE_FILE).read_text()))
+    if live is not None:
         say(f"export: {dest} holds the recipe's files and {live.name}'s weights at step "
             f"{json.loads((dest / WEIGHTS).read_text())['step']} ({len(written)} files, "
             f"{sum(p.stat().st_size for p in written) / 2**20:.1f} MiB)")
@@ -206,9 +209,14 @@ def import_handoff(src: Path, out: Path, plan: Plan, say: Callable[[str], None] 
     with tarfile.open(src / FILES_TAR) as t:
         unpack(t, out)
     if (src / WEIGHTS).is_file():
-        manifest = json.loads((src / WEIGHTS).read_text())
-        path = rebuild_checkpoint(src, manifest, out / manifest["folder"] / "checkpoints")
-        theirs.runs[manifest["run"]] = int(manifest["step"])
+        try:
+            manifest = json.loads((src / WEIGHTS).read_text())
+            run, step = plan.run(manifest["run"]), int(manifest["step"])  # its folder from the plan, not the file
+        except (ValueError, KeyError, TypeError) as e:
+            raise RecipeError(f"--import {src}: {WEIGHTS} is damaged or of another plan ({type(e).__name__}: {e}); "
+                              f"export again") from e
+        path = rebuild_checkpoint(src, manifest, out / run.folder / "checkpoints")
+        theirs.runs[run.name] = step
         say(f"--import {src}: {manifest['run']} continues from {path} (step {manifest['step']}; bf16 weights, "
             f"fresh optimizer moments)")
     atomic_write_text(out / STATE_FILE, json.dumps(asdict(theirs), indent=1) + "\n")

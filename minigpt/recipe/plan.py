@@ -87,7 +87,7 @@ FULL = Variant(
     # the corpus guarantees 20 held-out documents of >= 256 KiB, 64K tokens only at <= 4 bytes a token
     min_docs=10)
 
-# The same recipe at 1/64 of the lengths and 1/64 of the tokens per step, a 0.5M-parameter model on the quickstart
+# The same recipe at 1/16 to 1/64 of the lengths and 1/64 of the tokens per step, a 0.5M-parameter model on the quickstart
 # corpus: every run, resume, extension, evaluation and file of the real one, on a CPU in a minute or two.
 TINY = Variant(
     name="tiny", out="runs/long_context_tiny", hardware="a CPU",
@@ -176,7 +176,11 @@ class Plan:
     evaluations: list[Evaluation] = field(default_factory=list)
 
     def run(self, name: str) -> Run:
-        return next(r for r in self.runs if r.name == name)
+        """The run of this name; KeyError if the plan has none."""
+        for r in self.runs:
+            if r.name == name:
+                return r
+        raise KeyError(f"no run {name!r} in this plan")
 
     @property
     def tokenizer(self) -> Path:
