@@ -6,13 +6,14 @@
 "dkdv": ring attention's). The answer depends on the call only through its arguments (no device is queried here), so
 tests pin it on a CPU (tests/test_dispatch.py). The table's rows are tried in order, first match wins:
 
-    interpreter  >  fp32  >  masks or GQA  >  non-causal  >  sm_90 warp-specialized (Gluon)  >  causal by length  >
-    every length
+    interpreter  >  fp32  >  sm_90 non-causal forward (Gluon)  >  masks or GQA  >  non-causal  >
+    sm_90 warp-specialized (Gluon)  >  causal by length  >  every length
 
 Calls with masks (a sliding window, document ids, blocks at offsets) or GQA (`masked=True`) take the rows marked
 `masks`: on sm_90 the Gluon forward and five-matmul backward (rows `sm90-masks`) for a causal sequence against
 itself (launch.gluon_masks_ready; the backward not in deterministic mode), else the Triton kernels; no dense Gluon or
-dS-path row applies.
+dS-path row applies. The non-causal Gluon forward (rows `sm90-non-causal`: ring attention's blocks of other ranks,
+which continue a running (o, lse)) takes GQA too, not masks: launch.gluon_forward_ready says which calls fit it.
 
 Paths: the forward runs "triton" (triton_kernels.fwd_kernel) or "gluon" (gluon/forward.py, persistent where its tiles
 say so); the backward "triton" (the seven-matmul backward: dQ kernel, then dK/dV kernel; its dQ kernel is the Gluon
@@ -64,9 +65,10 @@ class TileConfig:
 class Entry:
     """One row of the table: `kernel` ("fwd", "dq", "dkdv", "dkdvdq": the five-matmul backward, "via_ds": the dQ
     kernel of the dS path) at these head_dims runs `tiles` where `when` holds and the length is within `lengths`.
-    when: "interpreter" (Triton's CPU interpreter), "fp32", "non-causal" (2-byte), "sm90" (causal 2-byte on sm_90,
-    with inputs that fit the Gluon kernels; via_ds: any CUDA inputs), "sm90-masks" (the same with masks or GQA that
-    the Gluon forward and five-matmul backward take), "causal" (2-byte), "any" (2-byte).
+    when: "interpreter" (Triton's CPU interpreter), "fp32", "sm90-non-causal" (non-causal 2-byte on sm_90 that the
+    Gluon forward takes, GQA included), "non-causal" (2-byte), "sm90" (causal 2-byte on sm_90, with inputs that fit
+    the Gluon kernels; via_ds: any CUDA inputs), "sm90-masks" (the same with masks or GQA that the Gluon forward and
+    five-matmul backward take), "causal" (2-byte), "any" (2-byte).
     why: the reason, naming its kernels/NOTES.md section. masks: the row applies only to calls with masks or GQA."""
     kernel: str
     head_dims: tuple[int, ...]
@@ -90,6 +92,8 @@ def _tc(*args, **kwargs) -> TileConfig:
 _GLUON = dict(tma=True, specialized=True)
 _NOTES = "NOTES.md 'Dispatch table timings'"
 _MASKS = f"masks/GQA: Triton only, the dense rows' tiles, not tuned ({_NOTES})"
+_RING = ("non-causal on the ping-pong forward, the causal rows' tiles: within 3.5% of the best of 2 or 3 consumers, "
+         "2 or 3 stages, plain or persistent on the ring's blocks (NOTES.md, 'Ring attention's launches timed alone')")
 # dQ needs block_m % block_n == 0, dK/dV block_n % block_m == 0; the forward takes either (powers of two).
 TABLE: tuple[Entry, ...] = (
     # Triton's CPU interpreter (tests): small tiles, several per test sequence, so diagonal, full and ragged tiles run
@@ -103,6 +107,12 @@ TABLE: tuple[Entry, ...] = (
     Entry("dkdv", (256,), "fp32", _tc(16, 32, 4, 1), f"shared memory at head_dim 256 ({_NOTES})"),
     Entry("dq", (16, 32, 64, 128), "fp32", _tc(64, 32, 4, 2, tma=True), f"half the tile area fits smem ({_NOTES})"),
     Entry("dq", (256,), "fp32", _tc(32, 16, 4, 1), f"shared memory at head_dim 256 ({_NOTES})"),
+    # sm_90, non-causal 2-byte inputs that fit the Gluon forward (launch.gluon_forward_ready; ring attention's blocks
+    # of other ranks, continued, and GQA without masks): the causal rows' tiles by the queries' length
+    Entry("fwd", (64,), "sm90-non-causal", _tc(128, 128, 4, 3, persistent=True, **_GLUON), _RING, (1024, 2047)),
+    Entry("fwd", (64,), "sm90-non-causal", _tc(192, 128, 4, 3, persistent=True, **_GLUON), _RING, (2048, 131071)),
+    Entry("fwd", (64,), "sm90-non-causal", _tc(192, 128, 4, 3, **_GLUON), _RING, (131072, None)),
+    Entry("fwd", (128,), "sm90-non-causal", _tc(128, 128, 4, 3, persistent=True, **_GLUON), _RING, (1024, None)),
     # masks (window, documents, offsets) or GQA, 2-byte inputs: on sm_90 the Gluon kernels for a causal sequence against
     # itself, else the Triton kernels, the dense rows' tiles without the dK/dV register cap (its per-group loop and id
     # loads need more), not tuned with masks yet
@@ -186,6 +196,7 @@ def _entry(kernel: str, head_dim: int, seq_len: int | None, dtype: torch.dtype, 
     two_byte = dtype in (torch.float16, torch.bfloat16)
     holds = {"interpreter": interpret,
              "fp32": not interpret and dtype == torch.float32,
+             "sm90-non-causal": not interpret and two_byte and not causal and capability == SM90 and gluon_inputs,
              "non-causal": not interpret and two_byte and not causal,
              "sm90": not interpret and two_byte and causal and capability == SM90 and not masked
              and (gluon_inputs or kernel == "via_ds"),
@@ -199,9 +210,10 @@ def _entry(kernel: str, head_dim: int, seq_len: int | None, dtype: torch.dtype, 
     return None
 
 
-def _first_gluon(kernel: str, head_dim: int) -> Entry | None:
-    """The table's first Gluon row for this kernel and head_dim (a forced path's tiles below the table's lengths)."""
-    return next((e for e in TABLE if e.kernel == kernel and head_dim in e.head_dims and e.when == "sm90"), None)
+def _first_gluon(kernel: str, head_dim: int, when: str = "sm90") -> Entry | None:
+    """The table's first Gluon row for this kernel, head_dim and condition (a forced path's tiles below the table's
+    lengths)."""
+    return next((e for e in TABLE if e.kernel == kernel and head_dim in e.head_dims and e.when == when), None)
 
 
 def plan(kernel: str, head_dim: int, seq_len: int | None, dtype: torch.dtype, causal: bool = True, *,
@@ -210,9 +222,10 @@ def plan(kernel: str, head_dim: int, seq_len: int | None, dtype: torch.dtype, ca
     """Which kernel runs this call, with which tiles.
 
     kernel: "fwd", "bwd", or one backward kernel alone, "dq" or "dkdv". seq_len: the queries' length (None: the
-    rows for every length only). capability: the GPU's (None: not a CUDA tensor). gluon_inputs: the tensors fit the
-    Gluon kernels (launch.gluon_inputs: CUDA, TMA-aligned, one length, a fresh result; the table adds sm_90, causal,
-    fp16/bf16). deterministic: no five-matmul backward. batch_heads: B·H (the dS path's buffer size).
+    rows for every length only). capability: the GPU's (None: not a CUDA tensor). gluon_inputs: the call fits the
+    Gluon kernels (the forward: launch.gluon_forward_ready; the backward: launch.specialized_ready, CUDA, TMA-aligned,
+    one length, causal, or gluon_masks_ready; the table adds sm_90, fp16/bf16 and, but for the forward, causal).
+    deterministic: no five-matmul backward. batch_heads: B·H (the dS path's buffer size).
     interpret: Triton's CPU interpreter (default: TRITON_INTERPRET=1). path: forces a path for "fwd" and "bwd"
     (default: $MINIGPT_FLASH_PATH; see PATHS). masked: the call has masks or GQA: the Gluon forward and (not
     deterministic) five-matmul backward where gluon_inputs says they take them (launch.gluon_masks_ready), else the
@@ -248,13 +261,13 @@ def _forward(head_dim, seq_len, dtype, causal, capability, gluon_inputs, interpr
     e = _entry("fwd", head_dim, seq_len, dtype, causal, capability, gluon_inputs and path in ("auto", "gluon"),
                interpret, masked)
     if path == "gluon" and not e.tiles.specialized:
-        if masked:
+        if masked and causal:
             raise _cannot(path, "the masked Gluon forward takes causal fp16/bf16 inputs at head_dim 64 or 128 on sm_90")
-        g = _first_gluon("fwd", head_dim)
+        g = _first_gluon("fwd", head_dim, "sm90" if causal else "sm90-non-causal")
         if g is None or _entry("fwd", head_dim, g.lengths[0], dtype, causal, capability, gluon_inputs,
-                               interpret) is not g:
-            raise _cannot(path, "the Gluon forward takes causal fp16/bf16 inputs at head_dim 64 or 128 that fit it "
-                                "(launch.specialized_ready), on sm_90")
+                               interpret, masked) is not g:
+            raise _cannot(path, "the Gluon forward takes fp16/bf16 inputs at head_dim 64 or 128 that fit it "
+                                "(launch.gluon_forward_ready), on sm_90")
         e = g
     return Plan("gluon" if e.tiles.specialized else "triton", e.tiles, why=e.why if path == "auto" else
                 f"{PATH_ENV}={path}")

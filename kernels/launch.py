@@ -1,6 +1,7 @@
 """The launchers: run the kernels of triton_kernels.py and gluon/ on tensors, with the plan dispatch.py gives (or the
 tiles a caller forces), and check what they are given. Public for ring attention (minigpt/ring_attention.py), which
-launches the forward and the backward's kernels one by one, into its own fp32 accumulators.
+launches the forward and the backward's kernels one by one, into its own fp32 accumulators, on plain grids
+(persistent=False: NCCL's kernels hold SMs beside them, which a persistent kernel's fixed work lists wait for).
 
     launch_forward                    (o, lse), fresh or continued over more keys (accumulate)
     launch_backward                   (dq, dk, dv): the path the plan names
@@ -8,6 +9,8 @@ launches the forward and the backward's kernels one by one, into its own fp32 ac
       launch_backward_via_ds            dS kept in memory, dQ = dS K from it
       launch_backward_dq / _dkdv        the seven-matmul backward's two kernels (ring attention: one at a time)
       launch_backward_delta             delta = rowsum(dO ∘ O), for launches one by one
+    launch_backward_block             one ring attention launch's dQ, dK, dV added into (or written to) its buffers:
+                                      the five-matmul Gluon kernel where gluon_block_ready says so, else the two above
 
 Masks and GQA (keyword-only, every launcher but the Gluon- and dS-only ones): k and v may have fewer heads than q
 (q_heads a multiple of kv_heads; query head h reads K/V head h // (q_heads // kv_heads), and dK/dV sum over the
@@ -19,11 +22,15 @@ and a causal launch may have Nq != Nk. A row that sees no key gets o = 0 and lse
 span of visible keys (or queries) on the device and skip the tiles outside it (triton_kernels.py, "Masks").
 Causal masked and GQA calls of a sequence against itself (gluon_masks_ready) take the Gluon forward and, unless
 deterministic, the five-matmul backward on sm_90 (dispatch.py's sm90-masks rows; MINIGPT_FLASH_PATH=triton keeps
-the Triton kernels).
+the Triton kernels). The forward's one test of what its Gluon kernel takes is gluon_forward_ready: besides those, on
+sm_90, dense calls (GQA at most) causal or not, with Nq != Nk where not causal, fresh or continued (`accumulate`),
+into an fp32 o or one in q's dtype: ring attention's launches without a window or documents. Masks with non-causal
+or continued calls run the Triton forward.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 
@@ -32,7 +39,7 @@ import triton
 from torch import Tensor
 
 from minigpt_kernels.device import INTERPRET, capability, strides3, tma_ready, tma_scratch
-from minigpt_kernels.dispatch import TileConfig, ds_head_elements, plan
+from minigpt_kernels.dispatch import PATH_ENV, TileConfig, ds_head_elements, plan
 from minigpt_kernels.triton_kernels import (
     LOG2E, bwd_delta_kernel, bwd_dkdv_kernel, bwd_dq_from_ds_kernel, bwd_dq_kernel, fwd_kernel)
 
@@ -84,6 +91,42 @@ def gluon_masks_ready(q: Tensor, k: Tensor, v: Tensor, causal: bool, q_doc_ids: 
                 and q.shape[1] % k.shape[1] == 0)
     return (not q_offset and not k_offset and same_ids and kv_heads
             and specialized_ready(q, q, q, causal, accumulate, out, also=(k, v, *also)))
+
+
+def gluon_forward_ready(q: Tensor, k: Tensor, v: Tensor, causal: bool, accumulate: bool = False,
+                        out: tuple[Tensor, Tensor] | None = None, *, window: int | None = None,
+                        q_doc_ids: Tensor | None = None, k_doc_ids: Tensor | None = None, q_offset: int | None = None,
+                        k_offset: int | None = None) -> bool:
+    """Whether the Gluon forward (gluon/forward.py) takes this launch_forward call; the Triton forward takes the rest.
+
+    Always: an sm_90 GPU with triton's Gluon API, q, k, v fp16/bf16 of one dtype with head_dim 64 or 128, TMA-aligned
+    and with contiguous last dimensions (specialized_ready's inputs), K/V heads dividing q's; out=(o, lse), if given,
+    with o in q's dtype or fp32 and lse rows a fixed distance apart (_row_stride), Nq apart for a causal fresh call
+    (those variants address a contiguous LSE). Then either
+    - no window, document ids or offsets that move the causal diagonal: causal (Nq == Nk) or not (any Nq, Nk >= 1),
+      fresh or continued (`accumulate`, o fp32); or
+    - a window or document ids (gluon_masks_ready): causal, fresh, a sequence against itself (no offsets, the same
+      ids for queries and keys).
+    Masks with non-causal or continued calls (ring attention's windowed and document launches) stay with Triton."""
+    B, H, n_q = q.shape[:3]
+    if out is None:
+        if accumulate:  # nothing to continue from (launch_forward raises)
+            return False
+    else:
+        o, lse = out
+        stride = _row_stride(lse) if lse.dim() == 3 else None
+        if (o.dtype not in (q.dtype, torch.float32) or (accumulate and o.dtype != torch.float32)
+                or o.stride(-1) != 1 or lse.dtype != torch.float32 or stride is None
+                or (causal and not accumulate and stride != n_q and B * H > 1)):
+            return False
+    shift = (q_offset or 0) - (k_offset or 0)
+    if window is not None or q_doc_ids is not None or k_doc_ids is not None or (
+            causal and (shift != 0 or n_q != k.shape[2])):
+        return causal and not accumulate and gluon_masks_ready(q, k, v, causal, q_doc_ids, k_doc_ids, q_offset,
+                                                               k_offset)
+    return (k.shape == v.shape and k.shape[0] == B and k.shape[3] == q.shape[3] and k.shape[2] >= 1
+            and H % k.shape[1] == 0 and q.dtype == k.dtype == v.dtype
+            and specialized_ready(q, q, q, True, also=(k, v)))
 
 
 def _capability(t: Tensor) -> tuple[int, int] | None:
@@ -275,12 +318,15 @@ def _grad_outputs(out: tuple[Tensor, ...] | None, accumulate: bool, names: tuple
 def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float, cfg: TileConfig | None = None,
                    out: tuple[Tensor, Tensor] | None = None, accumulate: bool = False, *, window: int | None = None,
                    q_doc_ids: Tensor | None = None, k_doc_ids: Tensor | None = None, q_offset: int | None = None,
-                   k_offset: int | None = None) -> tuple[Tensor, Tensor]:
+                   k_offset: int | None = None, persistent: bool = True) -> tuple[Tensor, Tensor]:
     """Run the forward kernel: (o, lse) of the Nq rows of q against the Nk keys of k, v (Nq == Nk when causal).
-    `cfg` overrides the tile table (the benchmark's tile exploration).
+    `cfg` overrides the tile table (the benchmark's tile exploration). persistent=False: the table's tiles on a plain
+    grid even where its row is persistent (ring attention: its launches share the SMs with NCCL's kernels, and a
+    persistent kernel's fixed work lists wait for them); cfg is taken as given.
 
     out=(o, lse): write the result there instead of into new tensors: o (B, H, Nq, D), any dtype, any strides with
-    a contiguous last dimension; lse (B, H, Nq) fp32, a contiguous tensor or a slice of one along Nq.
+    a contiguous last dimension; lse (B, H, Nq) fp32, a contiguous tensor or a slice of one along Nq. On sm_90 the
+    Gluon forward takes the call where gluon_forward_ready says so (the ring's dense launches included), else Triton's.
     accumulate=True: out holds, in fp32, the attention of these rows over other keys (o normalized, lse base 2; a
     row with lse = -inf holds nothing yet, whatever its o) and is overwritten with the attention over both key
     sets. Ring attention folds each arriving block into its running output this way, without a merge pass.
@@ -289,14 +335,15 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
     masked = _masked(q, k, causal, window, q_doc_ids, q_offset, k_offset)
-    if masked:
-        ready = gluon_masks_ready(q, k, v, causal, q_doc_ids, k_doc_ids, q_offset, k_offset, accumulate, out)
-    else:
-        ready = specialized_ready(q, k, v, causal, accumulate, out)
+    ready = gluon_forward_ready(q, k, v, causal, accumulate, out, window=window, q_doc_ids=q_doc_ids,
+                                k_doc_ids=k_doc_ids, q_offset=q_offset, k_offset=k_offset)
     if cfg is not None and cfg.specialized and not ready:
-        raise ValueError(_NOT_SPECIALIZED.format("forward") + "; with masks or GQA, only of a sequence against itself")
-    cfg = cfg or plan("fwd", D, N_Q, q.dtype, causal, capability=_capability(q), gluon_inputs=ready,
-                      masked=masked).tiles
+        raise ValueError("flash_attention: the warp-specialized forward takes fp16/bf16 inputs with head_dim 64 or "
+                         "128, TMA-aligned, on an sm_90 GPU; masks only in causal fresh calls of a sequence against "
+                         "itself (see gluon_forward_ready)")
+    if cfg is None:
+        cfg = plan("fwd", D, N_Q, q.dtype, causal, capability=_capability(q), gluon_inputs=ready, masked=masked).tiles
+        cfg = cfg if persistent else dataclasses.replace(cfg, persistent=False)
     margs, mflags = _mask_args(q, k, causal, window, q_doc_ids, k_doc_ids, q_offset, k_offset, "fwd",
                                (cfg.block_m, cfg.block_n))
     if out is None:
@@ -311,13 +358,17 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
                              f"{tuple(lse.shape)} {lse.dtype} with strides {lse.stride()}")
     if cfg.specialized:
         triton.set_allocator(tma_scratch)  # its TMA descriptors are made on the device, like _use_tma's
-        if masked:  # margs: (ids, ids, strides, shift, window, steps, counts), as _mask_args checked them
+        stride_lse = _row_stride(lse)
+        if masked and causal and not accumulate:  # margs: (ids, ids, strides, shift, window, steps, counts), as
+            # _mask_args checked them
             gluon_forward.launch_forward_masked(q, k, v, o, lse, sm_scale * LOG2E, cfg.block_m // 64, cfg.block_n,
                                                 cfg.num_stages, margs[5] if mflags["WINDOWED"] else None,
-                                                margs[0] if mflags["DOCS"] else None)
+                                                margs[0] if mflags["DOCS"] else None, stride_lse=stride_lse)
             return o, lse
+        # no masks (GQA at most): causal or not, fresh or continuing the rows' (o, lse)
         launch = gluon_forward.launch_forward_persistent if cfg.persistent else gluon_forward.launch_forward_pingpong
-        launch(q, k, v, o, lse, sm_scale * LOG2E, cfg.block_m // 64, cfg.block_n, cfg.num_stages)
+        launch(q, k, v, o, lse, sm_scale * LOG2E, cfg.block_m // 64, cfg.block_n, cfg.num_stages, causal=causal,
+               accumulate=accumulate, stride_lse=stride_lse)
         return o, lse
     grid = (triton.cdiv(N_Q, cfg.block_m), B * H)
     fwd_kernel[grid](q, k, v, o, lse, *strides3(q), *strides3(k), *strides3(v), *strides3(o), _row_stride(lse),
@@ -590,6 +641,95 @@ def launch_backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
     return dq
 
 
+# ------------------------------------------------------------------------------------------------
+# Ring attention's block backward: a (query rows, key block) launch's dQ, dK, dV from one Gluon kernel
+# ------------------------------------------------------------------------------------------------
+# The tiles of launch_backward_block's Gluon kernel where no table row names them (a block off the diagonal, or
+# GQA): a plain grid of 128-key blocks over 64-query tiles, 3 stages at head_dim 64 and 2 at 128, as dispatch.py's
+# sm90-masks rows. On ring attention's off-diagonal blocks (2c x c and c x 2c, c = 4K-16K, one H100) they are within
+# 3.5% of the best of 2-4 stages, plain or persistent (NOTES.md, 'Ring attention's launches timed alone').
+BLOCK_BACKWARD_TILES = {64: TileConfig(64, 128, 4, 3, tma=True, specialized=True),
+                        128: TileConfig(64, 128, 4, 2, tma=True, specialized=True)}
+
+
+def gluon_block_ready(do: Tensor, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> bool:
+    """Whether launch_backward_block runs the fused Gluon dK/dV/dQ kernel on an unmasked block: an sm_90 GPU with
+    the Gluon API; q, k, v, do of one dtype, fp16 or bf16; head_dim 64 or 128; K/V heads dividing q's (GQA); causal
+    with as many queries as keys, or non-causal with N_Q a multiple of 64 and N_K of 128 (the kernel's tiles: none
+    reaches past the rows of the caller's dQ); q, k, v, do TMA-aligned with a contiguous last dimension; results not
+    asked to be deterministic (dQ's reduce-adds sum in a varying order) and MINIGPT_FLASH_PATH unset, auto or
+    gluon."""
+    n_q, n_k = q.shape[2], k.shape[2]
+    lengths = n_q == n_k if causal else (n_q % 64 == 0 and n_k % 128 == 0)
+    return (lengths and q.dtype == k.dtype == v.dtype == do.dtype and do.shape == q.shape and k.shape == v.shape
+            and k.shape[0] == q.shape[0] and k.shape[3] == q.shape[3] and q.shape[1] % k.shape[1] == 0
+            and gluon_backward is not None and specialized_ready(q, q, q, True, also=(k, v, do))
+            and not torch.are_deterministic_algorithms_enabled()
+            and (os.environ.get(PATH_ENV) or "auto") in ("auto", "gluon"))
+
+
+def launch_backward_block(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, causal: bool,
+                          sm_scale: float, dq: Tensor, dk: Tensor, dv: Tensor, accumulate_dq: bool,
+                          accumulate_dkdv: bool, *, cfg: TileConfig | None = None, window: int | None = None,
+                          q_doc_ids: Tensor | None = None, k_doc_ids: Tensor | None = None,
+                          q_offset: int | None = None, k_offset: int | None = None,
+                          persistent: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """One launch of ring attention's backward: the N_Q query rows of q, do against the N_K keys of k, v (N_Q == N_K
+    when causal without offsets), lse and delta the whole rows' (the final ones; (B, H, N_Q) fp32, contiguous rows
+    or row slices of such, as launch_backward_dq takes them). Adds the block's dQ into dq (fp32, q's shape, any
+    strides with a contiguous last dimension) or, without accumulate_dq, writes it there; adds its dK, dV into dk, dv
+    (fp32, k's shape, contiguous last dimension: e.g. the stack_kv-shaped accumulator's views) or, without
+    accumulate_dkdv, writes them (any float dtype). Returns (dq, dk, dv).
+
+    Where gluon_block_ready takes an unmasked block (no window, document ids or causal offset), one launch of the
+    five-matmul Gluon kernel (gluon/backward.py, launch_dkdv_dq_block): dQ is reduce-added by TMA straight into dq
+    where its strides have a 2-D form (dq_acc_geometry: the ring's dq rows in q's layout have one; a fresh dq is
+    zeroed first), else into a zeroed fp32 scratch in q's layout that is then added (or copied) into dq. Not
+    deterministic (dQ's summation order varies). Tiles: causal without GQA, the table's five-matmul row for N_Q
+    (persistent where it says, unless persistent=False: a plain grid, as launch_forward's); else
+    BLOCK_BACKWARD_TILES (a plain grid); cfg overrides them (Gluon only: ValueError where the Gluon kernel does not
+    take the call). Otherwise the seven-matmul Triton kernels, launch_backward_dq
+    then launch_backward_dkdv, with the same semantics and the masks."""
+    _check_lengths(q, k, v, causal, q_offset is not None or k_offset is not None)
+    (dq,) = _grad_outputs((dq,), accumulate_dq, ("dq",), (q,))
+    dk, dv = _grad_outputs((dk, dv), accumulate_dkdv, ("dk", "dv"), (k, v))
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    masks = dict(window=window, q_doc_ids=q_doc_ids, k_doc_ids=k_doc_ids, q_offset=q_offset, k_offset=k_offset)
+    unmasked = (window is None and q_doc_ids is None and k_doc_ids is None
+                and (not causal or (q_offset or 0) == (k_offset or 0)))  # offsets matter only to a causal mask
+    ready = unmasked and gluon_block_ready(do, q, k, v, causal)
+    gqa = k.shape[1] != q.shape[1]
+    if cfg is not None and not (ready and cfg.specialized and cfg.block_m == 64 and cfg.block_n == 128
+                                and cfg.num_stages >= 2 and not (cfg.persistent and gqa)):
+        raise ValueError(f"flash_attention: the block backward's Gluon kernel takes unmasked blocks that "
+                         f"gluon_block_ready takes, with TileConfig(64, 128, 4, stages >= 2, specialized=True) "
+                         f"(persistent only without GQA); got {cfg}")
+    if not ready:
+        launch_backward_dq(do, q, k, v, lse, delta, causal, sm_scale, out=dq, accumulate=accumulate_dq, **masks)
+        launch_backward_dkdv(do, q, k, v, lse, delta, causal, sm_scale, out=(dk, dv), accumulate=accumulate_dkdv,
+                             **masks)
+        return dq, dk, dv
+    B, H, N_Q, D = q.shape
+    if cfg is None:  # the diagonal block as the table's five-matmul backward runs it; other blocks a plain grid
+        cfg = (plan("bwd", D, N_Q, q.dtype, True, capability=_capability(q), gluon_inputs=True, path="gluon").tiles
+               if causal and not gqa else BLOCK_BACKWARD_TILES[D])
+        cfg = cfg if persistent else dataclasses.replace(cfg, persistent=False)
+    (lse, stride_lse), (delta, stride_delta) = _rows_in(lse), _rows_in(delta)
+    (lse, stride_lse), (delta, stride_delta) = _rows_for_tma(lse, stride_lse), _rows_for_tma(delta, stride_delta)
+    geometry = gluon_backward.dq_acc_geometry(dq)
+    if geometry is not None:  # the kernel adds into dq itself
+        acc = dq if accumulate_dq else dq.zero_()
+    else:  # no 2-D form for TMA (or not fp32): a zeroed fp32 scratch in q's layout, added into dq below
+        acc = empty_in_layout_of(q, torch.float32).zero_()
+        geometry = gluon_backward.dq_acc_geometry(acc)
+    triton.set_allocator(tma_scratch)  # the kernel makes its TMA descriptors on the device
+    gluon_backward.launch_dkdv_dq_block(do, q, k, v, lse, stride_lse, delta, stride_delta, dk, dv, acc, geometry,
+                                        sm_scale, sm_scale * LOG2E, cfg.block_m, cfg.num_stages, causal,
+                                        accumulate_dkdv, persistent=cfg.persistent)
+    if acc is not dq:
+        dq.add_(acc) if accumulate_dq else dq.copy_(acc)
+    return dq, dk, dv
 
 
 def via_ds_chosen(q: Tensor, causal: bool) -> bool:

@@ -8,6 +8,7 @@ Two uses, both from kernels/NOTES.md Z, where GPU time is the scarce thing:
 
     python -m minigpt_kernels.sm90_build              # every variant: instructions, spills, PRMTs, inner loops
     python -m minigpt_kernels.sm90_build --only fwd   # those whose name contains "fwd"
+    python -m minigpt_kernels.sm90_build --only block # ring attention's block backward (block_variants)
 
 It compiles with `triton.compile(GluonASTSource(...), target=GPUTarget("cuda", 90, 32))` and disassembles with the
 cuobjdump that ships with triton. What ptxas does under another triton can differ from the GPU machines' 3.6.
@@ -40,41 +41,54 @@ INT32_POINTERS = {"WORK", "WORK_START", "IDS", "DOC_STARTS", "DOC_ENDS"}
 
 @dataclass(frozen=True)
 class Variant:
-    """One compiled form of a kernel: its constexprs as the launcher passes them, and the input dtype."""
+    """One compiled form of a kernel: its constexprs as the launcher passes them, the input dtype, and the tensors
+    given in fp32 beside FP32_POINTERS (the forward's O in ring attention's launches)."""
     name: str
     kernel: Any  # a gluon.jit function
     constexprs: dict[str, Any]
     dtype: str = "bf16"
+    fp32: tuple[str, ...] = ()  # tensors that are fp32 in this variant beside FP32_POINTERS (O, DK, DV)
 
 
 def table_variants() -> list[Variant]:
     """The Gluon variants dispatch.TABLE can pick, read from the table (constexprs as the launchers in gluon/forward.py
     and gluon/backward.py derive them from a TileConfig), plus fp16 where the forward has three consumers (the
-    hand-packed P of NOTES.md Z)."""
+    hand-packed P of NOTES.md Z), and the forward's forms in ring attention's launches: each causal row's with an fp32
+    o written fresh ("fp32 o", the local block) and continued ("continue"), each non-causal row's fresh (o in the
+    input dtype) and continued (fp32 o: the other ranks' blocks; also with GQA), the masked one's with an fp32 o."""
     out = []
-    for kind, d, cfg, masks in ((e.kernel, d, e.tiles, e.masks) for e in TABLE if e.tiles.specialized
-                                for d in e.head_dims):
+    for kind, d, cfg, masks, when in ((e.kernel, d, e.tiles, e.masks, e.when) for e in TABLE if e.tiles.specialized
+                                      for d in e.head_dims):
         mode = "persistent" if cfg.persistent else "plain"
         if kind == "fwd":
             consumers = cfg.block_m // 64
+            causal = when != "sm90-non-causal"
             c = dict(HEAD_DIM=d, NUM_CONSUMERS=consumers, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
                      CONSUMER_REGS=common.CONSUMER_REGS[consumers], PRODUCER_REGS=common.PRODUCER_REGS,
-                     SKIP=cfg.persistent and fwd.consumers_can_stop_early(consumers, cfg.block_n),
-                     PERSISTENT=cfg.persistent, GQA=False, WINDOWED=False, DOCS=False)
+                     SKIP=causal and cfg.persistent and fwd.consumers_can_stop_early(consumers, cfg.block_n),
+                     PERSISTENT=cfg.persistent, GQA=False, WINDOWED=False, DOCS=False, CAUSAL=causal,
+                     CONTINUE=False)
             kernel = fwd.pingpong_fwd_kernel  # one kernel; plain and persistent differ in their work lists
             if masks:  # the masked launch (launch_forward_masked): a plain grid, GQA, windows and documents
                 masked = dict(c, SKIP=False, PERSISTENT=False, GQA=True, WINDOWED=True, DOCS=True)
                 out.append(Variant(f"fwd masked D{d} C{consumers}", kernel, masked))
+                out.append(Variant(f"fwd masked D{d} C{consumers} fp32 o", kernel, masked, fp32=("O",)))
                 continue
-            out.append(Variant(f"fwd {mode} D{d} C{consumers}", kernel, c))
-            if consumers == 3:
-                out.append(Variant(f"fwd {mode} D{d} C{consumers} fp16", kernel, c, "fp16"))
+            name = f"fwd {mode} D{d} C{consumers}" if causal else f"fwd non-causal {mode} D{d} C{consumers}"
+            out.append(Variant(name, kernel, c))
+            if consumers == 3 and causal:
+                out.append(Variant(f"{name} fp16", kernel, c, "fp16"))
+            if causal:
+                out.append(Variant(f"{name} fp32 o", kernel, c, fp32=("O",)))
+            out.append(Variant(f"{name} continue", kernel, dict(c, CONTINUE=True), fp32=("O",)))
+            if not causal:
+                out.append(Variant(f"{name} continue GQA", kernel, dict(c, CONTINUE=True, GQA=True), fp32=("O",)))
         elif kind == "dkdvdq":
             c = dict(HEAD_DIM=d, BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, PRODUCER_REGS=common.PRODUCER_REGS,
                      REDUCER_REGS=bwd.REDUCER_REGS,
                      CONSUMER_REGS=bwd.SPLIT_CONSUMER_REGS if d > 64 else bwd.FUSED_CONSUMER_REGS,
                      KV_BUFS=2 if cfg.persistent and d == 64 else 1, PERSISTENT=cfg.persistent,
-                     GQA=False, WINDOWED=False, DOCS=False)  # as the launchers
+                     GQA=False, WINDOWED=False, DOCS=False, FULL=False, ACCUMULATE_DKDV=False)  # as the launchers
             if masks:  # the masked launch (launch_dkdv_dq_masked): a plain grid, GQA, windows and documents
                 out.append(Variant(f"dkdvdq masked D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel,
                                    dict(c, GQA=True, WINDOWED=True, DOCS=True)))
@@ -87,18 +101,41 @@ def table_variants() -> list[Variant]:
     return list({v.name: v for v in out}.values())  # a row over several head_dims may repeat another's variant
 
 
-def signature(kernel: Any, constexprs: dict[str, Any], dtype: str) -> dict[str, str]:
-    """Argument types by the kernels' naming: capitals are tensors (LSE, DELTA, DQ_ACC fp32; WORK lists int32; the
-    rest the input dtype) except the sizes H and N; *scale is fp32; every other argument an int32."""
+def block_variants() -> list[Variant]:
+    """Ring attention's block backward (launch.launch_backward_block, gluon/backward.launch_dkdv_dq_block) where no
+    table row names it: a block off the diagonal (FULL: no causal mask, N_Q != N_K) adding dK, dV into the travelling
+    fp32 accumulator (ACCUMULATE_DKDV), with and without GQA, on the plain grid with launch.BLOCK_BACKWARD_TILES'
+    stages (3 at head_dim 64, 2 at 128). The diagonal block (causal, fresh) compiles to the table's dense variants."""
+    out = []
+    for d, stages in ((64, 3), (128, 2)):
+        c = dict(HEAD_DIM=d, BLOCK_M=64, STAGES=stages, PRODUCER_REGS=common.PRODUCER_REGS,
+                 REDUCER_REGS=bwd.REDUCER_REGS,
+                 CONSUMER_REGS=bwd.SPLIT_CONSUMER_REGS if d > 64 else bwd.FUSED_CONSUMER_REGS, KV_BUFS=1,
+                 PERSISTENT=False, GQA=False, WINDOWED=False, DOCS=False, FULL=True, ACCUMULATE_DKDV=True)
+        for gqa in (False, True):
+            out.append(Variant(f"dkdvdq block{' GQA' if gqa else ''} D{d} s{stages}", bwd.dkdvdq_kernel,
+                               dict(c, GQA=gqa), fp32=("DK", "DV")))
+    return out
+
+
+def all_variants() -> list[Variant]:
+    """Every variant main() builds: the table's, then the ring's block backward."""
+    return table_variants() + block_variants()
+
+
+def signature(kernel: Any, constexprs: dict[str, Any], dtype: str, fp32: tuple[str, ...] = ()) -> dict[str, str]:
+    """Argument types by the kernels' naming: capitals are tensors (LSE, DELTA, DQ_ACC and those in fp32 fp32; WORK
+    lists int32; the rest the input dtype) except the sizes H, N and N_K; *scale is fp32; every other argument an
+    int32."""
     sig = {}
     for name in inspect.signature(kernel.fn).parameters:
         if name in constexprs:
             sig[name] = "constexpr"
-        elif name in FP32_POINTERS:
+        elif name in FP32_POINTERS or name in fp32:
             sig[name] = "*fp32"
         elif name in INT32_POINTERS:
             sig[name] = "*i32"
-        elif name.isupper() and name not in ("H", "N"):
+        elif name.isupper() and name not in ("H", "N", "N_K"):
             sig[name] = f"*{dtype}"
         elif name.endswith("scale"):
             sig[name] = "fp32"
@@ -109,7 +146,7 @@ def signature(kernel: Any, constexprs: dict[str, Any], dtype: str) -> dict[str, 
 
 def compile_sm90(v: Variant) -> Any:
     """The variant compiled for sm_90 (pointers and strides assumed 16-divisible, as the launchers' inputs are)."""
-    sig = signature(v.kernel, v.constexprs, v.dtype)
+    sig = signature(v.kernel, v.constexprs, v.dtype, v.fp32)
     names = list(sig)
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*" or n.startswith("stride")}
     source = GluonASTSource(v.kernel, sig, {(names.index(k),): val for k, val in v.constexprs.items()}, aligned)
@@ -162,14 +199,18 @@ def loops(listing: str) -> list[Loop]:
 
 def report(v: Variant) -> dict[str, Any]:
     """What one variant compiles to: instructions, STL (spill stores), PRMT, HGMMA, the lengths of the loops that hold
-    wgmmas (innermost first), or the error that stopped it."""
+    wgmmas (innermost first), the four shortest of them as [length, spill loads and stores (LDL + STL)] (a
+    forward's key-tile loops, one per consumer, come first), or the error that stopped it."""
     try:
         listing = sass(compile_sm90(v))
     except Exception as e:  # noqa: BLE001 - reported per variant, so one broken kernel does not hide the others
         return {"name": v.name, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"}
     ops = Counter(op.split(".")[0] for _, op, _ in instructions(listing))
+    found = loops(listing)
     return {"name": v.name, "error": None, "instructions": sum(ops.values()), "STL": ops["STL"], "PRMT": ops["PRMT"],
-            "HGMMA": ops["HGMMA"], "wgmma_loops": sorted({loop.length for loop in loops(listing) if loop.opcodes["HGMMA"]})}
+            "HGMMA": ops["HGMMA"], "wgmma_loops": sorted({loop.length for loop in found if loop.opcodes["HGMMA"]}),
+            "inner_loops": [[loop.length, loop.opcodes["LDL"] + loop.opcodes["STL"]]
+                            for loop in found if loop.opcodes["HGMMA"]][:4]}
 
 
 def main() -> None:
@@ -182,14 +223,16 @@ def main() -> None:
     reports = []
     if not args.json:
         print(f"triton {triton.__version__}, sm_90")
-        print("| variant | instructions | STL | PRMT | loops holding wgmmas (instructions) |\n|---|---|---|---|---|")
-    for v in table_variants():
+        print("| variant | instructions | STL | PRMT | loops holding wgmmas (instructions) | shortest four "
+              "(instructions/LDL+STL) |\n|---|---|---|---|---|---|")
+    for v in all_variants():
         if args.only in v.name:
             reports.append(report(v))
             r = reports[-1]
             if not args.json:
                 print(f"| {v.name} | {r['error']} |" if r["error"] else f"| {v.name} | {r['instructions']} | "
-                      f"{r['STL']} | {r['PRMT']} | {', '.join(map(str, r['wgmma_loops'][:4]))} |", flush=True)
+                      f"{r['STL']} | {r['PRMT']} | {', '.join(map(str, r['wgmma_loops'][:4]))} | "
+                      f"{', '.join(f'{n}/{spills}' for n, spills in r['inner_loops'])} |", flush=True)
     if args.json:
         print(json.dumps(reports))
 

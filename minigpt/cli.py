@@ -11,7 +11,7 @@
   will run on this machine (CPU defaults, device, dtype and compile resolved); Hydra's own help is `--hydra-help`;
 - before Hydra writes anything: an override it cannot parse is refused with the quoting that works, the
   directories the run writes must be writable, and the run directory's lock is taken (minigpt/runlock.py); under
-  `-m` only the overrides' parsing and the sweep directory are checked up front (each job checks the rest);
+  `-m` each job is checked so and its folder locked (minigpt/multirun.py), as Hydra writes into it before the job;
 - SIGINT, SIGTERM, SIGHUP before the run started end it with one line and 128 + signal.
 A multirun (`-m`) exits with the first failing job's code.
 
@@ -22,17 +22,21 @@ workers' codes in its report).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from minigpt.compose import CONFIG_NAME, compose, config_dir, register_schema, to_train_config
 from minigpt.config import CPU_DEFAULTS, ConfigError, TrainConfig
 from minigpt.distributed.process import TorchrunProcess, env_rank
 from minigpt.summary import ExitCode
 from minigpt.usage import cpu_warning
+
+if TYPE_CHECKING:
+    from minigpt.multirun import Job
 
 HYDRA_KEYS = ("hydra.", "+hydra.", "++hydra.")
 
@@ -175,6 +179,7 @@ def _train_hydra(argv: list[str] | None, stop) -> int:
         return _print_job(job)
     flags = [a for a in argv if a.startswith("-")]  # Hydra's own: --help, --cfg job, -m/--multirun, ...
     multirun = any(a in ("-m", "--multirun") for a in flags)
+    jobs: list[Job] = []  # a multirun's jobs whose folders are locked (minigpt/multirun.py)
     locked = None  # the run directory's lock, taken here (rank 0) before Hydra writes its .hydra/ record there
     if not flags:
         try:
@@ -207,24 +212,33 @@ def _train_hydra(argv: list[str] | None, stop) -> int:
             return ExitCode.BAD_SETTING
     elif multirun:
         try:
-            argv = _multirun_checks(argv)
+            argv, jobs, finished = _multirun_checks(argv)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return ExitCode.BAD_SETTING
+        if finished:  # resume=auto, and every job has finished already: nothing to do
+            print(finished)
+            return ExitCode.OK
     try:
         return _hydra_app(argv, multirun, stop)
     finally:
         if locked is not None:
             release_run_dir(locked)
+        if jobs:
+            from minigpt.multirun import release
+            release(jobs)
 
 
-def _multirun_checks(argv: list[str]) -> list[str]:
-    """`-m`: the overrides parse (value lists are sweeps) and the sweep directory is writable, before Hydra writes
-    (ConfigError); with no hydra.sweep.dir, multirun/<date>_<time> is reserved and appended. Only when -m/--multirun
-    is the one flag (another flag may take a value that is no override); the jobs' own settings are checked by each
-    job, and no run directory is locked."""
+def _multirun_checks(argv: list[str]) -> tuple[list[str], list[Job], str | None]:
+    """`-m`, before Hydra writes anything (ConfigError: nothing written): the overrides parse (value lists are
+    sweeps), the sweep directory is writable, and each job is checked as a single run is and its folder locked
+    (minigpt/multirun.py); with no hydra.sweep.dir, multirun/<date>_<time> is reserved and appended. Returns the
+    argv for Hydra, the jobs whose folders are locked (release them at the end) and, when every job has finished
+    already (resume=auto), their lines. Only when -m/--multirun is the one flag (another flag may take a value that
+    is no override, or choose another config): then nothing is checked up front and no folder is locked."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    from minigpt import multirun
     from minigpt.compose import check_overrides
     from minigpt.validate import check_writable
 
@@ -232,14 +246,30 @@ def _multirun_checks(argv: list[str]) -> list[str]:
     if only_m:
         check_overrides([a for a in argv if not a.startswith("-")], multirun=True)
     given = next((a for a in reversed(argv) if _key(a) == "hydra.sweep.dir"), None)  # the last one, as Hydra takes it
+    reserved: list[Path] = []  # what reserving made, removed again if the multirun is refused
     if given is None:
         if only_m:
             check_writable([("hydra.sweep.dir", "multirun")])
-        return [*argv, f"hydra.sweep.dir={reserve_dir('multirun', time.strftime('%Y-%m-%d_%H-%M-%S'))}"]
-    sweep_dir = str(OverridesParser.create().parse_override(given).value()) if only_m else "${"
-    if "${" not in sweep_dir:  # an interpolation is Hydra's to resolve
-        check_writable([("hydra.sweep.dir", sweep_dir)])
-    return argv
+        reserved = [] if Path("multirun").exists() else [Path("multirun")]
+        reserved.insert(0, reserve_dir("multirun", time.strftime("%Y-%m-%d_%H-%M-%S")))
+        argv = [*argv, f"hydra.sweep.dir={reserved[0]}"]
+    if not only_m:
+        return argv, [], None
+    try:
+        sweep_dir = str(OverridesParser.create().parse_override(given).value()) if given else ""
+        if given and "${" not in sweep_dir:  # one with an interpolation is checked once resolved
+            check_writable([("hydra.sweep.dir", sweep_dir)])
+        jobs, pin = multirun.jobs([a for a in argv if not a.startswith("-")],
+                                  check=lambda cfg: check_writable(_places(cfg, cfg.run_dir, [])))
+        if pin:  # Hydra is to use the sweep directory resolved and checked here
+            check_writable([("hydra.sweep.dir", jobs[0].sweep)])
+            argv = [*argv, pin]
+        return argv, jobs, multirun.take(jobs)
+    except BaseException:  # refused (or a signal): nothing is locked (take() gives back what it took)
+        for made in reserved:  # empty: the refused multirun leaves nothing behind
+            with contextlib.suppress(OSError):
+                made.rmdir()
+        raise
 
 
 def _hydra_app(argv: list[str], multirun: bool, stop) -> int:

@@ -116,10 +116,9 @@ def to_train_config(cfg: DictConfig, machine: bool = True) -> TrainConfig:
     return obj
 
 
-def compose(overrides: list[str], run_dir: str = ".", machine: bool = True) -> TrainConfig:
-    """Compose configs/train.yaml with command-line overrides into a validated TrainConfig (outside a Hydra run,
-    so `run_dir` stands in for Hydra's output directory). `machine=False` leaves out the checks that ask this machine
-    (a GPU, a backend that runs here, W&B credentials): for plans made on one machine to run on another."""
+def _hydra_compose(overrides: list[str], with_hydra: bool = False) -> DictConfig:
+    """configs/train.yaml with the overrides, as Hydra composes it outside a Hydra run (`with_hydra`: with its
+    hydra node); ConfigError (one line) for anything Hydra refuses."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -129,10 +128,39 @@ def compose(overrides: list[str], run_dir: str = ".", machine: bool = True) -> T
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-            cfg = hydra_compose(config_name=CONFIG_NAME, overrides=overrides)
-            cfg.run_dir = run_dir  # outside a Hydra run there is no output dir to interpolate
+            return hydra_compose(config_name=CONFIG_NAME, overrides=overrides, return_hydra_config=with_hydra)
     except Exception as e:  # Hydra raises many types; all become one line
         raise ConfigError(one_line(e)) from e
     finally:
         GlobalHydra.instance().clear()
+
+
+def compose(overrides: list[str], run_dir: str = ".", machine: bool = True) -> TrainConfig:
+    """Compose configs/train.yaml with command-line overrides into a validated TrainConfig (outside a Hydra run,
+    so `run_dir` stands in for Hydra's output directory). `machine=False` leaves out the checks that ask this machine
+    (a GPU, a backend that runs here, W&B credentials): for plans made on one machine to run on another."""
+    cfg = _hydra_compose(overrides)
+    cfg.run_dir = run_dir  # outside a Hydra run there is no output dir to interpolate
     return to_train_config(cfg, machine)
+
+
+def compose_sweep_job(overrides: list[str], num: int) -> DictConfig:
+    """Job `num` of a multirun as Hydra's basic launcher composes it (the job's overrides after the hydra ones,
+    hydra.job.num and .id set), its hydra node kept, so that hydra.sweep.dir and .subdir resolve as for that job.
+    ConfigError (one line) for anything Hydra refuses."""
+    from omegaconf import open_dict
+
+    cfg = _hydra_compose(overrides, with_hydra=True)
+    with open_dict(cfg):
+        cfg.hydra.job.num, cfg.hydra.job.id = num, str(num)
+    return cfg
+
+
+def job_train_config(cfg: DictConfig, run_dir: str) -> TrainConfig:
+    """compose_sweep_job's config as the job will get it: without its hydra node, run_dir its folder; validated."""
+    from omegaconf import open_dict
+
+    with open_dict(cfg):  # in place: resolve the job's folder before
+        del cfg["hydra"]
+    cfg.run_dir = run_dir
+    return to_train_config(cfg)

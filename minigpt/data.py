@@ -65,10 +65,16 @@ class PasskeyData:
     QUESTION = " What is the pass key? The pass key is {key}."
     KEY_DIGITS = 5
 
+    @classmethod
+    def shortest(cls) -> int:
+        """The shortest seq_len that holds the needle, the question and the key."""
+        key = "0" * cls.KEY_DIGITS
+        return len(cls.NEEDLE.format(key=key)) + len(cls.QUESTION.format(key=key))
+
     def __post_init__(self):
-        fixed = len(self.NEEDLE.format(key="0" * self.KEY_DIGITS)) + len(self.QUESTION.format(key="0" * self.KEY_DIGITS))
-        if self.seq_len + 1 < fixed + 1:
-            raise DataError(f"seq_len={self.seq_len}: the passkey task needs seq_len >= {fixed} (key + question)")
+        if self.seq_len < self.shortest():
+            raise DataError(f"seq_len={self.seq_len}: the passkey task needs seq_len >= {self.shortest()} "
+                            f"(key + question)")
         # The key sits just before the final '.', i.e. y[-1-KEY_DIGITS : -1] (y is the text shifted by one).
         self.answer = slice(self.seq_len - 1 - self.KEY_DIGITS, self.seq_len - 1)
 
@@ -499,13 +505,18 @@ BYTES_PER_TOKEN = 4  # how the held-out check turns seq_len into bytes (BPE on c
 
 
 def _check_heldout(manifest: dict, val_sizes: list[int], seq_len: int) -> None:
-    """Refuse (ConfigError, exit 2) when fewer than min_heldout_docs held-out documents reach seq_len tokens."""
+    """Refuse (ConfigError, exit 2) when fewer than min_heldout_docs held-out documents reach seq_len tokens. The
+    advice names the longest seq_len that many documents reach, and only where one does (with fewer held-out
+    documents than that in all, no seq_len helps)."""
     need = BYTES_PER_TOKEN * (seq_len + 1)
     have, want = sum(n >= need for n in val_sizes), manifest["min_heldout_docs"]
     if have < want:
+        sizes = sorted(val_sizes, reverse=True)
+        reach = sizes[want - 1] // BYTES_PER_TOKEN - 1 if 0 < want <= len(sizes) else 0
+        shorter = f"lower seq_len (to at most {reach}), " if reach >= 1 else ""
         raise ConfigError(
             f"data.min_heldout_docs={want}: data=pycode holds out {have} documents of at least seq_len={seq_len} "
-            f"tokens (~{need} bytes at {BYTES_PER_TOKEN} bytes a token); lower seq_len, read the full corpus "
+            f"tokens (~{need} bytes at {BYTES_PER_TOKEN} bytes a token); {shorter}read the full corpus "
             f"(data.subset=null), or lower data.min_heldout_docs"
         )
 
@@ -579,6 +590,9 @@ def save_manifest(data: PasskeyData | TokenData, run_dir: str | Path, write: boo
 def build_data(cfg: DataConfig, seq_len: int, seed: int) -> PasskeyData | TokenData:
     """The data source named by cfg.name."""
     if cfg.name == "passkey":
+        if seq_len < PasskeyData.shortest():  # a setting, so exit 2 (DataError is for the data's own faults)
+            raise ConfigError(f"seq_len={seq_len}: data=passkey needs seq_len >= {PasskeyData.shortest()} (its "
+                              f"needle, question and key); raise seq_len, or choose other data (data=text ...)")
         return PasskeyData(seq_len, seed)
     if cfg.name == "text":
         return load_text(cfg, seq_len, seed)

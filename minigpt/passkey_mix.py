@@ -11,7 +11,7 @@ other rows are exactly the batch a run without mixing gets.
 
 An example of n tokens (n = seq_len + 1):
 
-    start + haystack[:cut] + needle + haystack[cut:] + question + answer
+    start + haystack[:cut] + needle + haystack[cut:] + question + answer      (passkey_tokens)
 
 with the needle and question of the passkey task (data.PasskeyData; the question is minigpt-eval's, cut before the
 key), the answer " 12345." after it, each tokenized on its own as minigpt-eval's haystacks do (so the grid's prompts
@@ -78,5 +78,13 @@ class PasskeyMix:
             hay = np.asarray(stream[start : start + n_hay], dtype=np.int64)
         cut = int(rng.integers(0, n_hay + 1))
         needle, question, answer = pieces
-        # the separator first: at cut 0 the needle would otherwise sit on the attention sink, position 0
-        return np.concatenate([[self.start], hay[:cut], needle, hay[cut:], question, answer]).astype(np.int64)
+        return passkey_tokens(self.start, hay, cut, needle, question, answer)
+
+
+def passkey_tokens(start: int, haystack: np.ndarray, cut: int, needle: np.ndarray, question: np.ndarray,
+                   answer: np.ndarray | None = None) -> np.ndarray:
+    """start + haystack[:cut] + needle + haystack[cut:] + question (+ answer), int64: training's examples (with their
+    answer) and minigpt-eval's prompts (without) in one layout, so the grid asks in the tokens the model trained on.
+    The separator first: at cut 0 the needle would otherwise sit on the attention sink, position 0."""
+    tail = [] if answer is None else [answer]
+    return np.concatenate([[start], haystack[:cut], needle, haystack[cut:], question, *tail]).astype(np.int64)

@@ -95,9 +95,10 @@ def failed_before_first_step(cfg: TrainConfig) -> bool:
         (earlier.status != "running" or killed_run(cfg) is not None) and _steps_done(cfg) == 0
 
 
-def claim_run_dir(cfg: TrainConfig) -> str | None:
+def claim_run_dir(cfg: TrainConfig, key: str = "hydra.run.dir", subject: str | None = None) -> str | None:
     """Refuse (ConfigError) a directory that holds another run unless resuming it; returns a message when the
-    run to resume has already finished (nothing to do), else None. Reads only."""
+    run to resume has already finished (nothing to do), else None. Reads only. `key`: the setting that chose the
+    directory, which the advice names (a multirun's job: hydra.sweep.dir); `subject`: what the line is about."""
     run_dir, ckpts = Path(cfg.run_dir), list_checkpoints(cfg.ckpt_dir)
     summary_path = run_dir / SUMMARY_FILE
     killed = killed_run(cfg)
@@ -106,11 +107,11 @@ def claim_run_dir(cfg: TrainConfig) -> str | None:
             inside = Path(cfg.ckpt_dir).absolute().is_relative_to(run_dir.absolute())  # else a new ckpt_dir will do
             raise ConfigError(f"ckpt_dir={cfg.ckpt_dir}: holds checkpoints of another run (newest: step "
                               f"{step_of(ckpts[-1])}{'; ' + killed if killed else ''}); continue it with resume=auto, "
-                              f"or choose a new {'hydra.run.dir' if inside else 'ckpt_dir'}")
+                              f"or choose a new {key if inside else 'ckpt_dir'}")
         if summary_path.exists() and not failed_before_first_step(cfg):
-            raise ConfigError(f"hydra.run.dir={cfg.run_dir}: holds another run's {SUMMARY_FILE}"
-                              f"{' (' + killed + ')' if killed else ''}; choose a new hydra.run.dir, or continue that "
-                              f"run with resume=auto")
+            raise ConfigError(f"{subject or key + '=' + str(cfg.run_dir)}: holds another run's {SUMMARY_FILE}"
+                              f"{' (' + killed + ')' if killed else ''}; choose a new {key}, or continue that run with "
+                              f"resume=auto")
         return None
     if cfg.resume != "auto":
         return None

@@ -2,6 +2,8 @@
 
     check_free(run_dir)        ConfigError (one line, exit 2) if a live run holds it; writes nothing
     lock(run_dir)              take it (ConfigError if a live run holds it)
+    (both take `key`, the setting their advice names, and `subject`, what the line is about: a multirun's job
+    folder is chosen by hydra.sweep.dir, not hydra.run.dir)
     reclaimed(run_dir)         the dead owner of a lock file that lock() took over, else None
     unlock(run_dir)            give it back (the file is removed)
 
@@ -54,15 +56,16 @@ def _path(run_dir: str | Path) -> Path:
     return Path(run_dir).expanduser().absolute() / LOCK_FILE
 
 
-def _refusal(run_dir: str | Path, path: Path, holder: Holder, live: bool) -> ConfigError:
+def _refusal(run_dir: str | Path, path: Path, holder: Holder, live: bool, key: str, subject: str | None
+             ) -> ConfigError:
+    subject = subject or f"{key}={run_dir}"
     if live:
-        return ConfigError(f"hydra.run.dir={run_dir}: in use by another run ({holder}); wait until it ends, or choose "
-                           f"another hydra.run.dir")
-    return ConfigError(f"hydra.run.dir={run_dir}: locked by {holder}, which cannot be checked from this host; if that "
-                       f"run has ended, remove {path} and start again")
+        return ConfigError(f"{subject}: in use by another run ({holder}); wait until it ends, or choose another {key}")
+    return ConfigError(f"{subject}: locked by {holder}, which cannot be checked from this host; if that run has ended, "
+                       f"remove {path} and start again")
 
 
-def check_free(run_dir: str | Path) -> None:
+def check_free(run_dir: str | Path, key: str = "hydra.run.dir", subject: str | None = None) -> None:
     """ConfigError if another live run (or a run of another host) holds run_dir's lock. Reads only."""
     path = _path(run_dir)
     if path in _held:
@@ -76,14 +79,14 @@ def check_free(run_dir: str | Path) -> None:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise _refusal(run_dir, path, holder, live=True) from None
+            raise _refusal(run_dir, path, holder, True, key, subject) from None
         if holder.host not in (None, socket.gethostname()):
-            raise _refusal(run_dir, path, holder, live=False)
+            raise _refusal(run_dir, path, holder, False, key, subject)
     finally:
         os.close(fd)
 
 
-def lock(run_dir: str | Path) -> None:
+def lock(run_dir: str | Path, key: str = "hydra.run.dir", subject: str | None = None) -> None:
     """Take run_dir's lock (creating run_dir); ConfigError if a live run holds it. A stale lock (its process of this
     host is gone) is taken over: reclaimed() names its owner."""
     path = _path(run_dir)
@@ -105,7 +108,7 @@ def lock(run_dir: str | Path) -> None:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise _refusal(run_dir, path, holder, live=True) from None
+            raise _refusal(run_dir, path, holder, True, key, subject) from None
         try:
             same = os.fstat(fd).st_ino == os.stat(path).st_ino
         except FileNotFoundError:
@@ -115,7 +118,7 @@ def lock(run_dir: str | Path) -> None:
             continue
         if holder.host not in (None, socket.gethostname()):
             os.close(fd)
-            raise _refusal(run_dir, path, holder, live=False)
+            raise _refusal(run_dir, path, holder, False, key, subject)
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)

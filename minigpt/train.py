@@ -47,6 +47,20 @@ class TrainingError(RuntimeError):
     """The run cannot go on (e.g. a non-finite loss); the message says why and what to try."""
 
 
+class NonFiniteLoss(TrainingError):
+    """A step's loss is not finite (raised before its update); train_loop says which checkpoint is kept."""
+
+    def __init__(self, step: int, loss: float):
+        super().__init__(f"non-finite loss ({loss}) at step {step}: stopped before its update, not saved")
+        self.step, self.loss = step, loss
+
+
+def kept(summary: RunSummary) -> str:
+    """What a run stopped by a non-finite state keeps: its last good checkpoint (this attempt's, or the one it
+    resumed from), or none."""
+    return f"the last good checkpoint {summary.checkpoint} is kept" if summary.checkpoint else "no checkpoint was written"
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warmup to cfg.lr, then cosine decay to cfg.min_lr at lr_decay_steps (default max_steps)."""
     if step < cfg.warmup_steps:
@@ -188,8 +202,7 @@ def check_finite(t: Training, step: int, summary: RunSummary) -> None:
     tensors = [p for p in t.model.parameters()] + [v for s in t.optimizer.state.values() for v in s.values()
                                                    if torch.is_tensor(v) and v.is_floating_point()]
     if tensors and not torch.stack([torch.isfinite(x).all() for x in tensors]).all().item():
-        kept = f"the last good checkpoint {summary.checkpoint} is kept" if summary.checkpoint else "no checkpoint was written"
-        raise TrainingError(f"non-finite parameters after step {step}: not saved, {kept}; try a lower lr or "
+        raise TrainingError(f"non-finite parameters after step {step}: not saved, {kept(summary)}; try a lower lr or "
                             f"dtype=float32")
 
 
@@ -221,8 +234,7 @@ def train_step(t: Training, step: int) -> float:
         loss_sum += loss.detach()
     loss_value = mean(t.mesh, loss_sum).item()  # under torchrun: the mean over every rank's tokens
     if not math.isfinite(loss_value):
-        raise TrainingError(f"non-finite loss ({loss_value}) at step {step}: stopped before the update; the last good "
-                            f"checkpoint in {cfg.ckpt_dir} is kept; try a lower lr or dtype=float32")
+        raise NonFiniteLoss(step + 1, loss_value)  # counted as steps done are: the (step + 1)-th
     if cfg.grad_clip > 0:
         t.scaler.unscale_(t.optimizer)
         torch.nn.utils.clip_grad_norm_(t.model.parameters(), cfg.grad_clip)
@@ -244,7 +256,10 @@ def train_loop(t: Training, logger: Logger, summary: RunSummary, stop_requested:
             reset_peak_memory(t.device)
             HostMemory.reset_peak()
             t0 = time.perf_counter()
-            loss = train_step(t, step)
+            try:
+                loss = train_step(t, step)
+            except NonFiniteLoss as e:  # the line names what is kept (the summary knows), and the advice
+                raise TrainingError(f"{e}; {kept(summary)}; try a lower lr or dtype=float32") from None
             if t.device.type == "cuda":
                 torch.cuda.synchronize(t.device)
             dt = time.perf_counter() - t0

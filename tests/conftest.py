@@ -136,6 +136,7 @@ FAST_TESTS = (
     "test_lifecycle.py::test_an_unquoted_value_says_how_to_quote_it",
     "test_lifecycle.py::test_blocked_stop_signals_are_unblocked_where_handled_and_in_started_children",
     "test_lifecycle.py::test_a_stop_inside_the_python_api_leaves_the_handlers_as_found_and_a_command_ignores_later_ones",
+    "test_ring_attention.py::test_the_call_fence_waits_for_the_call_lag_calls_back",
     "test_rope_scaling.py::test_yarn_interpolates_long_wavelengths_keeps_short_ones_and_ramps_between",
     "test_rope_scaling.py::test_factor_one_is_plain_rope",
     "test_rope_scaling.py::test_resume_extend_continues_with_new_rope_and_seq_len",

@@ -27,6 +27,7 @@ from test_faults import TINY, _start_and_signal, cli, finished_once, finished_ru
 from test_lifecycle import UNREACHABLE, _unwritable
 from test_eval import pycode_run  # noqa: F401 - a tiny pycode run (minigpt-eval's loss-by-position advice)
 from test_passkey_grid import run_dir  # noqa: F401 - a tiny passkey run (minigpt-eval's passkey advice)
+from test_sample import passkey_run, text_run  # noqa: F401 - tiny passkey and BPE runs (minigpt-sample's advice)
 
 slow = pytest.mark.slow
 WANDB = [a for a in TINY if a != "logger=none"]
@@ -121,6 +122,53 @@ def test_a_refused_setting_then_its_advice(tmp_path, broken, needles, followed, 
     for i, fix in enumerate(followed):
         args = [*base, *(b for b in broken if b.partition("=")[0] not in {f.partition("=")[0] for f in fix}), *fix]
         ok(cli(tmp_path, *args, "max_steps=1", f"hydra.run.dir=run{i}", env=env), tmp_path / f"run{i}")
+
+
+@slow
+@pytest.mark.parametrize("broken, needle, followed", [
+    (["loss_by_position=true"], "use data=text, hf or pycode, or leave it null",
+     [["data=text", "data.path=x"], ["data=hf", "data.dataset=x"], ["data=pycode"], ["loss_by_position=null"]]),
+    (["data=pycode", "loss_by_position=true", "parallel.context=2", "attention=flash"], "leave it null",
+     [["loss_by_position=null"]]),
+], ids=["passkey-has-no-documents", "not-under-context-parallelism"])
+def test_loss_by_position_advice(broken, needle, followed):
+    """Checked where the config is (config.py, exit 2 through the CLI): each way out composes. Without this machine's
+    checks (machine=False): a context-parallel run needs torchrun and GPUs, which the advice is not about."""
+    with pytest.raises(ConfigError) as e:
+        compose(broken, machine=False)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    for fix in followed:
+        assert compose([*broken, *fix], machine=False).loss_by_position in (True, None)
+
+
+@slow
+def test_a_passkey_example_needs_a_longer_seq_len_advice(tmp_path):
+    """`raise seq_len or set data.passkey_fraction=0`: the seq_len the line names builds the data, and so does no
+    passkey share at the old seq_len."""
+    import re
+
+    from test_passkey_mix import text_data
+
+    with pytest.raises(ConfigError) as e:
+        text_data(tmp_path, 0.05, seq_len=40)
+    line = str(e.value)
+    assert "raise seq_len or set data.passkey_fraction=0" in line, line
+    need = int(re.search(r"needs seq_len >= (\d+)", line).group(1))
+    assert text_data(tmp_path, 0.05, seq_len=need).passkey is not None
+    assert text_data(tmp_path, 0.0, seq_len=40).vocab_size > 0
+
+
+@slow
+def test_passkey_data_needs_a_longer_seq_len_advice(tmp_path):
+    """`raise seq_len, or choose other data`: data=passkey (the default data) below its shortest seq_len is a setting
+    (exit 2, one line); the seq_len the line names trains."""
+    import re
+
+    args = [a for a in TINY if not a.startswith("seq_len=")] + ["data=passkey", "max_steps=1"]
+    line = one_line_error(cli(tmp_path, *args, "seq_len=64", "hydra.run.dir=short"), 2, "seq_len=64",
+                          "raise seq_len, or choose other data")
+    need = int(re.search(r"needs seq_len >= (\d+)", line).group(1))
+    ok(cli(tmp_path, *args, f"seq_len={need}", "hydra.run.dir=long"), tmp_path / "long")
 
 
 @slow
@@ -416,6 +464,40 @@ def test_not_a_text_column_advice(tmp_path):
     ok(cli(tmp_path, *args, "data.text_column=text", "hydra.run.dir=run"), tmp_path / "run")
 
 
+@slow
+def test_too_few_held_out_documents_advice(tiny_config, tmp_path, capsys):
+    """data=pycode's held-out guarantee: `lower data.min_heldout_docs` trains. The fake site root holds out one
+    document in all, so no seq_len reaches two: the line does not say to lower it (it did). (`read the full corpus`
+    is this interpreter's site-packages: not read in a test.)"""
+    from minigpt.run import run
+    from minigpt.summary import ExitCode
+    from test_pycode import fake_site_overrides
+
+    site = fake_site_overrides(tmp_path, min_docs=2)
+    assert run(tiny_config(*site, "max_steps=1")) == ExitCode.BAD_SETTING
+    line = [x for x in capsys.readouterr().err.splitlines() if x.strip()][-1]
+    assert "holds out 0 documents" not in line and "; read the full corpus (data.subset=null), or lower " \
+        "data.min_heldout_docs" in line and "lower seq_len" not in line, line
+    fixed = tiny_config(*site, "max_steps=1", "data.min_heldout_docs=1")
+    fixed.run_dir = fixed.ckpt_dir = str(tmp_path / "followed")
+    assert run(fixed) == 0
+
+
+def test_too_short_held_out_documents_advice():
+    """`lower seq_len (to at most M)`: M is the longest seq_len that min_heldout_docs documents reach (M passes the
+    check, M + 1 does not); the eval's `evaluate at most` alike."""
+    from minigpt.data import BYTES_PER_TOKEN, _check_heldout
+
+    sizes, manifest = [9000, 4000, 4003, 100], {"min_heldout_docs": 2}
+    with pytest.raises(ConfigError) as e:
+        _check_heldout(manifest, sizes, 4096)
+    reach = 4003 // BYTES_PER_TOKEN - 1
+    assert f"lower seq_len (to at most {reach}), read the full corpus" in str(e.value), str(e.value)
+    _check_heldout(manifest, sizes, reach)
+    with pytest.raises(ConfigError):
+        _check_heldout(manifest, sizes, reach + 1)
+
+
 # ------------------------------------------------------------------------------------------------
 # The checkpoint converter
 # ------------------------------------------------------------------------------------------------
@@ -513,6 +595,95 @@ def test_eval_no_checkpoint_there_advice(run_dir, tmp_path, given):
     assert passkey(str(path), "--passkey-lengths", "128", "--out", str(tmp_path / "o"))[0] == 0
 
 
+@slow
+def test_eval_no_loss_alone_advice(run_dir, tmp_path):
+    """`--no-loss: nothing left to do; add --passkey-grid`."""
+    code, line = evaluate(str(run_dir), "--no-loss", "--passkey-lengths", "128", "--out", str(tmp_path / "o"))
+    assert code == 2 and "nothing left to do; add --passkey-grid" in line, line
+    assert passkey(str(run_dir), "--passkey-lengths", "128", "--out", str(tmp_path / "o"))[0] == 0
+
+
+@slow
+def test_eval_sliding_window_advice(pycode_run, tmp_path):
+    """`--sliding`: as many windows as model PATHs (`give one for all`), and a window too short to halve for its
+    stride (`give --stride`)."""
+    args = [str(pycode_run), "--lengths", "64", "--resamples", "20"]
+    code, line = evaluate(*args, "--sliding", "16,32", "--out", str(tmp_path / "o"))
+    assert code == 2 and "2 windows for 1 model PATHs; give one for all or one per model PATH" in line, line
+    assert evaluate(*args, "--sliding", "16", "--out", str(tmp_path / "o"))[0] == 0
+    code, line = evaluate(*args, "--sliding", "1", "--out", str(tmp_path / "o1"))
+    assert code == 2 and "has no half for a stride; give --stride" in line, line
+    assert evaluate(*args, "--sliding", "1", "--stride", "1", "--out", str(tmp_path / "o1"))[0] == 0
+
+
+@slow
+def test_eval_earlier_results_advice(pycode_run, tmp_path):
+    """Earlier results drawn again: a file that is not one (`give a run directory, a checkpoint or such a file`),
+    and results alone without --out (`say where (--out DIR)`)."""
+    assert evaluate(str(pycode_run), "--lengths", "64", "--resamples", "20", "--out", str(tmp_path / "first"))[0] == 0
+    result = tmp_path / "first" / "loss_by_position.json"
+    (tmp_path / "other.json").write_text("{}")
+    code, line = evaluate(str(tmp_path / "other.json"), "--out", str(tmp_path / "o"))
+    assert code == 2 and "not a loss_by_position.json or passkey_grid.json of minigpt-eval" in line, line
+    assert "give a run directory, a checkpoint or such a file" in line
+    code, line = evaluate(str(result))
+    assert code == 2 and "say where (--out DIR)" in line, line
+    assert evaluate(str(result), "--out", str(tmp_path / "o"))[0] == 0
+    assert (tmp_path / "o" / "loss_by_position.json").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# minigpt-sample's lines
+# ------------------------------------------------------------------------------------------------
+def sample(*argv: str) -> tuple[int, str]:
+    """minigpt-sample ARGV (4 greedy tokens on the CPU unless ARGV says) in a subprocess: (exit code, stderr's
+    last line)."""
+    proc = subprocess.run([sys.executable, "-c", "import sys; from minigpt.cli import sample_main; "
+                           "sys.exit(sample_main())", *argv, "--max-new-tokens", "4", "--temperature", "0"],
+                          capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc.returncode, (proc.stderr.strip().splitlines() or [""])[-1]
+
+
+@slow
+def test_sample_no_such_path_advice(passkey_run, tmp_path):
+    code, line = sample(str(tmp_path / "nope"))
+    assert code == 2 and "no such file or directory; give a run directory or a checkpoint file" in line, line
+    for path in (passkey_run, next((passkey_run / "checkpoints").glob("ckpt_*.pt"))):
+        assert sample(str(path))[0] == 0
+
+
+@slow
+def test_sample_device_advice(passkey_run):
+    if torch.cuda.is_available():
+        pytest.skip("a visible GPU: --device cuda is no error here")
+    code, line = sample(str(passkey_run), "--device", "cuda")
+    assert code == 2 and "use --device cpu (or auto)" in line, line
+    assert sample(str(passkey_run), "--device", "cpu")[0] == 0 and sample(str(passkey_run), "--device", "auto")[0] == 0
+
+
+@slow
+def test_sample_tokenizer_not_there_advice(text_run, tmp_path):
+    """A BPE run's checkpoint away from its run directory, and the tokenizer file it names gone (another machine):
+    `sample from the run directory that holds its tokenizer.json`."""
+    from minigpt import checkpoint
+
+    newest = checkpoint.list_checkpoints(text_run.parent / "elsewhere" / "ckpts")  # its ckpt_dir (test_sample)
+    state = checkpoint.load_checkpoint(newest[-1])
+    gone = tmp_path / "another-machine"  # the run directory the checkpoint names, and its tokenizer, elsewhere
+    state["config"].update(tokenizer=str(gone / "tokenizer.json"), run_dir=str(gone))
+    lone = checkpoint._write(tmp_path / "copied" / newest[-1].name, dict(state))
+    code, line = sample(str(lone))
+    assert code == 2 and "sample from the run directory that holds its tokenizer.json" in line, line
+    run = shutil.copytree(text_run, tmp_path / "run")
+    assert (run / "tokenizer.json").is_file()
+    moved = run / "checkpoints" / lone.name
+    moved.parent.mkdir(exist_ok=True)
+    shutil.copy(lone, moved)
+    shutil.copy(lone.with_suffix(".json"), moved.with_suffix(".json"))
+    assert sample(str(moved))[0] == 0
+
+
 # ------------------------------------------------------------------------------------------------
 # A multirun (-m): the overrides parse and the sweep directory is writable before Hydra writes
 # ------------------------------------------------------------------------------------------------
@@ -526,9 +697,81 @@ def test_a_multirun_is_checked_before_hydra_writes(tmp_path):
     bad = _unwritable(tmp_path, "under-a-file")
     one_line_error(cli(tmp_path, *args, "data.path=x", f"hydra.sweep.dir={bad}"), 2,
                    "point hydra.sweep.dir at a writable directory")
+    one_line_error(cli(tmp_path, *args, "data.path=x", f"ckpt_dir={bad}", "hydra.sweep.dir=s"), 2,  # a job's
+                   "multirun job #0: ckpt_dir=", "point ckpt_dir at a writable directory")
     assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()  # nothing written
-    proc = cli(tmp_path, *args, "data.path=x", f"ckpt_dir={bad}", "hydra.sweep.dir=s")  # a job's: checked per job
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert "point ckpt_dir at a writable directory" in proc.stderr and "0 of 2 jobs ok" in proc.stderr
+    assert not (tmp_path / "s").exists()
     proc = cli(tmp_path, *args, 'data.path="a b/c.txt"', f"hydra.sweep.dir={tmp_path / 'sweep'}")
     assert proc.returncode == 0 and "2 of 2 jobs ok" in proc.stdout, proc.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------------------
+# A multirun's job folders (minigpt/multirun.py): checked and locked before Hydra starts
+# ------------------------------------------------------------------------------------------------
+def multirun(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return cli(cwd, "-m", *TINY, "max_steps=1", *args)
+
+
+def jobs_ok(proc: subprocess.CompletedProcess, n: int) -> None:
+    assert proc.returncode == 0 and f"{n} of {n} jobs ok" in proc.stdout, (proc.stdout[-2000:], proc.stderr[-2000:])
+
+
+@slow
+def test_a_multirun_job_folder_in_use_advice(tmp_path):
+    runlock.lock(tmp_path / "S" / "0")
+    try:
+        one_line_error(multirun(tmp_path, "hydra.sweep.dir=S", "seed=1"), 2, "S/0 (job #0 of the multirun)",
+                       "wait until it ends", "or choose another hydra.sweep.dir")
+        jobs_ok(multirun(tmp_path, "hydra.sweep.dir=another", "seed=1"), 1)
+    finally:
+        runlock.unlock(tmp_path / "S" / "0")  # it ended
+    jobs_ok(multirun(tmp_path, "hydra.sweep.dir=S", "seed=1"), 1)
+
+
+@slow
+@pytest.mark.parametrize("followed", [["resume=auto", "hydra.sweep.dir=S"], ["hydra.sweep.dir=new"]])
+def test_a_multirun_over_another_runs_checkpoints_advice(tmp_path, followed):
+    jobs_ok(multirun(tmp_path, "hydra.sweep.dir=S", "seed=1"), 1)
+    one_line_error(cli(tmp_path, "-m", *TINY, "max_steps=2", "hydra.sweep.dir=S", "seed=1"), 2,
+                   "holds checkpoints of another run", "continue it with resume=auto, or choose a new hydra.sweep.dir")
+    jobs_ok(cli(tmp_path, "-m", *TINY, "max_steps=2", "seed=1", *followed), 1)
+    folder = tmp_path / followed[-1].partition("=")[2] / "0"
+    assert RunSummary.read(folder / "summary.json").steps == 2
+
+
+@slow
+@pytest.mark.parametrize("followed", [["hydra.sweep.dir=new"], ["resume=auto", "hydra.sweep.dir=S"]])
+def test_a_multirun_over_another_runs_summary_advice(tmp_path, followed):
+    jobs_ok(multirun(tmp_path, "hydra.sweep.dir=S", "seed=1", "save_checkpoints=false"), 1)
+    one_line_error(multirun(tmp_path, "hydra.sweep.dir=S", "seed=1"), 2, "S/0 (job #0 of the multirun): holds "
+                   "another run's summary.json", "choose a new hydra.sweep.dir, or continue that run with resume=auto")
+    proc = multirun(tmp_path, "seed=1", *followed)
+    if followed[0] == "resume=auto":  # that run kept no checkpoint, and finished: it says so, changes nothing
+        assert proc.returncode == 0 and "already finished" in proc.stdout, proc.stderr[-2000:]
+    else:
+        jobs_ok(proc, 1)
+
+
+BY_NUMBER = "hydra.sweep.subdir=${hydra.job.num}"
+
+
+@slow
+@pytest.mark.parametrize("refused, needles, followed, n", [
+    (["hydra.sweep.dir=S", "hydra.sweep.subdir=x", "seed=1,2"], ["jobs #0 and #1 would share the folder S/x", BY_NUMBER],
+     ["hydra.sweep.dir=S", BY_NUMBER, "seed=1,2"], 2),
+    (["hydra.sweep.dir=S", "hydra.sweep.subdir=${now:%H-%M-%S}", "seed=1"], ["reads the clock", BY_NUMBER],
+     ["hydra.sweep.dir=S", BY_NUMBER, "seed=1"], 1),
+    (["hydra.sweep.dir=S", "hydra.sweep.subdir=${hydra:job.num}", "seed=1"], ["cannot tell the jobs' folders",
+     BY_NUMBER], ["hydra.sweep.dir=S", BY_NUMBER, "seed=1"], 1),
+    (["hydra.sweep.dir=S", "ckpt_dir=ck", "seed=1,2"], ["ckpt_dir=ck: jobs #0 and #1 would share it",
+     "leave ckpt_dir unset"], ["hydra.sweep.dir=S", "seed=1,2"], 2),
+    (["hydra.sweep.dir=S${seed}", "seed=1,2"], ["a different folder for each job (S1, S2)",
+     "give the multirun one directory"], ["hydra.sweep.dir=S", "seed=1,2"], 2),
+    (["hydra.sweep.dir=S", "hydra/launcher=joblib", "seed=1,2"], ["hydra/launcher: ", "give the sweep as value lists"],
+     ["hydra.sweep.dir=S", "seed=1,2"], 2),
+], ids=["shared-folder", "clock-subdir", "runtime-subdir", "shared-ckpt-dir", "sweep-dir-per-job", "other-launcher"])
+def test_multirun_folders_known_up_front_advice(tmp_path, refused, needles, followed, n):
+    one_line_error(multirun(tmp_path, *refused), 2, *needles)
+    assert not list(tmp_path.iterdir())  # nothing written
+    jobs_ok(multirun(tmp_path, *followed), n)
+    assert all((tmp_path / "S" / str(k) / "summary.json").is_file() for k in range(n))

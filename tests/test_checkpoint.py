@@ -236,6 +236,36 @@ def test_non_finite_parameters_when_interrupted_write_no_checkpoint(tiny_config,
     assert not list(Path(cfg.ckpt_dir).glob("*.pt"))
 
 
+@pytest.mark.parametrize("nan_at, kept", [(5, "ckpt_00000004.pt"), (1, None)], ids=["after-a-checkpoint", "before-any"])
+def test_a_non_finite_loss_says_what_is_kept_and_resume_takes_the_last_good_checkpoint(tiny_config, monkeypatch,
+                                                                                      capsys, nan_at, kept):
+    """The first round's case: the loss turned NaN, the line said the last good checkpoint was kept, and yet one of
+    the NaN state was written after it. Now nothing is written; the line counts the step as the others do (steps
+    done: the NaN is step `nan_at`'s), and names the checkpoint kept, or says there is none."""
+    from minigpt.model import GPT
+
+    cfg = tiny_config("max_steps=6", "ckpt_every=2")
+    real, calls = GPT.forward, []
+
+    def nan_at_step(self, *args, **kwargs):
+        loss = real(self, *args, **kwargs)
+        calls.append(1) if self.training else None
+        return loss * float("nan") if self.training and len(calls) == nan_at else loss
+    with monkeypatch.context() as m:
+        m.setattr(GPT, "forward", nan_at_step)
+        assert run(cfg) == ExitCode.ERROR
+    line = stderr_line(capsys)
+    assert f"non-finite loss (nan) at step {nan_at}:" in line and "not saved" in line, line
+    assert (f"the last good checkpoint {Path(cfg.ckpt_dir) / kept} is kept" if kept else "no checkpoint was written") \
+        in line, line
+    saved = sorted(p.name for p in Path(cfg.ckpt_dir).glob("*.pt"))
+    assert saved == (["ckpt_00000002.pt", kept] if kept else [])
+    assert RunSummary.read(Path(cfg.run_dir) / "summary.json").steps == nan_at - 1
+    if kept:  # resume=auto continues from the last good one
+        assert run(tiny_config("max_steps=6", "ckpt_every=2", "resume=auto")) == 0
+        assert f"resumed from {Path(cfg.ckpt_dir) / kept} at step {nan_at - 1}" in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------------------------------------
 # 5. A path with a checkpoint's name that is not a checkpoint
 # ------------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 The expected plans below were produced by the four choosers that dispatch.plan replaced (tile_config,
 fused_backward_config, via_ds_chosen, specialized_ready in kernels/flash_attention.py at e668b53), run over the grid
 GRID walks on a CPU with the device facts (capability, TMA alignment) given as arguments. Any change of choice fails
-here; a deliberate one regenerates the table and says why in the commit.
+here; a deliberate one regenerates the table and says why in the commit. Since: the non-causal forward on sm_90 with
+inputs that fit takes the Gluon forward from 1K query rows (W, X; ring attention's blocks of other ranks).
 """
 import itertools
 
@@ -62,6 +63,10 @@ PLANS = {
     'T': [(1, 'via_ds:64x64w4s2T+64x64w4s3'), (1000, 'triton:64x64w4s2T+128x64w8s4T')],
     'U': [(1, 'triton:32x16w4s1T')],
     'V': [(1, 'triton:16x32w4s1T+32x16w4s1T')],
+    # non-causal forward on sm_90 with inputs that fit: the Gluon forward (rows sm90-non-causal, ring attention)
+    'W': [(1, 'triton:128x64w8s3T'), (1024, 'gluon:128x128w4s3TGP'), (2048, 'gluon:192x128w4s3TGP'),
+          (131072, 'gluon:192x128w4s3TG')],
+    'X': [(1, 'triton:128x64w8s3T'), (1024, 'gluon:128x128w4s3TGP')],
 }
 EXPECTED = (
     'ABABCBCBABABCBCBABABCBCBDEDECECEFGFGFGFGABABCBCBABABCBCBABABCBCBDEDECECEFGFGFGFGHIHIHIHIHIHIHIHI'
@@ -69,8 +74,8 @@ EXPECTED = (
     'FGFGFGFGHIHIHIHIHIHIHIHIHIHIHIHIHIHIHIHIJKJKJKJKABABCBCBABABCBCBABABCBCBDEDECECEFGFGFGFGABABCBCB'
     'ABABCBCBABABCBCBDEDECECEFGFGFGFGHIHIHIHIHIHIHIHIHIHIHIHIHIHIHIHIJKJKJKJKABABCBCBABABCBCBABABCBCB'
     'DEDECECEFGFGFGFGABABCBCBABABCBCBABABCBCBDEDECECEFGFGFGFGHIHIHIHIHIHIHIHIHIHIHIHIHIHIHIHIJKJKJKJK'
-    'ABABCBCBABABCBCBLMLBCBCBNONPCECEFGFGFGFGABABCBCBABABCBCBLMLBCBCBNONPCECEFGFGFGFGHIHIHIHIHIHIHIHI'
-    'HIHIHIHIHIHIHIHIJKJKJKJKABABCBCBABABCBCBLMLBCBCBNQNRCECEFGFGFGFGABABCBCBABABCBCBLMLBCBCBNQNRCECE'
+    'ABABCBCBABABCBCBLMLBWBWBNONPXEXEFGFGFGFGABABCBCBABABCBCBLMLBWBWBNONPXEXEFGFGFGFGHIHIHIHIHIHIHIHI'
+    'HIHIHIHIHIHIHIHIJKJKJKJKABABCBCBABABCBCBLMLBWBWBNQNRXEXEFGFGFGFGABABCBCBABABCBCBLMLBWBWBNQNRXEXE'
     'FGFGFGFGHIHIHIHIHIHIHIHIHIHIHIHIHIHIHIHIJKJKJKJKABABCBCBABABCBCBABABCBCBDSDSCECEFGFGFGFGABABCBCB'
     'ABABCBCBABABCBCBDSDSCECEFGFGFGFGHIHIHIHIHIHIHIHIHIHIHIHIHIHIHIHIJKJKJKJKABABCBCBABABCBCBABABCBCB'
     'DTDTCECEFGFGFGFGABABCBCBABABCBCBABABCBCBDTDTCECEFGFGFGFGHIHIHIHIHIHIHIHIHIHIHIHIHIHIHIHIJKJKJKJK'
@@ -131,8 +136,11 @@ def test_every_row_says_why_and_keeps_the_kernels_tiling():
         assert c.specialized or outer % inner == 0, e  # the Triton kernels' rule (Gluon's: 64-row consumers)
         assert not c.specialized or c.block_m % 64 == 0, e
         assert c.maxnreg is None or (24 <= c.maxnreg <= 255 and c.maxnreg % 8 == 0), e
-        assert not c.specialized or (e.when in ("sm90", "sm90-masks") and set(e.head_dims) <= {64, 128}), e
-        assert e.when in ("interpreter", "fp32", "non-causal", "sm90", "sm90-masks", "causal", "any"), e
+        assert not c.specialized or (e.when in ("sm90", "sm90-masks", "sm90-non-causal")
+                                     and set(e.head_dims) <= {64, 128}), e
+        assert e.when in ("interpreter", "fp32", "sm90-non-causal", "non-causal", "sm90", "sm90-masks", "causal",
+                          "any"), e
+        assert e.when != "sm90-non-causal" or (e.kernel == "fwd" and not e.masks), e  # the Gluon forward alone
         # the masked Gluon kernels: the forward and the five-matmul backward
         assert (e.when == "sm90-masks") <= (e.masks and e.kernel in ("fwd", "dkdvdq")), e
 
@@ -171,12 +179,15 @@ def test_forced_gluon_path_takes_the_first_gluon_row_below_the_tables_lengths():
     assert ask("bwd", 64, 65536, "gluon").tiles == ask("bwd", 64, 65536).tiles
     det = ask("bwd", 128, 8192, "gluon", deterministic=True)  # deterministic: the seven-matmul one with Gluon's dQ
     assert det.path == "triton" and det.dq_tiles.specialized
+    # the non-causal forward: the first sm90-non-causal row below the table's lengths (the backward has none)
+    assert ask("fwd", 128, 512, "gluon", causal=False).tiles == ask("fwd", 128, 4096, causal=False).tiles
+    assert ask("fwd", 64, 512, "gluon", causal=False, masked=True).tiles.specialized  # GQA alone
     for why, call in (("interpreter", dict(interpret=True)), ("fp32", dict(dtype=torch.float32)),
                       ("non-causal", dict(causal=False)), ("sm_80", dict(capability=(8, 0))),
                       ("unaligned", dict(gluon_inputs=False)), ("head_dim 32", dict()),
                       ("deterministic at 64", dict(deterministic=True))):
         for direction in ("fwd", "bwd"):
-            if why == "deterministic at 64" and direction == "fwd":
+            if why in ("deterministic at 64", "non-causal") and direction == "fwd":
                 continue
             with pytest.raises(ValueError, match="allowed values are auto, triton, via_ds, gluon"):
                 ask(direction, 32 if why == "head_dim 32" else 64, 4096, "gluon", **call)
@@ -211,3 +222,21 @@ def test_the_ds_buffer_cap_is_read_at_each_call(monkeypatch):
     assert ask("bwd", 128, 1024, batch_heads=16).path == "via_ds"
     monkeypatch.setattr(dispatch, "VIA_DS_MAX_BYTES", need - 1)
     assert ask("bwd", 128, 1024, batch_heads=16).path == "triton"
+
+
+def test_the_non_causal_forward_takes_the_causal_rows_gluon_tiles_on_sm90():
+    """Rows sm90-non-causal: a non-causal forward that fits the Gluon forward (launch.gluon_forward_ready: ring
+    attention's blocks of other ranks, continued, GQA included) runs it with the causal rows' tiles for its query
+    length, from 1K rows; unfit inputs, other devices, fp32, the interpreter and the backward keep their plans."""
+    for d, n in itertools.product((64, 128), (1024, 1152, 2048, 4096, 65536, 131072)):
+        causal, dense = ask("fwd", d, n), ask("fwd", d, n, causal=False)
+        assert dense.path == "gluon" and dense.tiles == causal.tiles, (d, n)
+        assert ask("fwd", d, n, causal=False, masked=True).tiles == causal.tiles  # GQA alone (the predicate's say)
+        for call in (dict(gluon_inputs=False), dict(capability=(8, 0)), dict(dtype=torch.float32),
+                     dict(interpret=True), dict(path="triton")):
+            assert ask("fwd", d, n, causal=False, **call).path == "triton", (d, n, call)
+        assert ask("fwd", d, n, causal=False, masked=True, gluon_inputs=False).path == "triton"  # masks: Triton's
+        for kernel in ("bwd", "dq", "dkdv"):
+            p = ask(kernel, d, n, causal=False)
+            assert not p.tiles.specialized and (p.dq_tiles is None or not p.dq_tiles.specialized), (kernel, d, n)
+    assert ask("fwd", 64, 1023, causal=False).path == "triton"  # below the Gluon rows' lengths

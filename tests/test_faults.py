@@ -218,9 +218,14 @@ def test_flash_with_a_head_dim_the_kernel_lacks_is_refused_before_it_starts(tmp_
 
 
 def test_a_multirun_with_a_failed_job_fails(tmp_path):
-    proc = cli(tmp_path, "-m", *TINY, "max_steps=1", "seq_len=-5,128")
+    proc = cli(tmp_path, "-m", *TINY, "max_steps=1", "model.vocab_size=100,512")  # job 0 fails as it builds its data
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "1 of 2 jobs ok" in proc.stderr and "seq_len=-5" in proc.stderr
+    assert "1 of 2 jobs ok" in proc.stderr and "model.vocab_size=100" in proc.stderr
+
+
+def test_a_multirun_with_a_bad_setting_in_a_job_is_refused_before_hydra_writes(tmp_path):
+    one_line_error(cli(tmp_path, "-m", *TINY, "max_steps=1", "seq_len=128,-5"), 2, "multirun job #1: seq_len=-5")
+    assert not list(tmp_path.iterdir())  # not even the sweep directory it reserved
 
 
 def test_without_a_gpu_and_no_model_the_run_is_cpu_sized(tmp_path):

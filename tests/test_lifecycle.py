@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -152,6 +153,39 @@ def test_a_folder_whose_run_failed_before_its_first_step_is_reused(tmp_path):
     assert RunSummary.read(tmp_path / "run" / "summary.json").status == "ok"
 
 
+# A multirun (-m): Hydra writes multirun.yaml, each job's .hydra/ and cli.log before our job function runs, so its
+# jobs are checked and their folders locked before Hydra starts (minigpt/multirun.py)
+@slow
+def test_a_multirun_whose_job_folder_is_in_use_writes_nothing(tmp_path):
+    runlock.lock(tmp_path / "S" / "0")  # a live run (this test process) in job 0's folder
+    try:
+        before = listing(tmp_path / "S")
+        time.sleep(0.01)
+        proc = cli(tmp_path, "-m", *TINY, "max_steps=1", "hydra.sweep.dir=S", "seed=1")
+        one_line_error(proc, 2, "S/0 (job #0 of the multirun): in use by another run", f"pid {os.getpid()}",
+                       "choose another hydra.sweep.dir")
+        assert listing(tmp_path / "S") == before  # no multirun.yaml, .hydra/ or cli.log; no mtime changed
+    finally:
+        runlock.unlock(tmp_path / "S" / "0")
+
+
+@slow
+def test_a_multirun_into_a_finished_sweep_leaves_it_untouched(tmp_path):
+    proc = cli(tmp_path, "-m", *TINY, "max_steps=1", "hydra.sweep.dir=S", "seed=1,2")  # into a fresh folder: runs
+    assert proc.returncode == 0 and "2 of 2 jobs ok" in proc.stdout, proc.stderr[-2000:]
+    assert all(RunSummary.read(tmp_path / "S" / k / "summary.json").status == "ok" for k in "01")
+    assert not list((tmp_path / "S").rglob(runlock.LOCK_FILE))  # every job's lock given back
+    before = listing(tmp_path / "S")
+    config = (tmp_path / "S" / "0" / ".hydra" / "config.yaml").read_bytes()
+    time.sleep(0.01)
+    one_line_error(cli(tmp_path, "-m", *TINY, "max_steps=1", "hydra.sweep.dir=S", "seed=3,4"), 2,
+                   "holds checkpoints of another run", "or choose a new hydra.sweep.dir")
+    proc = cli(tmp_path, "-m", *TINY, "max_steps=1", "hydra.sweep.dir=S", "seed=1,2", "resume=auto")
+    assert proc.returncode == 0 and proc.stdout.count("already finished") == 2, proc.stderr[-2000:]
+    assert "Launching" not in proc.stdout + proc.stderr  # every job finished: Hydra did not start
+    assert listing(tmp_path / "S") == before and \
+        (tmp_path / "S" / "0" / ".hydra" / "config.yaml").read_bytes() == config
+
 # ------------------------------------------------------------------------------------------------
 # Signals: one line, 128 + signal, a summary; at any phase
 # ------------------------------------------------------------------------------------------------
@@ -174,6 +208,41 @@ def test_a_signal_in_any_phase_ends_with_one_line_its_code_and_summary(tmp_path,
     else:
         assert "during setup" in line
     assert not (tmp_path / "run" / runlock.LOCK_FILE).exists()
+
+
+@slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_run_stopped_by_a_signal_then_resumed_has_the_losses_of_one_that_was_not(tiny_config, monkeypatch, sig):
+    """Nothing lost, to the bit that matters: the signal arrives inside step 3, the step ends with its checkpoint,
+    and resume=auto continues with the very losses (and val loss) an uninterrupted run has."""
+    import minigpt.train as train
+    from conftest import RecordingLogger
+    from minigpt.run import run
+
+    args = ("max_steps=6", "lr_decay_steps=6", "ckpt_every=0", "eval_every=3")
+    straight = RecordingLogger()
+    assert run(tiny_config(*args), logger=straight) == 0
+    for path in Path(tiny_config().run_dir).iterdir():  # the same run directory again, empty
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    real = train.train_step
+
+    def signalled(t, step):
+        loss = real(t, step)
+        if step == 2:
+            os.kill(os.getpid(), sig)
+        return loss
+    head, tail = RecordingLogger(), RecordingLogger()
+    with monkeypatch.context() as m:
+        m.setattr(train, "train_step", signalled)
+        assert run(tiny_config(*args), logger=head) == 128 + sig
+    s = RunSummary.read(Path(tiny_config().run_dir) / "summary.json")
+    assert (s.status, s.steps) == ("interrupted", 3) and Path(s.checkpoint).name == "ckpt_00000003.pt"
+    assert run(tiny_config(*args, "resume=auto"), logger=tail) == 0
+    assert len(head.series("train/loss")) == 3 and len(tail.series("train/loss")) == 3
+    assert head.series("train/loss") + tail.series("train/loss") == pytest.approx(straight.series("train/loss"),
+                                                                                  rel=1e-6, abs=1e-7)
+    assert head.series("eval/val_loss") + tail.series("eval/val_loss") == pytest.approx(
+        straight.series("eval/val_loss"), rel=1e-6, abs=1e-7)
 
 
 @slow
@@ -358,11 +427,8 @@ def _unwritable(tmp_path: Path, how: str) -> Path:
     return locked / "sub"
 
 
-@slow
-@pytest.mark.parametrize("how", ["under-a-file", "chmod"])
-@pytest.mark.parametrize("key", ["hydra.run.dir", "ckpt_dir", "data.cache_dir", "WANDB_DIR"])
-def test_an_unwritable_directory_is_one_line_exit_2(tmp_path, key, how):
-    bad = _unwritable(tmp_path, how)
+def _pointing_at(tmp_path, key: str, bad) -> tuple[list[str], dict[str, str]]:
+    """A one-step tiny run's arguments and environment with `key` (a setting, or WANDB_DIR) pointing at `bad`."""
     args, env = [*TINY, "max_steps=1"], {}
     if key == "data.cache_dir":
         (tmp_path / "corpus.txt").write_text("some text\n" * 100)
@@ -374,7 +440,43 @@ def test_an_unwritable_directory_is_one_line_exit_2(tmp_path, key, how):
         args.append(f"{key}={bad}")
     if key != "hydra.run.dir":
         args.append("hydra.run.dir=run")
+    return args, env
+
+
+@slow
+@pytest.mark.parametrize("how", ["under-a-file", "chmod"])
+@pytest.mark.parametrize("key", ["hydra.run.dir", "ckpt_dir", "data.cache_dir", "WANDB_DIR"])
+def test_an_unwritable_directory_is_one_line_exit_2(tmp_path, key, how):
+    bad = _unwritable(tmp_path, how)
+    args, env = _pointing_at(tmp_path, key, bad)
     one_line_error(cli(tmp_path, *args, env=env), 2, f"{key}={bad}", "point", "writable")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "outputs").exists()
+
+
+def _read_only_mounts() -> bool:
+    """Whether this machine lets an unprivileged user namespace mount a file system (unshare -rm): where it does, a
+    test can make a real read-only file system, which refuses root too (the chmod case is skipped for root)."""
+    try:
+        return subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@slow
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _read_only_mounts(),
+                    reason="needs unshare -rm (a user namespace) to mount a read-only file system")
+@pytest.mark.parametrize("key", ["hydra.run.dir", "ckpt_dir", "data.cache_dir", "WANDB_DIR"])
+def test_a_read_only_file_system_is_one_line_exit_2(tmp_path, key):
+    """The first round's case: the run folder on a read-only file system (EROFS) ended in a traceback from Hydra's
+    logging setup. A tmpfs mounted read-only in a user namespace, the CLI started inside it."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    bad = mount / "sub"
+    args, env = _pointing_at(tmp_path, key, bad)
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o ro none "$0" && exec "$@"', str(mount),
+                           sys.executable, "-m", "minigpt", *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=180, env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+    one_line_error(proc, 2, f"{key}={bad}", f"{mount} is on a read-only file system", "point", "writable")
     assert not (tmp_path / "run").exists() and not (tmp_path / "outputs").exists()
 
 

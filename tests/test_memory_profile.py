@@ -59,3 +59,44 @@ def test_group_live_sums_by_place_and_size_per_token():
               "max_memory_allocated_gib": 2.0, "before_step_gib": 0.5, "live_at_peak": rows}
     table = report_table(result)
     assert "| levers.py:118 backward |  | 3.00 | 3 |" in table and "live before the step" in table
+
+
+def test_replay_reserved_splits_the_reserved_peak_into_allocated_pending_and_fragmented():
+    from minigpt.benchmarks.memory_profile import replay_reserved
+
+    nccl_used = {**ev("alloc", 2, 300, OURS), "stream": 7}
+    events = [ev("segment_map", 0, 1000), ev("alloc", 1, 400, MODEL), nccl_used,
+              ev("free_requested", 2, 300),       # freed by the program; NCCL's stream still uses it
+              ev("alloc", 3, 500, MODEL),         # cannot reuse block 2: the segment grows
+              ev("segment_map", 0, 600),
+              ev("free_requested", 1, 400), ev("free_completed", 1, 400), ev("free_completed", 2, 300),
+              ev("segment_unmap", 0, 800)]
+    r = replay_reserved(events, reserved_baseline=200, allocated_baseline=100)
+    assert r["peak_reserved"] == 200 + 1000 + 600
+    assert r["allocated"] == 100 + 400 + 500  # torch's count: block 2 left it at free_requested
+    assert r["pending_free"] == 300 and [b["addr"] for b in r["pending_blocks"]] == [2]
+    assert r["fragmented"] == r["peak_reserved"] - r["allocated"] - r["pending_free"] == 500
+    assert r["unused"] == 800
+
+
+def test_replay_reserved_without_segment_events_keeps_the_baseline():
+    from minigpt.benchmarks.memory_profile import replay_reserved
+
+    r = replay_reserved([ev("alloc", 1, 10, MODEL), ev("free_requested", 1, 10), ev("free_completed", 1, 10)],
+                        reserved_baseline=64, allocated_baseline=32)
+    assert (r["peak_reserved"], r["allocated"], r["pending_free"], r["at_event"]) == (64, 32, 0, -1)
+
+
+def test_the_report_says_what_the_reserved_peak_held():
+    reserved = {"peak_reserved_gib": 21.0, "allocated_gib": 6.0, "pending_free_gib": 12.5, "unused_gib": 15.0,
+                "fragmented_gib": 2.5, "pending_at_peak": [{"where": "ring_attention.py:120 send", "op": "empty_like",
+                                                            "kb_per_token_each": 3.0, "count": 4, "gib": 12.5,
+                                                            "kb_per_token": 100.0}]}
+    result = {"device": "GPU", "commit": "abc", "overrides": ["seq_len=8"], "tokens": 8, "rank": 1, "world": 2,
+              "phases": [{"phase": "backward", "peak_gib": 1.0, "time_s": 0.1}], "peak_gib": 1.0,
+              "max_memory_allocated_gib": 1.0, "before_step_gib": 0.5, "live_at_peak": [],
+              "max_memory_reserved_gib": 21.0, "reserved": reserved}
+    md = report_table(result)
+    assert "(rank 1 of 2)" in md
+    assert "freed but waiting for another stream's work 12.50" in md and "fragmentation) 2.50" in md
+    assert "ring_attention.py:120 send" in md

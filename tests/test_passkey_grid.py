@@ -1,7 +1,7 @@
 """The passkey grid: scoring against stand-in models that read the key, greedy decoding against step-by-step
 decoding, the key's placement at the asked depth (bytes, and any tokenizer's tokens around the filler or pycode
 text), the files, the W&B run, and `minigpt-eval --passkey-grid` on real tiny checkpoints (a byte-level passkey run,
-and a BPE pycode run with both haystacks; bad arguments, missing and damaged checkpoints, out of memory)."""
+and a BPE pycode run with both haystacks; bad arguments, missing, damaged and unsafe checkpoints, out of memory)."""
 import json
 import os
 import re
@@ -364,6 +364,22 @@ def test_missing_or_damaged_checkpoint_ends_with_one_line(run_dir, tmp_path, cap
     fails(damaged, 1, "no intact checkpoint")
 
 
+def test_an_unsafe_checkpoint_is_refused_and_never_run(run_dir, tmp_path, capsys):
+    """minigpt-eval loads through the one loader too: a planted pickle (as a file, and as the newest checkpoint of a
+    run directory beside intact older ones: no silent fallback) is refused with exit 2 and never runs."""
+    from test_checkpoint import plant
+
+    run = shutil.copytree(run_dir, tmp_path / "run", ignore=shutil.ignore_patterns("eval"))
+    marker = tmp_path / "ran"
+    planted = plant(run / "checkpoints" / "ckpt_00000009.pt", marker)
+    for path in (planted, run / "checkpoints", run):
+        assert main([str(path), *GRID, "--passkey-lengths", "128", "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "ckpt_00000009.pt" in err[0] and "refused" in err[0], err
+        assert f"python -m minigpt.checkpoint upgrade {planted} --trust" in err[0]
+    assert not marker.exists() and not (tmp_path / "o").exists()
+
+
 def test_a_length_out_of_gpu_memory_is_recorded_and_the_others_go_on(run_dir, tmp_path, monkeypatch, capsys):
     from minigpt.model import GPT
 
@@ -402,3 +418,69 @@ def test_the_grid_of_a_bpe_model_in_both_haystacks(pycode_run, tmp_path):
         assert all(c["keys"] == 20 and len(c["answers"]) == len(c["expected"]) == 20 for c in result["cells"])
         assert all(e.startswith(" ") and e[1:].isdigit() for c in result["cells"] for e in c["expected"])
         assert len(result["run"]["tokenizer"]) == 16 and (out / f"passkey_{haystack}" / FILES[2]).exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# A grid in parts, merged
+# ------------------------------------------------------------------------------------------------
+def oracle_grid(lengths, depths, oom=()):
+    """The Oracle's grid as minigpt-eval writes it (right at depths below 0.5), `oom` lengths out of memory."""
+    from minigpt.eval.passkey_grid import run_grid
+    from minigpt.eval.retrieval import FillerBytes
+
+    model = Oracle(lambda key, depth: key if depth < 0.5 else other(key))
+    hidden = model.hidden
+    model.hidden = lambda idx: hidden(idx) if idx.shape[1] not in oom else \
+        (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("CUDA out of memory"))
+    result = run_grid(model, FillerBytes(), lengths, depths, 3, torch.device("cpu"), torch.float32, 1, 1000, 128)
+    return {**result, "run": {"checkpoint": "a/ckpt.pt", "step": 2, "model": "tiny", "attention": "sdpa"}}
+
+
+def test_parts_of_a_grid_merge_into_the_whole_grid():
+    from minigpt.eval.passkey_grid import merge_grids
+
+    whole = oracle_grid(LENGTHS, DEPTHS)
+    parts = [oracle_grid([200], DEPTHS[:1]), oracle_grid([128], DEPTHS), oracle_grid([200], DEPTHS[1:])]
+    assert merge_grids(parts) == whole  # in any order, split by length or by depth
+    assert list(merge_grids(parts)) == list(whole)  # the same JSON, key for key
+    # a length out of memory in one part is out of memory in the grid, its other cells dropped, as in one command
+    oom = merge_grids([oracle_grid([128], DEPTHS), oracle_grid([200], DEPTHS[:2]), oracle_grid([200], DEPTHS[2:],
+                                                                                              oom=(200,))])
+    assert oom == oracle_grid(LENGTHS, DEPTHS, oom=(200,)) and oom["oom"] == [200] and oom["lengths"] == [128]
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda parts: parts + [parts[0]], "grid 3: length 128 at depth 0 is in another part too"),
+    (lambda parts: [parts[0], {**parts[1], "cells": parts[1]["cells"][1:]}],
+     "no grid has length 200 at depth 0 (1 cell(s) missing)"),
+    (lambda parts: [parts[0], {**parts[1], "seed": 7}], "grid 2 has seed 7, grid 1 1: not parts of one grid"),
+    (lambda parts: [parts[0], {**parts[1], "keys_per_cell": 5}], "grid 2 has keys_per_cell 5"),
+    (lambda parts: [parts[0], {**parts[1], "run": {**parts[1]["run"], "step": 3}}],
+     "grid 2 is of another model than grid 1 (its step 3, not 2)"),
+])
+def test_a_merge_refuses_shared_cells_holes_and_parts_of_other_grids(change, says):
+    from minigpt.eval.passkey_grid import merge_grids
+
+    parts = [oracle_grid([128], DEPTHS), oracle_grid([200], DEPTHS)]
+    with pytest.raises(ValueError, match=re.escape(says)):
+        merge_grids(change(parts))
+    other_path = {**parts[1], "run": {**parts[1]["run"], "checkpoint": "b/ckpt.pt"}}  # the same model elsewhere
+    assert merge_grids([parts[0], other_path])["run"] == parts[0]["run"]
+
+
+def test_cli_merges_grid_files_per_haystack_and_refuses_what_is_not_one_grid(tmp_path, capsys):
+    parts = [oracle_grid([200], DEPTHS), oracle_grid([128], DEPTHS)]
+    files = [write_outputs(p, tmp_path / f"part{i}" / "passkey_filler")[0] for i, p in enumerate(parts)]
+    out = tmp_path / "merged"
+    assert main([*map(str, files), "--out", str(out)]) == 0
+    assert json.loads((out / "passkey_filler" / FILES[0]).read_text()) == oracle_grid(LENGTHS, DEPTHS)
+    assert "2 parts merged" in (out / "passkey_filler" / FILES[1]).read_text()
+    assert (out / "passkey_filler" / FILES[2]).exists() and "passkey (filler) mean accuracy 50.0%" in \
+        capsys.readouterr().out
+    assert main([str(files[0]), "--out", str(tmp_path / "one")]) == 0  # one part alone: a grid of its lengths
+    assert main([str(files[0]), str(files[0]), "--out", str(tmp_path / "twice")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "is in another part too" in err[-1] and not (tmp_path / "twice").exists()
+    with pytest.raises(SystemExit) as e:
+        main([str(files[0]), str(tmp_path), "--out", str(tmp_path / "mixed")])
+    assert e.value.code == 2 and "passkey_grid.json files are merged on their own" in capsys.readouterr().err

@@ -71,7 +71,9 @@ def test_the_plan_trains_small_6l_to_64k_in_stages_beside_a_2k_baseline_of_the_s
                 done[item.name] = item.last
     assert done == {r.name: r.end for r in plan.runs}
     evals = [i.name for seg in segments for i, _ in seg if isinstance(i, Evaluation)]
-    assert evals == ["baseline-sliding", "final-loss", "passkey-filler", "passkey-pycode"]
+    assert evals == ["baseline-sliding", "final-loss", *(f"passkey-{h}-{p}" for h in ("filler", "pycode") for p in
+                                                         ("16K-32K-64K", "128K-depths-0-0.5", "128K-depths-0.6-1",
+                                                          "merge"))]
 
     assert main(["--out", str(tmp_path / "lc"), "--dry-run"]) == 0
     printed = capsys.readouterr().out
@@ -80,6 +82,11 @@ def test_the_plan_trains_small_6l_to_64k_in_stages_beside_a_2k_baseline_of_the_s
     assert all(f"resume={plan.out}/stages/" in c and "resume_extend=true" in c for c in firsts.values())
     assert f"segment {len(segments)}," in printed and "total: ~" in printed and not (tmp_path / "lc").exists()
     assert "model.rope_base=10000 -> 1e+06" in printed
+
+    # the evaluations log to W&B where the trainer does (FULL composes logger=wandb; TINY and logger=none: no W&B)
+    assert all("--wandb" in argv for e in plan.evaluations for argv in e.argvs) and plan.runs[-1].logger == "wandb"
+    for quiet in (build_plan(TINY, tmp_path / "lc"), build_plan(FULL, tmp_path / "lc", ("logger=none",))):
+        assert not any("--wandb" in argv for e in quiet.evaluations for argv in e.argvs)
 
     tiny = build_plan(TINY, tmp_path / "lc").fingerprint()
     with pytest.raises(ConfigError, match="started by another plan .its variant: tiny, now: full.; continue it with "
@@ -90,6 +97,17 @@ def test_the_plan_trains_small_6l_to_64k_in_stages_beside_a_2k_baseline_of_the_s
     assert untouched.plan == plan.fingerprint()
     assert main(["--out", str(tmp_path / "lc"), "--budget-minutes", "0.5"]) == 2  # less than the reserve
     assert "--budget-minutes 0.5: must leave more than the 60 s" in capsys.readouterr().err
+
+
+def test_a_state_file_of_an_earlier_recipe_loads_and_drops_what_is_no_longer_kept(tmp_path):
+    plan = build_plan(TINY, tmp_path)
+    old = {"plan": plan.fingerprint(), "revision": 4, "runs": {"baseline": 20}, "evaluations": {},
+           "prepared": ["m"], "tokens": {"train": 28400000, "val": 3000000}, "measured": {}, "segments": []}
+    (tmp_path / STATE_FILE).write_text(json.dumps(old))
+    state = RecipeState.read(tmp_path / STATE_FILE)
+    assert (state.revision, state.runs, state.prepared) == (4, {"baseline": 20}, ["m"])
+    state.save(tmp_path)
+    assert "tokens" not in json.loads((tmp_path / STATE_FILE).read_text())
 
 
 @pytest.fixture
@@ -122,11 +140,13 @@ def test_the_tiny_recipe_goes_segment_by_segment_on_fresh_directories_to_its_eva
     # the results, every command in the log, the trainer's loss by position
     final = json.loads((out / "eval" / "final" / "loss_by_position.json").read_text())
     assert len(final["curves"]) == 2 and final["goals"]["paired_difference"]
-    for haystack in ("filler", "pycode"):
-        assert json.loads((out / "eval" / "passkey" / f"passkey_{haystack}" / "passkey_grid.json").read_text())["cells"]
+    for haystack in ("filler", "pycode"):  # merged from its parts: every cell once, with the plan's keys
+        grid = json.loads((out / "eval" / "passkey" / f"passkey_{haystack}" / "passkey_grid.json").read_text())
+        assert sorted((c["length"], c["depth"], c["keys"]) for c in grid["cells"]) == \
+            [(n, d, TINY.keys) for n in TINY.passkey_lengths for d in TINY.depths]
     log = (out / "recipe.log").read_text()
     assert log.count("$ python -m minigpt ") == sum(len(p) for p in pieces(state).values())
-    assert log.count("$ python -m minigpt.eval ") >= 5  # one stopped at a budget runs again
+    assert log.count("$ python -m minigpt.eval ") >= sum(len(e.argvs) for e in plan.evaluations)  # or again, if stopped
     metrics = [json.loads(line) for line in (out / "stages" / "64k" / "metrics.jsonl").read_text().splitlines()]
     assert any("eval/loss_by_position/512-1024" in m for m in metrics)
     # nothing left: a re-run says so and changes nothing
@@ -189,3 +209,30 @@ def test_weights_cross_a_handoff_in_bf16_and_come_back_as_a_checkpoint_the_train
     (tmp_path / "h" / "weights.00").write_bytes(b"damaged")
     with pytest.raises(RuntimeError, match="weights.00 is missing or damaged"):
         rebuild_checkpoint(tmp_path / "h", manifest, tmp_path / "other")
+
+
+def test_a_signal_during_the_budgets_stop_still_stops_the_command(tmp_path, monkeypatch):
+    """A command past its budget gets SIGTERM and a grace period; a stop signal arriving in that grace period must
+    not leave it running while the recipe records and exports: the command is stopped with that signal too, and the
+    signal goes on up."""
+    import signal
+    import sys
+    from types import SimpleNamespace
+
+    from minigpt.recipe import runner
+    from minigpt.signals import Interrupted
+
+    sent = []
+
+    def stop_group(proc, signum, grace_s):
+        sent.append(signum)
+        if len(sent) == 1:  # SIGINT arrives while the budget's SIGTERM is being waited out
+            raise Interrupted(signal.SIGINT)
+        proc.kill()
+        return proc.wait()
+
+    monkeypatch.setattr(runner, "stop_group", stop_group)
+    fake = SimpleNamespace(out=tmp_path, number=1, log=lambda *a, **k: None, say=lambda *a, **k: None)
+    with pytest.raises(Interrupted):
+        runner.Invocation.command(fake, [sys.executable, "-c", "import time; time.sleep(60)"], "sleeper", 0.5)
+    assert sent == [signal.SIGTERM, signal.SIGINT]

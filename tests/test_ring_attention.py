@@ -106,3 +106,38 @@ def test_a_recomputed_blocks_k_and_v_travel_the_ring_without_a_copy(tiny_config)
     assert message.data_ptr() == k.data_ptr() and message[1].data_ptr() == v.data_ptr()
     separate = stack_kv(k.detach().clone().transpose(1, 2), v.detach().clone().transpose(1, 2))
     assert separate.data_ptr() != k.data_ptr() and torch.equal(separate, message)
+
+
+def test_the_call_fence_waits_for_the_call_lag_calls_back():
+    """The host waits, as a ring call starts, for the end of the call `lag` calls back (the memory NCCL pinned
+    is reused only once the GPU is past it); long shards wait for the previous call, short ones for the one before."""
+    from minigpt.distributed.ring_attention import SERIAL_HOP_BYTES, CallFence, fence_lag
+
+    log = []
+
+    class Event:  # stands in for torch.cuda.Event: records what the fence asks of it
+        made = 0
+
+        def __init__(self):
+            self.call, Event.made = Event.made, Event.made + 1
+
+        def record(self):
+            log.append(("end of call", self.call))
+
+        def synchronize(self):
+            log.append(("host waits for", self.call))
+
+    fence = CallFence(Event)
+    for _ in range(4):
+        fence.enter(2)
+        fence.leave()
+    assert [e for e in log if e[0] == "host waits for"] == [("host waits for", 0), ("host waits for", 1)]
+    log.clear()
+    fence.enter(1)  # a long shard: calls 2 and 3 both done before it starts
+    assert log == [("host waits for", 2), ("host waits for", 3)]
+    fence.enter(1)  # nothing left in flight: no wait
+    assert log == [("host waits for", 2), ("host waits for", 3)]
+    channels = 768  # a K/V message is 2 · N · channels bf16 values
+    long_n = -(-SERIAL_HOP_BYTES // (2 * channels * 2))  # the shortest long shard
+    assert fence_lag(torch.empty(1, 1, long_n, channels, dtype=torch.bfloat16)) == 1
+    assert fence_lag(torch.empty(1, 1, long_n - 1, channels, dtype=torch.bfloat16)) == 2

@@ -34,13 +34,52 @@ def test_every_table_variant_builds_for_sm90(reports, name):
     assert r["HGMMA"] > 0 and r["wgmma_loops"], f"{name}: no wgmma loop in its SASS"
 
 
-@pytest.mark.parametrize("name", ["fwd persistent D64 C3", "fwd plain D64 C3", "fwd persistent D64 C3 fp16"])
+@pytest.mark.parametrize("name", ["fwd persistent D64 C3", "fwd plain D64 C3", "fwd persistent D64 C3 fp16",
+                                  "fwd non-causal persistent D64 C3 continue", "fwd plain D64 C3 fp32 o"])
 def test_three_consumer_forward_packs_p_without_prmt(reports, name):
     """At three consumers P is rounded into packed registers by hand (gluon/forward.py, _p_operand): with the
     compiler's own conversion ptxas swaps the halves of each register back before the P·V wgmma, 32 PRMT per key
     tile (kernels/NOTES.md Z; 128–192 in the kernel under triton 3.6 and 3.9). If this fails after a triton upgrade,
     compare the loops with `python -m minigpt_kernels.sm90_build --only fwd` before measuring on a GPU."""
     assert reports[name]["error"] is None and reports[name]["PRMT"] == 0, reports[name]
+
+
+RING = [n for n in NAMES if n.startswith("fwd") and any(w in n for w in ("non-causal", "continue", "fp32 o"))]
+
+
+def _base(name: str) -> str:
+    """The causal fresh variant with the same tiles: what the ring's forms are held against."""
+    for word in ("non-causal ", " continue", " GQA", " fp32 o"):
+        name = name.replace(word, "")
+    return name
+
+
+def test_ring_attention_forward_variants_are_built():
+    """The forward's forms in ring attention's launches, at head_dim 64 and 128: the local block causal into an fp32
+    o (fp32 o), the other ranks' blocks without the causal mask, continuing the running fp32 (o, lse) (non-causal
+    ... continue), with GQA too, and the non-causal forward in the inputs' dtype."""
+    for d in (64, 128):
+        for kind in ("fwd non-causal persistent D{d} C2 continue", "fwd non-causal persistent D{d} C2",
+                     "fwd persistent D{d} C2 fp32 o", "fwd non-causal persistent D{d} C2 continue GQA",
+                     "fwd masked D{d} C2 fp32 o"):
+            assert kind.format(d=d) in RING, kind.format(d=d)
+    assert all(_base(n) in NAMES for n in RING)
+
+
+@pytest.mark.parametrize("name", RING)
+def test_ring_forward_variants_keep_the_causal_key_tile_loop(reports, name):
+    """Each ring form's key-tile loops (the shortest loops holding wgmmas, one per consumer) are no longer than the
+    causal fresh variant's of the same tiles, and spill no more there: the continued state is read and written in
+    the epilogue, and without the causal mask the only masked tile is a ragged last one. The causal continued form
+    of the three-consumer persistent kernel (no ring launch takes it) is held to building only."""
+    r, base = reports[name], reports[_base(name)]
+    assert r["error"] is None and r["HGMMA"] > 0 and r["wgmma_loops"], (name, r["error"])
+    if name.startswith("fwd persistent D64 C3 continue"):
+        return
+    consumers = int(name.split(" C")[1][0])
+    ours, theirs = r["inner_loops"][:consumers], base["inner_loops"][:consumers]
+    assert max(n for n, _ in ours) <= max(n for n, _ in theirs) + 4, (name, ours, theirs)
+    assert sum(s for _, s in ours) <= sum(s for _, s in theirs), (name, ours, theirs)
 
 
 LISTING = """

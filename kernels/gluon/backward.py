@@ -1,5 +1,6 @@
-"""The causal FlashAttention backward on Hopper, warp-specialized, in Gluon (Triton's explicit-layout dialect), for
-the sizes where it is faster than the Triton kernels of triton_kernels.py (kernels/NOTES.md P, Q):
+"""The FlashAttention backward on Hopper, warp-specialized, in Gluon (Triton's explicit-layout dialect), for the
+causal sizes where it is faster than the Triton kernels of triton_kernels.py (kernels/NOTES.md P, Q), and for ring
+attention's blocks:
 
     P = exp2(Q Kᵀ · scale·log2e − LSE),  dP = dO Vᵀ,  dS = P ∘ (dP − delta),  delta = rowsum(dO ∘ O)
     dV = Pᵀ dO,  dK = scale · dSᵀ Q,  dQ = scale · dS K                       (the same outputs as triton_kernels.py)
@@ -40,15 +41,26 @@ group's query heads in turn through the same ring (counters run on), the produce
 descriptors per query head once the copies through the old ones have landed, so dK and dV sum over the group in
 registers and no per-query-head K/V copy exists.
 
+Ring attention's blocks (`launch_dkdv_dq_block`, for launch.launch_backward_block; the same kernel with the
+constexprs FULL and ACCUMULATE_DKDV, which leave the code compiled without them as it was): a block off the
+diagonal has no causal mask and N_Q query rows against N_K keys (2c × c or c × 2c on a zigzag shard), so with FULL
+every key block visits every query tile from query 0 and never runs the elementwise mask; the lse and delta rows it
+reads are the whole rows' (the final ones), as in any FlashAttention-2 backward split over key blocks. With
+ACCUMULATE_DKDV dK, dV are added to the fp32 buffers they go to (ring attention's travelling accumulator) by a load,
+an add and a store per element at the item's end (one program owns a key block's rows). dQ goes, as everywhere here,
+by TMA reduce-add into an fp32 2-D array; the launcher points it straight at the caller's fp32 dq rows where their
+strides allow (dq_acc_geometry), so a block adds its dQ in place, with no scratch and no conversion pass.
+
 The consumers run free: ordering their matmuls by turns (as the forward does) was 5–12% slower here, since each step
 already holds four (dK/dV) or three (dQ) matmuls against one exponential per score. Every matmul is retired within
 its step (a wgmma result in flight at the loop's back-edge makes ptxas serialize them all, NOTES.md F). The register
 file is split by role (setmaxnreg).
 
 Scope: causal, fp16/bf16, head_dim 64 or 128 (dK/dV/dQ; the dQ kernel at 128), one length for queries and keys (the
-dK/dV/dQ kernel: windows, document ids and GQA too), TMA-aligned inputs, sm_90; the dK/dV/dQ kernel reads LSE and
-delta rows through TMA, so their starts must be 16-byte aligned. dispatch.py's table picks these kernels; launch.py
-falls back to the Triton kernels otherwise.
+dK/dV/dQ kernel: windows, document ids and GQA too; and, for ring attention's blocks, non-causal with N_Q a multiple
+of 64 and N_K of 128, GQA, dK/dV added into fp32), TMA-aligned inputs, sm_90; the dK/dV/dQ kernel reads LSE and
+delta rows through TMA, so their starts must be 16-byte aligned. dispatch.py's table picks these kernels (ring
+attention's blocks: launch.gluon_block_ready); launch.py falls back to the Triton kernels otherwise.
 """
 from __future__ import annotations
 
@@ -186,18 +198,24 @@ def _dkdv_last(q_smem, do_smem, t, STAGES: gl.constexpr, dv, dk, pT16, dsT16):
 
 @gluon.jit
 def _write_dkdv(dk, dv, DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0,
-                sm_scale, HEAD_DIM: gl.constexpr):
-    """dK (scaled: dS was taken w.r.t. the scaled scores) and dV of this consumer's 64 keys; keys past N not written."""
+                sm_scale, HEAD_DIM: gl.constexpr, ACCUMULATE: gl.constexpr):
+    """dK (scaled: dS was taken w.r.t. the scaled scores) and dV of this consumer's 64 keys; keys past N not written.
+    ACCUMULATE: added to what DK, DV (fp32) hold instead (ring attention's travelling accumulator); a load, an add
+    and a store, no atomics: one program owns a key block's rows (with GQA its K/V head's, the group summed)."""
     d_layout: gl.constexpr = dk.type.layout
     dk = dk * sm_scale
     out_keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, d_layout))
     out_cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, d_layout)), 0)
     rows64 = gl.expand_dims(out_keys.to(gl.int64), 1)
     mask = gl.expand_dims(out_keys < N, 1)
-    gl.store(DK + b * stride_dkb + h * stride_dkh + rows64 * stride_dkn + out_cols, dk.to(DK.dtype.element_ty),
-             mask=mask)
-    gl.store(DV + b * stride_dvb + h * stride_dvh + rows64 * stride_dvn + out_cols, dv.to(DV.dtype.element_ty),
-             mask=mask)
+    dk_ptrs = DK + b * stride_dkb + h * stride_dkh + rows64 * stride_dkn + out_cols
+    if ACCUMULATE:  # dK_j += this block's dK_j (one tensor at a time: dK's old values and dV are not live together)
+        dk = dk + gl.load(dk_ptrs, mask=mask, other=0.0)
+    gl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=mask)
+    dv_ptrs = DV + b * stride_dvb + h * stride_dvh + rows64 * stride_dvn + out_cols
+    if ACCUMULATE:  # dV_j += this block's dV_j
+        dv = dv + gl.load(dv_ptrs, mask=mask, other=0.0)
+    gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
@@ -274,11 +292,11 @@ def _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, rea
 def _split_key_block(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready, ds_free,
                      dq_smem, dq_desc, g, num_tiles, row0, col, ME: gl.constexpr, STAGES: gl.constexpr, zero_s, zero_q,
                      dv, dk, keys, cols, qk_scale, sm_scale, a_layout: gl.constexpr, BLOCK_M: gl.constexpr, tmask,
-                     WINDOWED: gl.constexpr, DOCS: gl.constexpr):
+                     WINDOWED: gl.constexpr, DOCS: gl.constexpr, FULL: gl.constexpr):
     """One key block's share of one query head in the head_dim-128 kernel: its query tiles at ring positions g ...
     g + num_tiles − 1, tile 0 without a dQ behind it, the steps, then the last tile's dQ. Its dQ columns go to
     accumulator rows row0 ... and columns col ...; every read of K and V has retired on return. Returns (dV, dK)."""
-    MASKED_TILES: gl.constexpr = (TILE * (ME + 1) + BLOCK_M - 1) // BLOCK_M
+    MASKED_TILES: gl.constexpr = 0 if FULL else (TILE * (ME + 1) + BLOCK_M - 1) // BLOCK_M  # as _dkdv_query_head
     MASKS: gl.constexpr = WINDOWED or DOCS
     pT16, dsT16 = _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, g, ME,
                                STAGES, zero_s, keys, cols, 0 < MASKED_TILES, qk_scale, a_layout, tmask, WINDOWED, DOCS)
@@ -344,18 +362,42 @@ def _query_end(start_n, N, mask, ends, WINDOWED: gl.constexpr, DOCS: gl.constexp
 
 @gluon.jit
 def _key_block(WORK, index, n_kblocks, N, BLOCK_M: gl.constexpr, heads, mask, WINDOWED: gl.constexpr,
-               DOCS: gl.constexpr):
+               DOCS: gl.constexpr, n_q, FULL: gl.constexpr):
     """Item `index` of the list: (batch·head, first key, query tiles from that key on): to the end (causal), or
-    with masks to the end of the queries that see the block (_query_end). heads: _item_heads."""
+    with masks to the end of the queries that see the block (_query_end); FULL (no causal mask): all n_q queries'
+    tiles, from query 0 on (_query_origin). heads: _item_heads."""
     item = gl.load(WORK + index)
     start_n = (item % n_kblocks) * (CONSUMERS * TILE)
     bh = item // n_kblocks
-    if WINDOWED or DOCS:
+    if FULL:  # every query sees every key: the block visits each query tile
+        num_tiles = gl.cdiv(n_q, BLOCK_M)
+    elif WINDOWED or DOCS:
         ends = _batch_ends(mask, (bh // heads).to(gl.int64), DOCS)
         num_tiles = gl.cdiv(_query_end(start_n, N, mask, ends, WINDOWED, DOCS) - start_n, BLOCK_M)
     else:
         num_tiles = gl.cdiv(N - start_n, BLOCK_M)
     return bh, start_n, num_tiles
+
+
+@gluon.jit
+def _query_origin(start_n, FULL: gl.constexpr):
+    """The first query row of the tiles a key block visits: its own first key (causal: no earlier query sees it), or
+    query 0 (FULL: every query sees every key)."""
+    if FULL:
+        origin = 0
+    else:
+        origin = start_n
+    return origin
+
+
+@gluon.jit
+def _query_count(N, n_q, FULL: gl.constexpr):
+    """The number of queries: N, the keys' (causal: one length), or n_q (FULL: N_Q query rows against N keys)."""
+    if FULL:
+        count = n_q
+    else:
+        count = N
+    return count
 
 
 @gluon.jit
@@ -399,10 +441,14 @@ def _tile_mask(mask, bh, heads, key0, keys, start_n, N, BLOCK_M: gl.constexpr, W
 def _masked_tile(t, MASKED_TILES: gl.constexpr, tmask, MASKS: gl.constexpr):
     """Whether query tile t of the block needs the elementwise mask for this consumer's keys: it reaches below the
     consumer's last key (t < MASKED_TILES: the causal diagonal), or, with masks, one of its rows misses one of the
-    keys by the window or the documents (t >= full_tiles, _tile_mask)."""
-    masked = t < MASKED_TILES
-    if MASKS:
-        masked = masked | (t >= tmask[1])
+    keys by the window or the documents (t >= full_tiles, _tile_mask). Never without a diagonal or masks
+    (MASKED_TILES = 0: FULL), as a constant, so the mask's code is not compiled in."""
+    if MASKED_TILES == 0 and not MASKS:
+        masked = False
+    else:
+        masked = t < MASKED_TILES
+        if MASKS:
+            masked = masked | (t >= tmask[1])
     return masked
 
 
@@ -418,14 +464,15 @@ def _group_origin(bh, heads, group, qh, acc_rows_b, acc_rows_h, acc_cols_h, star
 def _dkdv_query_head(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready, ds_free, kv_free,
                      buf, release_kv, g, num_tiles, ME: gl.constexpr, STAGES: gl.constexpr, zero_s, dk, dv, keys, cols,
                      qk_scale, a_layout: gl.constexpr, BLOCK_M: gl.constexpr, tmask, WINDOWED: gl.constexpr,
-                     DOCS: gl.constexpr):
+                     DOCS: gl.constexpr, FULL: gl.constexpr):
     """One query head's share of a key block (head_dim 64): its query tiles at ring positions g ... g + num_tiles − 1
     (tile t holds queries cols + t·BLOCK_M), dV += Pᵀ dO and dK += dSᵀ Q, each tile's dSᵀ handed to the dQ
     warpgroup; tile 0 alone, then a step per tile, then the last tile's dV, dK. release_kv: the block's last query
     head, whose last Sᵀ, dPᵀ are the last reads of K and V: release their buffer (kv_free[buf]) once those have
     retired. Returns (dV, dK)."""
-    # query tiles (counted from the block's first key) that reach below this consumer's last key get the mask
-    MASKED_TILES: gl.constexpr = (TILE * (ME + 1) + BLOCK_M - 1) // BLOCK_M
+    # query tiles (counted from the block's first key) that reach below this consumer's last key get the mask;
+    # none without the causal mask (FULL)
+    MASKED_TILES: gl.constexpr = 0 if FULL else (TILE * (ME + 1) + BLOCK_M - 1) // BLOCK_M
     MASKS: gl.constexpr = WINDOWED or DOCS
     pT16, dsT16 = _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, g,
                                ME, STAGES, zero_s, keys, cols, 0 < MASKED_TILES, qk_scale, a_layout, tmask, WINDOWED,
@@ -445,16 +492,18 @@ def _dkdv_query_head(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, 
 @gluon.jit
 def _dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                               STAGES: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr,
-                              WINDOWED: gl.constexpr, DOCS: gl.constexpr):
+                              WINDOWED: gl.constexpr, DOCS: gl.constexpr, FULL: gl.constexpr,
+                              ACCUMULATE_DKDV: gl.constexpr):
     """Consumer warpgroup ME (head_dim 64): for each of this program's items, dK, dV of keys start_n + 64·ME ... + 63
-    over the query tiles from the block's first key on (tile t holds queries start_n + t·BLOCK_M ...), handing each
-    tile's dSᵀ to the dQ warpgroup; with GQA over each query head of the K/V head's group in turn, into the same
-    dK, dV. The ring and hand-over counters run on across items and query heads (g: the query tiles streamed
-    before); K and V take turns in KV_BUFS buffers (2 where a program has many items), each released to the
-    producer (kv_free) after the item's last matmul that reads it."""
+    over the query tiles from the block's first key on (tile t holds queries start_n + t·BLOCK_M ...; FULL: every
+    query tile from query 0), handing each tile's dSᵀ to the dQ warpgroup; with GQA over each query head of the K/V
+    head's group in turn, into the same dK, dV, written (or with ACCUMULATE_DKDV added) at the item's end. The ring
+    and hand-over counters run on across items and query heads (g: the query tiles streamed before); K and V take
+    turns in KV_BUFS buffers (2 where a program has many items), each released to the producer (kv_free) after the
+    item's last matmul that reads it."""
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty, ds_smem, ds_ready,
      ds_free, DK, DV, H, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-     N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks, mask, group) = shared
+     N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks, mask, group, n_q) = shared
     first, count = program_items(WORK_START, PERSISTENT)
     s_layout: gl.constexpr = mma_layout(BLOCK_M, 4)
     d_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)
@@ -464,11 +513,12 @@ def _dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl
     heads = _item_heads(H, group, GQA)
     g = 0
     for i in range(count):
-        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M, heads, mask, WINDOWED, DOCS)
+        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M, heads, mask, WINDOWED, DOCS, n_q,
+                                            FULL)
         buf = i % KV_BUFS
         key0 = start_n + ME * TILE
         keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
-        cols = start_n + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        cols = _query_origin(start_n, FULL) + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
         tmask = _tile_mask(mask, bh, heads, key0, keys, start_n, N, BLOCK_M, WINDOWED, DOCS, False)
         dk = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
         dv = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
@@ -480,29 +530,31 @@ def _dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl
                 dv, dk = _dkdv_query_head(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
                                           ds_ready, ds_free, kv_free, buf, qh == group - 1, g, num_tiles, ME, STAGES,
                                           zero_s, dk, dv, keys, cols, qk_scale, a_layout, BLOCK_M, tmask, WINDOWED,
-                                          DOCS)
+                                          DOCS, FULL)
                 g += num_tiles
         else:
             dv, dk = _dkdv_query_head(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready,
                                       ds_free, kv_free, buf, True, g, num_tiles, ME, STAGES, zero_s, dk, dv, keys,
-                                      cols, qk_scale, a_layout, BLOCK_M, tmask, WINDOWED, DOCS)
+                                      cols, qk_scale, a_layout, BLOCK_M, tmask, WINDOWED, DOCS, FULL)
             g += num_tiles
         _write_dkdv(dk, dv, DK, DV, (bh // heads).to(gl.int64), (bh % heads).to(gl.int64), stride_dkb, stride_dkh,
-                    stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM)
+                    stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM, ACCUMULATE_DKDV)
 
 
 @gluon.jit
 def _dkdv_dq_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                STAGES: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr,
-                               WINDOWED: gl.constexpr, DOCS: gl.constexpr):
+                               WINDOWED: gl.constexpr, DOCS: gl.constexpr, FULL: gl.constexpr,
+                               ACCUMULATE_DKDV: gl.constexpr):
     """Consumer warpgroup ME of the head_dim-128 kernel: for each of this program's items, dK, dV of keys start_n +
-    64·ME ... + 63, and columns 64·ME ... of each query tile's dQ; with GQA over each query head of the K/V head's
-    group in turn (its dQ into that head's accumulator rows). The ring and hand-over counters run on across items
-    and query heads (g); K and V have one buffer (shared memory holds no second one beside the dQ staging), released
-    to the producer (kv_free) after the item's last dQ matmul, the last that reads them."""
+    64·ME ... + 63, and columns 64·ME ... of each query tile's dQ (FULL: every query tile from query 0); with GQA
+    over each query head of the K/V head's group in turn (its dQ into that head's accumulator rows); dK, dV written
+    (or with ACCUMULATE_DKDV added) at the item's end. The ring and hand-over counters run on across items and query
+    heads (g); K and V have one buffer (shared memory holds no second one beside the dQ staging), released to the
+    producer (kv_free) after the item's last dQ matmul, the last that reads them."""
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty, ds_smem, ds_ready,
      ds_free, DK, DV, H, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-     N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks, mask, group) = shared
+     N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks, mask, group, n_q) = shared
     first, count = program_items(WORK_START, PERSISTENT)
     dq_smem, dq_desc, acc_rows_b, acc_rows_h, acc_cols_h = dqs[2], dqs[7], dqs[10], dqs[11], dqs[12]
     HALF: gl.constexpr = HEAD_DIM // 2
@@ -519,13 +571,15 @@ def _dkdv_dq_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.constexp
     heads = _item_heads(H, group, GQA)
     g = 0
     for i in range(count):
-        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M, heads, mask, WINDOWED, DOCS)
+        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M, heads, mask, WINDOWED, DOCS, n_q,
+                                            FULL)
+        q0 = _query_origin(start_n, FULL)
         key0 = start_n + ME * TILE
         keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
-        cols = start_n + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        cols = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
         tmask = _tile_mask(mask, bh, heads, key0, keys, start_n, N, BLOCK_M, WINDOWED, DOCS, True)
         if not GQA:  # the item's first query in the accumulator
-            row0 = (bh // heads) * acc_rows_b + (bh % heads) * acc_rows_h + start_n
+            row0 = (bh // heads) * acc_rows_b + (bh % heads) * acc_rows_h + q0
             col = (bh % heads) * acc_cols_h + ME * HALF
         dk = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
         dv = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
@@ -533,28 +587,28 @@ def _dkdv_dq_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.constexp
             mbarrier.wait(kv_ready.index(c), i & 1)
         if GQA:  # the group's query heads in turn (query head (bh % heads)·group + qh), each num_tiles positions on
             for qh in range(group):
-                row0, col = _group_origin(bh, heads, group, qh, acc_rows_b, acc_rows_h, acc_cols_h, start_n)
+                row0, col = _group_origin(bh, heads, group, qh, acc_rows_b, acc_rows_h, acc_cols_h, q0)
                 dv, dk = _split_key_block(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
                                           ds_ready, ds_free, dq_smem, dq_desc, g, num_tiles, row0, col + ME * HALF,
                                           ME, STAGES, zero_s, zero_q, dv, dk, keys, cols, qk_scale, sm_scale,
-                                          a_layout, BLOCK_M, tmask, WINDOWED, DOCS)
+                                          a_layout, BLOCK_M, tmask, WINDOWED, DOCS, FULL)
                 g += num_tiles
             mbarrier.arrive(kv_free.index(0), count=1)  # this consumer's last reads of K and V have retired
         else:
             dv, dk = _split_key_block(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
                                       ds_ready, ds_free, dq_smem, dq_desc, g, num_tiles, row0, col, ME, STAGES,
                                       zero_s, zero_q, dv, dk, keys, cols, qk_scale, sm_scale, a_layout, BLOCK_M,
-                                      tmask, WINDOWED, DOCS)
+                                      tmask, WINDOWED, DOCS, FULL)
             mbarrier.arrive(kv_free.index(0), count=1)  # this consumer's last reads of K and V have retired
             g += num_tiles
         _write_dkdv(dk, dv, DK, DV, (bh // heads).to(gl.int64), (bh % heads).to(gl.int64), stride_dkb, stride_dkh,
-                    stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM)
+                    stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM, ACCUMULATE_DKDV)
     tma.store_wait(0)
 
 
 @gluon.jit
 def _dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr,
-                WINDOWED: gl.constexpr, DOCS: gl.constexpr):
+                WINDOWED: gl.constexpr, DOCS: gl.constexpr, FULL: gl.constexpr):
     """The dQ warpgroup (head_dim 64): per query tile t of each item (and, with GQA, of each query head of its
     group), dQ_t = scale · dS_t K over the item's 128 keys (both consumers' dSᵀ_t, read transposed from shared
     memory), staged in fp32 shared memory and added into the accumulator's rows by a TMA reduce-add, which runs
@@ -563,7 +617,7 @@ def _dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, PERSISTENT: 
     into the next head's or batch's first ones, where it adds exact zeros (queries past N have dS = 0; a non-finite
     K would make those rows NaN, as it does its own), as do the rows a mask hides from every key of the block."""
     (k_smem, ds_smem, dq_smem, kv_ready, kv_free, ds_ready, ds_free, dq_desc, N, H, acc_rows_b, acc_rows_h,
-     acc_cols_h, sm_scale, WORK, WORK_START, n_kblocks, mask, group) = dqs
+     acc_cols_h, sm_scale, WORK, WORK_START, n_kblocks, mask, group, n_q) = dqs
     first, count = program_items(WORK_START, PERSISTENT)
     dq_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)
     KV_BUFS: gl.constexpr = k_smem.shape[0] // CONSUMERS
@@ -571,20 +625,22 @@ def _dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, PERSISTENT: 
     heads = _item_heads(H, group, GQA)
     g = 0
     for i in range(count):
-        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M, heads, mask, WINDOWED, DOCS)
+        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M, heads, mask, WINDOWED, DOCS, n_q,
+                                            FULL)
+        q0 = _query_origin(start_n, FULL)
         buf = i % KV_BUFS
         for c in gl.static_range(CONSUMERS):
             mbarrier.wait(kv_ready.index(buf * CONSUMERS + c), (i // KV_BUFS) & 1)
         if GQA:  # the group's query heads in turn, each into its own accumulator rows
             for qh in range(group):
-                row0, col = _group_origin(bh, heads, group, qh, acc_rows_b, acc_rows_h, acc_cols_h, start_n)
+                row0, col = _group_origin(bh, heads, group, qh, acc_rows_b, acc_rows_h, acc_cols_h, q0)
                 for t in range(num_tiles):
                     _dq_tile(k_smem.index(buf * CONSUMERS), k_smem.index(buf * CONSUMERS + 1), ds_smem, dq_smem,
                              ds_ready, ds_free, dq_desc, g + t, row0 + t * BLOCK_M, col, zero, sm_scale)
                 g += num_tiles
             mbarrier.arrive(kv_free.index(buf), count=1)  # its last dQ matmul (K) has retired
         else:
-            row0 = (bh // heads) * acc_rows_b + (bh % heads) * acc_rows_h + start_n
+            row0 = (bh // heads) * acc_rows_b + (bh % heads) * acc_rows_h + q0
             col = (bh % heads) * acc_cols_h
             for t in range(num_tiles):
                 _dq_tile(k_smem.index(buf * CONSUMERS), k_smem.index(buf * CONSUMERS + 1), ds_smem, dq_smem, ds_ready,
@@ -604,20 +660,21 @@ def _landed(ready, g, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _query_descs(loads, b, h, bh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+def _query_descs(loads, b, h, bh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, FULL: gl.constexpr):
     """TMA descriptors of query head h of batch b (bh = b·H + h): its Q and dO rows in BLOCK_M-row tiles, its LSE and
-    delta rows; rows past N read as 0."""
+    delta rows; rows past the queries' end (N, or n_q where FULL) read as 0."""
     (Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
      stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_lse, stride_delta, H, N,
      k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty,
-     WORK, WORK_START, n_kblocks, mask, group) = loads
+     WORK, WORK_START, n_kblocks, mask, group, n_q) = loads
+    n_rows = _query_count(N, n_q, FULL)
     qd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], q_smem.dtype)
     row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    q_desc = head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, BLOCK_M, HEAD_DIM, qd_layout)
-    do_desc = head_rows(DO, b, h, stride_dob, stride_doh, stride_don, N, BLOCK_M, HEAD_DIM, qd_layout)
-    lse_desc = tma.make_tensor_descriptor(LSE + bh.to(gl.int64) * stride_lse, shape=[N], strides=[1],
+    q_desc = head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, n_rows, BLOCK_M, HEAD_DIM, qd_layout)
+    do_desc = head_rows(DO, b, h, stride_dob, stride_doh, stride_don, n_rows, BLOCK_M, HEAD_DIM, qd_layout)
+    lse_desc = tma.make_tensor_descriptor(LSE + bh.to(gl.int64) * stride_lse, shape=[n_rows], strides=[1],
                                           block_shape=[BLOCK_M], layout=row_layout)
-    delta_desc = tma.make_tensor_descriptor(DELTA + bh.to(gl.int64) * stride_delta, shape=[N], strides=[1],
+    delta_desc = tma.make_tensor_descriptor(DELTA + bh.to(gl.int64) * stride_delta, shape=[n_rows], strides=[1],
                                             block_shape=[BLOCK_M], layout=row_layout)
     return q_desc, do_desc, lse_desc, delta_desc
 
@@ -645,16 +702,18 @@ def _stream_query_tiles(descs, q_smem, do_smem, lse_smem, delta_smem, ready, emp
 
 @gluon.jit
 def _dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                     PERSISTENT: gl.constexpr, GQA: gl.constexpr, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
+                     PERSISTENT: gl.constexpr, GQA: gl.constexpr, WINDOWED: gl.constexpr, DOCS: gl.constexpr,
+                     FULL: gl.constexpr):
     """The producer warp, over this program's items: the item's K and V rows into buffer i % KV_BUFS once their last
     users released it (kv_free), then query tile t (Q, dO, LSE, delta) into ring buffer t % STAGES as soon as both
     consumers have released what it held (tile t − STAGES); rows past N read as 0. With GQA, K and V of the item's
     K/V head h, then the query tiles of each query head h·group + qh of its group in turn. The per-head descriptors
-    are rewritten in place once every copy through them has landed (between items, and between query heads)."""
+    are rewritten in place once every copy through them has landed (between items, and between query heads).
+    FULL: every item streams all query tiles from query 0."""
     (Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
      stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_lse, stride_delta, H, N,
      k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty,
-     WORK, WORK_START, n_kblocks, mask, group) = loads
+     WORK, WORK_START, n_kblocks, mask, group, n_q) = loads
     first, count = program_items(WORK_START, PERSISTENT)
     dtype: gl.constexpr = q_smem.dtype
     KV_BUFS: gl.constexpr = k_smem.shape[0] // CONSUMERS  # 2, or 1 at head_dim 128
@@ -663,7 +722,9 @@ def _dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGE
     heads = _item_heads(H, group, GQA)
     g = 0
     for i in range(count):
-        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M, heads, mask, WINDOWED, DOCS)
+        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M, heads, mask, WINDOWED, DOCS, n_q,
+                                            FULL)
+        q0 = _query_origin(start_n, FULL)
         b = (bh // heads).to(gl.int64)
         h = (bh % heads).to(gl.int64)
         if i > 0:  # every copy through the descriptors below has landed: the last K/V and the tiles in the ring
@@ -673,7 +734,7 @@ def _dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGE
         k_desc = head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, TILE, HEAD_DIM, kv_layout)
         v_desc = head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, TILE, HEAD_DIM, kv_layout)
         if not GQA:
-            descs = _query_descs(loads, b, h, bh, HEAD_DIM, BLOCK_M)
+            descs = _query_descs(loads, b, h, bh, HEAD_DIM, BLOCK_M, FULL)
         buf = i % KV_BUFS
         mbarrier.wait(kv_free.index(buf), ((i // KV_BUFS) & 1) ^ 1)  # item i − KV_BUFS's users are done with it
         for c in gl.static_range(CONSUMERS):
@@ -685,12 +746,12 @@ def _dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGE
         if GQA:  # query head h·group + qh (its rows b·H + h·group + qh of LSE, delta), qh = 0 ... group − 1
             for qh in range(group):
                 _landed(ready, g, STAGES)  # the last query head's copies (the descriptors are rewritten)
-                descs = _query_descs(loads, b, h * group + qh, b * H + h * group + qh, HEAD_DIM, BLOCK_M)
-                _stream_query_tiles(descs, q_smem, do_smem, lse_smem, delta_smem, ready, empty, g, num_tiles, start_n,
+                descs = _query_descs(loads, b, h * group + qh, b * H + h * group + qh, HEAD_DIM, BLOCK_M, FULL)
+                _stream_query_tiles(descs, q_smem, do_smem, lse_smem, delta_smem, ready, empty, g, num_tiles, q0,
                                     STAGES, BLOCK_M)
                 g += num_tiles
         else:
-            _stream_query_tiles(descs, q_smem, do_smem, lse_smem, delta_smem, ready, empty, g, num_tiles, start_n,
+            _stream_query_tiles(descs, q_smem, do_smem, lse_smem, delta_smem, ready, empty, g, num_tiles, q0,
                                 STAGES, BLOCK_M)
             g += num_tiles
 
@@ -701,11 +762,12 @@ def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
                               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
                               stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                               stride_lse, stride_delta, H, N, n_kblocks, acc_rows, acc_cols, acc_rows_b, acc_rows_h,
-                              acc_cols_h, qk_scale, sm_scale, group, DOC_ENDS, stride_ends, window,
+                              acc_cols_h, qk_scale, sm_scale, group, DOC_ENDS, stride_ends, window, n_q,
                               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                               KV_BUFS: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                               PRODUCER_REGS: gl.constexpr, REDUCER_REGS: gl.constexpr, GQA: gl.constexpr,
-                              WINDOWED: gl.constexpr, DOCS: gl.constexpr):
+                              WINDOWED: gl.constexpr, DOCS: gl.constexpr, FULL: gl.constexpr,
+                              ACCUMULATE_DKDV: gl.constexpr):
     """dK, dV of blocks of 128 keys of one (batch, head), causal, over the queries from the block's first key on, and
     each block's share of dQ for those queries, added into DQ_ACC; program p takes items WORK[WORK_START[p] :
     WORK_START[p+1]] (item = bh · n_kblocks + key block). DQ_ACC: fp32, one 2-D (acc_rows, acc_cols) array in which
@@ -718,7 +780,12 @@ def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
     it sums its dK, dV over the query heads h·group ... h·group + group − 1 (Q, DO, LSE, DELTA, DQ_ACC). WINDOWED:
     query i sees key j only if i − window < j; DOCS: only if both lie in one document, i.e. (i >= j) i < DOC_ENDS[b,
     j], the end of j's document (B, N) int32, rows stride_ends apart (launch_dkdv_dq_masked finds them from the
-    ids). Without them the last four are unused."""
+    ids). Without them the last four are unused.
+    FULL (ring attention's blocks off the diagonal, launch_dkdv_dq_block): no causal mask, n_q query rows (Q, DO,
+    LSE, DELTA, DQ_ACC) against N keys (K, V, DK, DV), every key block over every query tile from query 0; not with
+    WINDOWED or DOCS. Else n_q is unused (one length N). ACCUMULATE_DKDV: DK, DV are fp32 and receive dK, dV added
+    to what they hold (_write_dkdv), else written. Neither changes the code compiled without it."""
+    gl.static_assert(not (FULL and (WINDOWED or DOCS)), "FULL (no causal mask) takes no window or documents")
     dtype: gl.constexpr = Q.dtype.element_ty
     SPLIT_DQ: gl.constexpr = HEAD_DIM > 64
     DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_DQ else HEAD_DIM  # columns per dQ reduce-add
@@ -759,27 +826,29 @@ def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
 
     shared = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty, ds_smem,
               ds_ready, ds_free, DK, DV, H, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-              N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks, mask, group)
+              N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks, mask, group, n_q)
     loads = (Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
              stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_lse, stride_delta, H, N,
              k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty,
-             WORK, WORK_START, n_kblocks, mask, group)
+             WORK, WORK_START, n_kblocks, mask, group, n_q)
     dqs = (k_smem, ds_smem, dq_smem, kv_ready, kv_free, ds_ready, ds_free, dq_desc, N, H, acc_rows_b, acc_rows_h,
-           acc_cols_h, sm_scale, WORK, WORK_START, n_kblocks, mask, group)
+           acc_cols_h, sm_scale, WORK, WORK_START, n_kblocks, mask, group, n_q)
     if SPLIT_DQ:
         gl.warp_specialize([(_dkdv_dq_split_consumer, (shared, dqs, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES,
-                                                       PERSISTENT, GQA, WINDOWED, DOCS)),
+                                                       PERSISTENT, GQA, WINDOWED, DOCS, FULL, ACCUMULATE_DKDV)),
                             (_dkdv_dq_split_consumer, (shared, dqs, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES,
-                                                       PERSISTENT, GQA, WINDOWED, DOCS)),
-                            (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES, PERSISTENT, GQA, WINDOWED, DOCS))],
+                                                       PERSISTENT, GQA, WINDOWED, DOCS, FULL, ACCUMULATE_DKDV)),
+                            (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES, PERSISTENT, GQA, WINDOWED, DOCS,
+                                                FULL))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([(_dkdv_consumer, (shared, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES, PERSISTENT, GQA,
-                                              WINDOWED, DOCS)),
+                                              WINDOWED, DOCS, FULL, ACCUMULATE_DKDV)),
                             (_dkdv_consumer, (shared, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES, PERSISTENT, GQA,
-                                              WINDOWED, DOCS)),
-                            (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES, PERSISTENT, GQA, WINDOWED, DOCS)),
-                            (_dq_reducer, (dqs, HEAD_DIM, BLOCK_M, PERSISTENT, GQA, WINDOWED, DOCS))],
+                                              WINDOWED, DOCS, FULL, ACCUMULATE_DKDV)),
+                            (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES, PERSISTENT, GQA, WINDOWED, DOCS,
+                                                FULL)),
+                            (_dq_reducer, (dqs, HEAD_DIM, BLOCK_M, PERSISTENT, GQA, WINDOWED, DOCS, FULL))],
                            [4, 1, 4], [CONSUMER_REGS, PRODUCER_REGS, REDUCER_REGS])
 
 
@@ -942,16 +1011,54 @@ def key_block_costs(n: int, keys: int, block_m: int) -> tuple[float, ...]:
     return tuple(float(-(-(n - kb * keys) // block_m)) for kb in range(-(-n // keys)))
 
 
+AccGeometry = tuple[tuple[int, int], tuple[int, int, int]]  # ((rows, cols), (rows_b, rows_h, cols_h)): dkdvdq_kernel's
+
+
+def dq_acc_geometry(dq: Tensor) -> AccGeometry | None:
+    """How dkdvdq_kernel can address an fp32 (B, H, N, D) dQ accumulator given as a strided view (ring attention's dq
+    rows, a slice of q's layout): as one 2-D array from dq's first element, `cols` elements a row (the row stride),
+    query n of head h of batch b at row b·rows_b + h·rows_h + n, columns h·cols_h ... + D − 1. None where its
+    strides have no such form, or TMA cannot take it (a 16-byte aligned start and row stride; a contiguous last
+    dimension). With one query a row is D elements wide (its row stride is never stepped)."""
+    B, H, N, D = dq.shape
+    sb, sh, sn, sd = dq.stride()
+    sn = sn if N > 1 else D
+    if dq.dtype != torch.float32 or (sd != 1 and D > 1) or sn < D or dq.data_ptr() % 16 or (sn * 4) % 16:
+        return None
+    if H == 1:
+        rows_h, cols_h = 0, 0
+    elif sh % sn == 0:  # heads in rows of their own: (B, H, N, D) memory
+        rows_h, cols_h = sh // sn, 0
+    elif sh < sn and (H - 1) * sh + D <= sn:  # heads side by side in each row: (B, N, H, D) memory
+        rows_h, cols_h = 0, sh
+    else:
+        return None
+    if B == 1:
+        rows_b = 0
+    elif sb % sn == 0:
+        rows_b = sb // sn
+    else:
+        return None
+    rows = (B - 1) * rows_b + (H - 1) * rows_h + N  # the last query's row + 1: nothing past the view is addressed
+    return (rows, sn), (rows_b, rows_h, cols_h)
+
+
 def _launch_dkdvdq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
                    stride_delta: int, dk: Tensor, dv: Tensor, dq_acc: Tensor, sm_scale: float, qk_scale: float,
                    block_m: int, stages: int, work: Tensor, work_start: Tensor, persistent: bool,
-                   window: int | None = None, document_ids: Tensor | None = None) -> None:
-    B, H, N, D = q.shape
+                   window: int | None = None, document_ids: Tensor | None = None, full: bool = False,
+                   accumulate_dkdv: bool = False, acc_geometry: AccGeometry | None = None) -> None:
+    """dkdvdq_kernel on a work list. q, do: (B, H, N_Q, D); k, v: (B, Hkv, N_K, D), N_Q = N_K unless `full`.
+    acc_geometry: dq_acc's (dq_acc_geometry); None: dq_acc dense in (B, H, N, D) or (B, N, H, D) memory."""
+    B, H, n_q, D = q.shape
+    N = k.shape[2]  # keys (and queries, but where full)
     if document_ids is None:
         ends = work  # a placeholder pointer where there are no documents
     else:  # the end of each token's document: the first index whose id is larger (a binary search per token)
         ends = torch.searchsorted(document_ids, document_ids, right=True, out_int32=True)
-    if dq_acc.is_contiguous():  # (B·H·N, D) rows
+    if acc_geometry is not None:
+        acc_shape, acc_steps = acc_geometry
+    elif dq_acc.is_contiguous():  # (B·H·N, D) rows
         acc_shape, acc_steps = (B * H * N, D), (H * N, N, 0)
     elif dq_acc.transpose(1, 2).is_contiguous():  # (B·N, H·D) rows
         acc_shape, acc_steps = (B * N, H * D), (N, 0, D)
@@ -962,11 +1069,11 @@ def _launch_dkdvdq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, str
         q, k, v, do, lse, delta, dk, dv, dq_acc, work, work_start, *strides3(q), *strides3(k), *strides3(v),
         *strides3(do), *strides3(dk), *strides3(dv), stride_lse, stride_delta, H, N, n_kblocks, *acc_shape,
         *acc_steps, qk_scale, sm_scale, H // k.shape[1], ends, ends.stride(0) if document_ids is not None else 0,
-        window or 0, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
+        window or 0, n_q, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
         KV_BUFS=2 if persistent and D == 64 else 1, PERSISTENT=persistent,
         CONSUMER_REGS=SPLIT_CONSUMER_REGS if D > 64 else FUSED_CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, REDUCER_REGS=REDUCER_REGS, GQA=k.shape[1] != H, WINDOWED=window is not None,
-        DOCS=document_ids is not None, num_warps=4)
+        DOCS=document_ids is not None, FULL=full, ACCUMULATE_DKDV=accumulate_dkdv, num_warps=4)
 
 
 def launch_dkdv_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
@@ -1014,6 +1121,43 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
     work, work_start = device_one_each(B * k.shape[1], tuple(range(n_kblocks)), q.device)
     _launch_dkdvdq(do, q, k, v, lse, stride_lse, delta, stride_delta, dk, dv, dq_acc, sm_scale, qk_scale, block_m,
                    stages, work, work_start, persistent=False, window=window, document_ids=document_ids)
+
+
+def launch_dkdv_dq_block(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
+                         stride_delta: int, dk: Tensor, dv: Tensor, dq_acc: Tensor, acc_geometry: AccGeometry,
+                         sm_scale: float, qk_scale: float, block_m: int, stages: int, causal: bool,
+                         accumulate_dkdv: bool, persistent: bool = False, programs: int | None = None) -> None:
+    """One block of ring attention's backward (launch.launch_backward_block): dK, dV of the N_K keys of k, v
+    (B, Hkv, N_K, D) over the N_Q query rows of q, do (B, H, N_Q, D), written into dk, dv (k's shape, contiguous last
+    dimension) or with accumulate_dkdv added to what they hold (fp32); dQ added into dq_acc, an fp32 view addressed
+    as acc_geometry says (dq_acc_geometry), with TMA reduce-adds (the caller zeroes it for a fresh dQ). causal: a
+    block against itself (N_Q = N_K), each key block over the query tiles from its first key; else every key block
+    over every query tile (FULL), N_Q a multiple of block_m and N_K of 128 (no tile reaches past a view's rows).
+    lse and delta: the whole rows' (B, H, N_Q) fp32 rows at t + (b·H + h)·stride, 16-byte aligned starts. GQA (Hkv <
+    H): one program per K/V head's key block sums dK, dV over its group. persistent (not with GQA): one program per SM
+    (or `programs`) over a schedule of the (batch·head, key block) items, as launch_dkdv_dq_persistent."""
+    B, H, n_q, D = q.shape
+    n_k = k.shape[2]
+    keys = CONSUMERS.value * TILE.value
+    n_kblocks = -(-n_k // keys)
+    if causal and n_q != n_k:
+        raise ValueError(f"the dK/dV/dQ kernel: a causal block is a sequence against itself, got {n_q} queries and "
+                         f"{n_k} keys")
+    if not causal and (n_q % block_m or n_k % keys):
+        raise ValueError(f"the dK/dV/dQ kernel: a non-causal block takes multiples of {block_m} queries and {keys} "
+                         f"keys, got {n_q} and {n_k}")
+    if persistent and k.shape[1] != H:
+        raise ValueError("the dK/dV/dQ kernel: no persistent schedule with GQA")
+    if persistent:
+        # an item's cost: its query tiles, from its first key (causal) or all of them
+        costs = key_block_costs(n_q, keys, block_m) if causal else (float(n_q // block_m),) * n_kblocks
+        programs = min(programs or sm_count(q.device), B * H * n_kblocks)
+        work, work_start = device_schedule(B * H, costs, programs, q.device)
+    else:
+        work, work_start = device_one_each(B * k.shape[1], tuple(range(n_kblocks)), q.device)
+    _launch_dkdvdq(do, q, k, v, lse, stride_lse, delta, stride_delta, dk, dv, dq_acc, sm_scale, qk_scale, block_m,
+                   stages, work, work_start, persistent=persistent, full=not causal, accumulate_dkdv=accumulate_dkdv,
+                   acc_geometry=acc_geometry)
 
 
 def launch_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,

@@ -1,7 +1,7 @@
-"""The causal FlashAttention forward on Hopper with FlashAttention-3's structure, in Gluon (Triton's explicit-layout
+"""The FlashAttention forward on Hopper with FlashAttention-3's structure, in Gluon (Triton's explicit-layout
 dialect): warp-specialized, with consumer warpgroups taking turns at the tensor cores ("ping-pong").
 
-    o = softmax(scale · q kᵀ + causal mask) v,   lse = log2 Σ_j 2^(s_j)      (the same outputs as triton_kernels.py)
+    o = softmax(scale · q kᵀ [+ causal mask]) v,   lse = log2 Σ_j 2^(s_j)     (the same outputs as triton_kernels.py)
 
 Why a second forward: on long sequences the Triton forward runs three independent 64-row programs per SM, each
 waiting on its own matmuls. Here one program owns 64·NUM_CONSUMERS query rows and splits its warps by role
@@ -26,11 +26,18 @@ fill of one tile overlap the last key tiles of the one before: the producer load
 while the consumers finish. Shorter sequences, many tiles of little work each, gain most (4K tokens: 8% faster than
 the Triton forward at head_dim 64, 27% at 128).
 
-Scope: causal, fp16/bf16, head_dim 64 or 128, one length for queries and keys, TMA-aligned inputs, contiguous LSE,
-sm_90 (wgmma). With WINDOWED / DOCS / GQA (launch_forward_masked, a plain grid) it also takes a sliding window,
-document ids and fewer K/V heads than query heads: each query tile visits only the key tiles its rows see, and only
-the tiles some row cannot fully see get the elementwise mask. dispatch.py picks the variants by sequence length (and
-masks); launch.py falls back to the Triton forward otherwise.
+Scope: fp16/bf16, head_dim 64 or 128, TMA-aligned inputs, sm_90 (wgmma); o in the inputs' dtype or fp32 (any
+strides with a contiguous last dimension), LSE rows a fixed distance apart. CAUSAL: one length for queries and keys,
+key j visible to query i iff j <= i (fresh launches write a contiguous LSE). Without CAUSAL (ring attention's blocks of
+other ranks, 2c rows against c keys or c against 2c): Nq query rows against Nk keys, every key visible; each query
+tile visits every key tile, and only a last one that reaches past Nk gets a mask. CONTINUE: o (fp32) and lse hold the
+rows' attention over other keys, which the epilogue folds in (_write_rows): ring attention continues its running
+result this way, block after block. GQA (fewer K/V heads than query heads) goes with either. With WINDOWED / DOCS
+(launch_forward_masked, a plain grid; causal fresh launches only) it also takes a sliding window and document ids:
+each query tile visits only the key tiles its rows see, and only the tiles some row cannot fully see get the
+elementwise mask. Each flag is a constexpr: the causal fresh variants compile to the code they had without them.
+dispatch.py picks the variants by sequence length (and masks); launch.py (gluon_forward_ready) falls back to the
+Triton forward otherwise.
 """
 from __future__ import annotations
 
@@ -51,16 +58,20 @@ ROWS_PER_CONSUMER = gl.constexpr(64)  # query rows per consumer warpgroup: the M
 
 
 @gluon.jit
-def _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale, mask, WINDOWED: gl.constexpr,
-                    DOCS: gl.constexpr):
+def _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale, mask, n_keys, CAUSAL: gl.constexpr,
+                    WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """Fold one tile of scores into the running row max m and row sum l (base 2). Returns (p, α, m_new, l_new):
     p = exp2(s·scale − m_new) are the tile's unnormalized probabilities, α = exp2(m_old − m_new) rescales what was
     accumulated under the old max. `mask` = (window, the rows' document ids, the sequence's ids, its documents'
     starts, their ends, N) where WINDOWED or DOCS; a masked tile may then leave a row with no key seen yet (its max
-    stays −inf)."""
-    if masked:  # keys after the row (and so keys past the end), out of the window or of the row's document: p = 0
+    stays −inf). Without CAUSAL a masked tile is the last one, reaching past the n_keys keys: only those are left out
+    (every row sees key 0)."""
+    if masked:
         keys = key0 + cols
-        visible = gl.expand_dims(rows, 1) >= gl.expand_dims(keys, 0)
+        if CAUSAL:  # keys after the row (and so keys past the end), out of the window or of the row's document: p = 0
+            visible = gl.expand_dims(rows, 1) >= gl.expand_dims(keys, 0)
+        else:  # every key up to the last one: p = 0 past it
+            visible = gl.expand_dims(keys < n_keys, 0)
         if WINDOWED:  # keys i − window < j
             visible = visible & (gl.expand_dims(rows, 1) - gl.expand_dims(keys, 0) < mask[0])
         if DOCS:
@@ -101,7 +112,7 @@ def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, PACK_BY_HAND: gl.
 @gluon.jit
 def _first_scores(q, k_smem, k_ready, turn, t, turn_phase, ME: gl.constexpr, NEXT: gl.constexpr, STAGES: gl.constexpr,
                   no_scores, m_i, l_i, rows, cols, key0, masked, qk_scale, p_layout: gl.constexpr, PACK_P: gl.constexpr,
-                  mask, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
+                  mask, n_keys, CAUSAL: gl.constexpr, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """A query tile's first key tile (ring position t), at this consumer's turn: S_0 = Q K_0ᵀ alone (there is no P V
     yet), then its softmax. Returns (P_0 in the input dtype as the next matmul's operand, m, l)."""
     mbarrier.wait(turn.index(ME), turn_phase)
@@ -109,15 +120,16 @@ def _first_scores(q, k_smem, k_ready, turn, t, turn_phase, ME: gl.constexpr, NEX
     s = warpgroup_mma(q, k_smem.index(t % STAGES).permute((1, 0)), no_scores, use_acc=False, is_async=True)
     mbarrier.arrive(turn.index(NEXT), count=1)
     s = warpgroup_mma_wait(0, deps=(s,))
-    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale, mask, WINDOWED, DOCS)
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale, mask, n_keys, CAUSAL,
+                                         WINDOWED, DOCS)
     return _p_operand(p, q.dtype, p_layout, PACK_P), m_i, l_i
 
 
 @gluon.jit
 def _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, t, turn_phase, ME: gl.constexpr,
                    NEXT: gl.constexpr, STAGES: gl.constexpr, no_scores, acc, p16, m_i, l_i, rows, cols, key0, masked,
-                   qk_scale, p_layout: gl.constexpr, row_o: gl.constexpr, PACK_P: gl.constexpr, mask,
-                   WINDOWED: gl.constexpr, DOCS: gl.constexpr):
+                   qk_scale, p_layout: gl.constexpr, row_o: gl.constexpr, PACK_P: gl.constexpr, mask, n_keys,
+                   CAUSAL: gl.constexpr, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """One key tile at ring position t: at this consumer's turn issue S_j = Q K_jᵀ and O += P_{j-1} V_{j-1}; then the
     softmax of S_j while the other consumers' matmuls run. Both matmuls are retired within the step: ptxas serializes
     every wgmma of a loop whose in-flight results cross the back-edge (NOTES.md F). Returns (acc, P_j, m, l)."""
@@ -130,7 +142,8 @@ def _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, t, turn_
     acc = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
     mbarrier.arrive(turn.index(NEXT), count=1)
     s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
-    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale, mask, WINDOWED, DOCS)
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale, mask, n_keys, CAUSAL,
+                                         WINDOWED, DOCS)
     acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
     mbarrier.arrive(kv_empty.index(prev), count=1)  # K_{j-1} and V_{j-1} no longer read by this consumer
     # acc = α·acc: what P_{j-1} V_{j-1} added was under the old max, as was the rest
@@ -151,15 +164,35 @@ def _last_pv(v_smem, v_ready, turn, t, turn_phase, ME: gl.constexpr, NEXT: gl.co
 
 
 @gluon.jit
-def _write_rows(acc, m_i, l_i, O, LSE, b, h, bh, stride_ob, stride_oh, stride_on, N, row0, rows,
-                HEAD_DIM: gl.constexpr, row_o: gl.constexpr):
-    """o = acc / l and LSE = m + log2(l) for this consumer's 64 rows (rows past N are not written)."""
+def _write_rows(acc, m_i, l_i, O, LSE, b, h, bh, stride_ob, stride_oh, stride_on, stride_lse, N, row0, rows, lse_in,
+                HEAD_DIM: gl.constexpr, row_o: gl.constexpr, CONTINUE: gl.constexpr):
+    """o = acc / l (in O's dtype) and LSE = m + log2(l) for this consumer's 64 rows (rows past N are not written);
+    the (batch, head) rows of LSE lie stride_lse apart. CONTINUE: first fold in what O (fp32) and LSE held, the
+    rows' (o_in, lse_in) over other keys (lse_in read at the item's start), so that
+
+        lse = log2(2^lse_in + Σ_j 2^s_j),    o = (2^lse_in · o_in + Σ_j 2^s_j v_j) / 2^lse,
+
+    the attention over both key sets. A row with lse_in = −inf holds nothing yet: o_in is not read (it may be NaN)."""
+    if CONTINUE:
+        # the new keys' state (m, l, acc), Σ_j 2^s_j = 2^m · l, and the old keys' (lse_in, 1, o_in) under one max
+        # m' = max(m, lse_in): a = 2^(lse_in − m') and c = 2^(m − m') (each <= 1; a = 0 where lse_in = −inf; m is
+        # finite, every row having seen a key), l' = a + c·l, acc' = a·o_in + c·acc
+        m_new = gl.maximum(m_i, lse_in)
+        a = gl.exp2(lse_in - m_new)
+        c = gl.exp2(m_i - m_new)
+        l_i = a + c * l_i
+        m_i = m_new
     o = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
-    gl.store(LSE + bh.to(gl.int64) * N + rows, m_i + gl.log2(l_i), mask=rows < N)
+    gl.store(LSE + bh.to(gl.int64) * stride_lse + rows, m_i + gl.log2(l_i), mask=rows < N)
     out_rows = row0 + gl.arange(0, ROWS_PER_CONSUMER, layout=row_o)
     out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc.type.layout))
     offs = b * stride_ob + h * stride_oh + gl.expand_dims(out_rows.to(gl.int64), 1) * stride_on \
         + gl.expand_dims(out_cols, 0)
+    if CONTINUE:  # o' = (a·o_in + c·acc) / l' = a/l'·o_in + c·(acc / l')
+        held = (out_rows < N) & (gl.convert_layout(lse_in, row_o) > float("-inf"))
+        o_in = gl.load(O + offs, mask=gl.expand_dims(held, 1), other=0.0)
+        o = o * gl.expand_dims(gl.convert_layout(c, row_o), 1) \
+            + o_in * gl.expand_dims(gl.convert_layout(a / l_i, row_o), 1)
     gl.store(O + offs, o.to(O.dtype.element_ty), mask=gl.expand_dims(out_rows < N, 1))
 
 
@@ -222,10 +255,11 @@ def _needs_mask(key0, full_lo, full_hi, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _work_item(WORK, index, n_qtiles, BLOCK_M: gl.constexpr, N, BLOCK_N: gl.constexpr, mask, H, stride_ids,
-               WINDOWED: gl.constexpr, DOCS: gl.constexpr):
-    """Item `index` of the list: (batch·head, first query row, first key tile, key tiles): without masks from the
-    first key to the tile's last row; with them the tiles of _key_span's [lo, hi)."""
+def _work_item(WORK, index, n_qtiles, BLOCK_M: gl.constexpr, N, N_K, BLOCK_N: gl.constexpr, mask, H, stride_ids,
+               CAUSAL: gl.constexpr, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
+    """Item `index` of the list: (batch·head, first query row, first key tile, key tiles): causal without masks from
+    the first key to the tile's last row; with masks the tiles of _key_span's [lo, hi); without CAUSAL every key
+    tile of the N_K keys."""
     item = gl.load(WORK + index)
     start_m = (item % n_qtiles) * BLOCK_M
     last = gl.minimum(start_m + BLOCK_M, N) - 1
@@ -234,9 +268,12 @@ def _work_item(WORK, index, n_qtiles, BLOCK_M: gl.constexpr, N, BLOCK_N: gl.cons
         lo, hi, a, b = _key_span(start_m, last, batch_mask, N, WINDOWED, DOCS)
         first_tile = lo // BLOCK_N
         num_tiles = gl.cdiv(hi, BLOCK_N) - first_tile
-    else:
+    elif CAUSAL:
         first_tile = 0
         num_tiles = gl.cdiv(last + 1, BLOCK_N)
+    else:
+        first_tile = 0
+        num_tiles = gl.cdiv(N_K, BLOCK_N)
     return item // n_qtiles, start_m, first_tile, num_tiles
 
 
@@ -244,15 +281,16 @@ def _work_item(WORK, index, n_qtiles, BLOCK_M: gl.constexpr, N, BLOCK_N: gl.cons
 @gluon.jit
 def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, SKIP: gl.constexpr, PERSISTENT: gl.constexpr, WINDOWED: gl.constexpr,
-              DOCS: gl.constexpr):
+              DOCS: gl.constexpr, CAUSAL: gl.constexpr, CONTINUE: gl.constexpr):
     """Consumer warpgroup ME: for each of this program's items in turn, attention of query rows start_m + 64·ME ...
     + 63 over key tiles 0 .. num_tiles−1. The turn and ring counters run on across items (item i starts at turn
     kv + i: each item before took one turn per key tile and one more), so no barrier is reset. With SKIP, a consumer
     whose rows end before the item's last key tile only takes its turns there. With masks (WINDOWED, DOCS) the key
     tiles run from the item's first one (_work_item) and each gets the mask unless all of this consumer's rows see
-    all of its keys."""
-    (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-     O, LSE, H, stride_ob, stride_oh, stride_on, N, qk_scale, WORK, WORK_START, n_qtiles, mask, stride_ids) = shared
+    all of its keys. Without CAUSAL every key tile, the mask only on a last one that reaches past N_K. CONTINUE:
+    the (o, lse) that O and LSE hold over other keys is folded into the rows as they are written (_write_rows)."""
+    (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, O, LSE, H, stride_ob, stride_oh,
+     stride_on, stride_lse, N, N_K, qk_scale, WORK, WORK_START, n_qtiles, mask, stride_ids) = shared
     first, count = program_items(WORK_START, PERSISTENT)
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * ROWS_PER_CONSUMER
     s_layout: gl.constexpr = mma_layout(BLOCK_N, 4)
@@ -268,8 +306,8 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
         mbarrier.arrive(turn.index(0), count=1)
     kv = 0  # key/value tiles of the items before: the ring position
     for i in range(count):
-        bh, start_m, first_tile, num_tiles = _work_item(WORK, first + i, n_qtiles, BLOCK_M, N, BLOCK_N, mask, H,
-                                                        stride_ids, WINDOWED, DOCS)
+        bh, start_m, first_tile, num_tiles = _work_item(WORK, first + i, n_qtiles, BLOCK_M, N, N_K, BLOCK_N, mask, H,
+                                                        stride_ids, CAUSAL, WINDOWED, DOCS)
         turns = kv + i
         row0 = start_m + ME * ROWS_PER_CONSUMER
         rows = row0 + gl.arange(0, ROWS_PER_CONSUMER, layout=gl.SliceLayout(1, s_layout))
@@ -280,9 +318,12 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
                                                    gl.minimum(row0 + ROWS_PER_CONSUMER, N) - 1, row_mask, N,
                                                    WINDOWED, DOCS)
             masked0 = _needs_mask(first_tile * BLOCK_N, full_lo, full_hi, BLOCK_N)
-        else:
+        elif CAUSAL:
             row_mask = mask
             masked0 = 0 >= full_tiles
+        else:  # every key visible: only a key tile reaching past the last key needs the mask
+            row_mask = mask
+            masked0 = BLOCK_N > N_K
         if SKIP:  # this consumer's own key tiles: up to its last row
             my_tiles = gl.cdiv(gl.minimum(row0 + ROWS_PER_CONSUMER, N), BLOCK_N)
         else:
@@ -290,21 +331,27 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
         m_i = gl.full([ROWS_PER_CONSUMER], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([ROWS_PER_CONSUMER], gl.float32, layout=gl.SliceLayout(1, s_layout))
         acc = gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], gl.float32, layout=o_layout)
+        if CONTINUE:  # the rows' lse over other keys, folded in when they are written (its load has the item to land)
+            lse_in = gl.load(LSE + bh.to(gl.int64) * stride_lse + rows, mask=rows < N, other=float("-inf"))
+        else:
+            lse_in = m_i
         mbarrier.wait(q_ready.index(ME), i & 1)
 
         p16, m_i, l_i = _first_scores(q, k_smem, k_ready, turn, kv, turns & 1, ME, NEXT, STAGES, no_scores, m_i, l_i,
                                       rows, cols, first_tile * BLOCK_N, masked0, qk_scale, p_layout, PACK_P, row_mask,
-                                      WINDOWED, DOCS)
+                                      N_K, CAUSAL, WINDOWED, DOCS)
         for j in range(1, my_tiles):  # this consumer's own key tiles
             key0 = (first_tile + j) * BLOCK_N
             if WINDOWED or DOCS:
                 masked = _needs_mask(key0, full_lo, full_hi, BLOCK_N)
-            else:
+            elif CAUSAL:
                 masked = j >= full_tiles
+            else:
+                masked = key0 + BLOCK_N > N_K
             acc, p16, m_i, l_i = _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, kv + j,
                                                 (turns + j) & 1, ME, NEXT, STAGES, no_scores, acc, p16, m_i, l_i, rows,
-                                                cols, key0, masked, qk_scale, p_layout, row_o, PACK_P, row_mask,
-                                                WINDOWED, DOCS)
+                                                cols, key0, masked, qk_scale, p_layout, row_o, PACK_P, row_mask, N_K,
+                                                CAUSAL, WINDOWED, DOCS)
         mbarrier.arrive(q_empty.index(ME), count=1)  # every S of this item has retired: the producer may reload Q
         acc = _last_pv(v_smem, v_ready, turn, kv + my_tiles - 1, (turns + my_tiles) & 1, ME, NEXT, STAGES, acc, p16)
         mbarrier.arrive(kv_empty.index((kv + my_tiles - 1) % STAGES), count=1)
@@ -315,20 +362,20 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
             mbarrier.arrive(kv_empty.index((kv + j - 1) % STAGES), count=1)
         kv += num_tiles
         _write_rows(acc, m_i, l_i, O, LSE, (bh // H).to(gl.int64), (bh % H).to(gl.int64), bh, stride_ob, stride_oh,
-                    stride_on, N, row0, rows, HEAD_DIM, row_o)
+                    stride_on, stride_lse, N, row0, rows, lse_in, HEAD_DIM, row_o, CONTINUE)
 
 
 @gluon.jit
 def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr, WINDOWED: gl.constexpr,
-              DOCS: gl.constexpr):
+              DOCS: gl.constexpr, CAUSAL: gl.constexpr):
     """The producer warp, over this program's items: each consumer's Q rows, then K_j, V_j into buffer j % STAGES as
     soon as every consumer has released what the buffer held (tile j − STAGES); rows past the end read as 0 (TMA). It
     makes each item's descriptors (another head's rows) once the copies through the previous ones have landed, and
     loads each consumer's Q once that consumer's last S of the previous item has retired (q_empty), so the next
     item's loads run while the consumers finish the last. GQA: query head h reads K/V head h // group."""
     (Q, K, V, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, H, N, WORK, WORK_START, n_qtiles,
+     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, H, N, N_K, WORK, WORK_START, n_qtiles,
      mask, stride_ids, group) = loads
     first, count = program_items(WORK_START, PERSISTENT)
     dtype: gl.constexpr = q_smem.dtype
@@ -339,8 +386,8 @@ def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     kv = 0
     for i in range(count):
-        bh, start_m, first_tile, num_tiles = _work_item(WORK, first + i, n_qtiles, BLOCK_M, N, BLOCK_N, mask, H,
-                                                        stride_ids, WINDOWED, DOCS)
+        bh, start_m, first_tile, num_tiles = _work_item(WORK, first + i, n_qtiles, BLOCK_M, N, N_K, BLOCK_N, mask, H,
+                                                        stride_ids, CAUSAL, WINDOWED, DOCS)
         b = (bh // H).to(gl.int64)
         h = (bh % H).to(gl.int64)
         if GQA:
@@ -355,8 +402,8 @@ def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_
                 mbarrier.wait(k_ready.index(t % STAGES), (t // STAGES) & 1)
                 mbarrier.wait(v_ready.index(t % STAGES), (t // STAGES) & 1)
         q_desc = head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, ROWS_PER_CONSUMER, HEAD_DIM, q_layout)
-        k_desc = head_rows(K, b, h_kv, stride_kb, stride_kh, stride_kn, N, BLOCK_N, HEAD_DIM, kv_layout)
-        v_desc = head_rows(V, b, h_kv, stride_vb, stride_vh, stride_vn, N, BLOCK_N, HEAD_DIM, kv_layout)
+        k_desc = head_rows(K, b, h_kv, stride_kb, stride_kh, stride_kn, N_K, BLOCK_N, HEAD_DIM, kv_layout)
+        v_desc = head_rows(V, b, h_kv, stride_vb, stride_vh, stride_vn, N_K, BLOCK_N, HEAD_DIM, kv_layout)
         for c in gl.static_range(NUM_CONSUMERS):
             mbarrier.wait(q_empty.index(c), (i & 1) ^ 1)  # a fresh barrier passes parity 1
             mbarrier.expect(q_ready.index(c), q_bytes)
@@ -376,16 +423,27 @@ def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_
 def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
                         stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                         stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-                        H, N, n_qtiles, qk_scale, group, IDS, stride_ids, window, DOC_STARTS, DOC_ENDS,
-                        HEAD_DIM: gl.constexpr, NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
+                        H, N, n_qtiles, qk_scale, group, IDS, stride_ids, window, DOC_STARTS, DOC_ENDS, stride_lse,
+                        N_K, HEAD_DIM: gl.constexpr, NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                         SKIP: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr, WINDOWED: gl.constexpr,
-                        DOCS: gl.constexpr):
-    """Program p computes items WORK[WORK_START[p] : WORK_START[p+1]] (item = bh · n_qtiles + query tile): causal
-    attention of one tile of 64·NUM_CONSUMERS query rows of one (batch, head) each. H: query heads; GQA: K/V head
-    h // group. WINDOWED: keys i − window < j; DOCS: keys of the row's document, IDS (B, N) non-decreasing
-    int32/int64 rows stride_ids apart, DOC_STARTS and DOC_ENDS (B, N) contiguous int32: where each token's document
-    starts and ends (exclusive), found before the launch. Without them the last six are unused."""
+                        DOCS: gl.constexpr, CAUSAL: gl.constexpr, CONTINUE: gl.constexpr):
+    """Program p computes items WORK[WORK_START[p] : WORK_START[p+1]] (item = bh · n_qtiles + query tile): attention
+    of one tile of 64·NUM_CONSUMERS of the N query rows of one (batch, head) each over the N_K keys, causal (N_K = N)
+    or, without CAUSAL, every key. H: query heads; GQA: K/V head h // group. LSE rows lie stride_lse apart.
+    WINDOWED: keys i − window < j; DOCS: keys of the row's document, IDS (B, N) non-decreasing int32/int64 rows
+    stride_ids apart, DOC_STARTS and DOC_ENDS (B, N) contiguous int32: where each token's document starts and ends
+    (exclusive), found before the launch (both causal only). Without them the last six are unused. CONTINUE: O
+    (fp32) and LSE hold the rows' attention over other keys, continued here and overwritten with the attention over
+    both key sets."""
+    gl.static_assert(CAUSAL or not (SKIP or WINDOWED or DOCS), "SKIP and the masks go with the causal mask")
+    gl.static_assert(not (CONTINUE and (WINDOWED or DOCS)), "the masks go with fresh launches")
+    # Causal launches are a sequence against itself (N keys), and the fresh ones write LSE rows N apart: those variants
+    # read N for both, as before N_K and stride_lse were arguments (a runtime value there changes their compiled code)
+    if CAUSAL:
+        N_K = N
+        if not CONTINUE:
+            stride_lse = N
     dtype: gl.constexpr = Q.dtype.element_ty
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS_PER_CONSUMER, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -410,45 +468,55 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
     # the rows' own document ids (the 0) are filled in per item by the consumers
     mask = (window, 0, IDS, DOC_STARTS, DOC_ENDS, N)
 
-    shared = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-              O, LSE, H, stride_ob, stride_oh, stride_on, N, qk_scale, WORK, WORK_START, n_qtiles, mask, stride_ids)
+    shared = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, O, LSE, H, stride_ob,
+              stride_oh, stride_on, stride_lse, N, N_K, qk_scale, WORK, WORK_START, n_qtiles, mask, stride_ids)
     loads = (Q, K, V, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-             q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, H, N, WORK, WORK_START, n_qtiles,
-             mask, stride_ids, group)
+             q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, H, N, N_K, WORK, WORK_START,
+             n_qtiles, mask, stride_ids, group)
     if NUM_CONSUMERS == 2:
         gl.warp_specialize(
             [(_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
-                          WINDOWED, DOCS)),
+                          WINDOWED, DOCS, CAUSAL, CONTINUE)),
              (_consumer, (shared, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
-                          WINDOWED, DOCS)),
-             (_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT, GQA, WINDOWED, DOCS))],
+                          WINDOWED, DOCS, CAUSAL, CONTINUE)),
+             (_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT, GQA, WINDOWED, DOCS,
+                          CAUSAL))],
             [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize(
             [(_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
-                          WINDOWED, DOCS)),
+                          WINDOWED, DOCS, CAUSAL, CONTINUE)),
              (_consumer, (shared, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
-                          WINDOWED, DOCS)),
+                          WINDOWED, DOCS, CAUSAL, CONTINUE)),
              (_consumer, (shared, gl.constexpr(2), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
-                          WINDOWED, DOCS)),
-             (_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT, GQA, WINDOWED, DOCS))],
+                          WINDOWED, DOCS, CAUSAL, CONTINUE)),
+             (_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT, GQA, WINDOWED, DOCS,
+                          CAUSAL))],
             [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
 @functools.lru_cache(maxsize=64)
-def query_tile_costs(n: int, block_m: int, block_n: int) -> tuple[float, ...]:
-    """Each query tile's work in the causal forward: its key tiles, up to the tile's last row."""
+def query_tile_costs(n: int, block_m: int, block_n: int, n_keys: int | None = None) -> tuple[float, ...]:
+    """Each query tile's work in the forward: its key tiles, up to the tile's last row (causal), or all of n_keys's
+    (not causal: every tile the same)."""
+    if n_keys is not None:
+        return (float(-(-n_keys // block_n)),) * -(-n // block_m)
     return tuple(float(-(-min((t + 1) * block_m, n) // block_n)) for t in range(-(-n // block_m)))
 
 
 def _launch(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float, consumers: int, block_n: int,
             stages: int, work: Tensor, work_start: Tensor, persistent: bool, window: int | None = None,
-            document_ids: Tensor | None = None) -> None:
+            document_ids: Tensor | None = None, causal: bool = True, accumulate: bool = False,
+            stride_lse: int | None = None) -> None:
     B, H, N, D = q.shape
     masks = window is not None or document_ids is not None
-    skip = persistent and not masks and consumers_can_stop_early(consumers, block_n)
+    if masks and not (causal and not accumulate):
+        raise ValueError("the Gluon forward takes windows and document ids in causal fresh launches only")
+    skip = persistent and causal and not masks and consumers_can_stop_early(consumers, block_n)
     if skip and stages < 2:  # a consumer past its diagonal releases a ring buffer the others finished two tiles before
         raise ValueError(f"the persistent forward with {consumers} consumers needs at least 2 stages, got {stages}")
+    if causal and not accumulate and stride_lse not in (None, N) and B * H > 1:
+        raise ValueError(f"causal fresh launches write LSE rows N = {N} apart (a contiguous LSE), got {stride_lse}")
     if document_ids is None:  # placeholder pointers where there are no documents
         ids = starts = ends = work
     else:  # each token's document as [start, end): two binary searches per token on the device (no host sync), so
@@ -461,43 +529,53 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: f
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), H, N,
         -(-N // (consumers * ROWS_PER_CONSUMER.value)), qk_scale, H // k.shape[1], ids,
         0 if document_ids is None else document_ids.stride(0), window or 0, starts, ends,
+        N if stride_lse is None else stride_lse, k.shape[2],
         HEAD_DIM=D, NUM_CONSUMERS=consumers, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
         PRODUCER_REGS=PRODUCER_REGS, SKIP=skip, PERSISTENT=persistent, GQA=k.shape[1] != H,
-        WINDOWED=window is not None, DOCS=document_ids is not None, num_warps=4)
+        WINDOWED=window is not None, DOCS=document_ids is not None, CAUSAL=causal, CONTINUE=accumulate, num_warps=4)
 
 
 def launch_forward_pingpong(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float, consumers: int,
-                            block_n: int, stages: int) -> None:
-    """Write causal attention of q, k, v (B, H, N, D) into o (q's shape) and lse ((B, H, N) fp32, contiguous, base 2),
-    one program per query tile, as a plain grid: within each head the last query tiles (most keys) first.
-    qk_scale = softmax scale · log2(e). The caller checks the scope (launch.specialized_ready) and has set
-    Triton's scratch allocator for the device-side TMA descriptors."""
+                            block_n: int, stages: int, *, causal: bool = True, accumulate: bool = False,
+                            stride_lse: int | None = None) -> None:
+    """Write attention of q (B, H, Nq, D) over k, v (B, H or H / group, Nk, D) into o (q's shape, q's dtype or fp32,
+    any strides with a contiguous last dimension) and lse ((B, H, Nq) fp32, base 2; its (batch, head) rows
+    stride_lse apart, Nq by default), one program per query tile, as a plain grid: within each head the last query
+    tiles (most keys) first. causal: Nq == Nk, key j visible to query i iff j <= i; else every key, any Nq and Nk.
+    accumulate: o (fp32) and lse hold these rows' attention over other keys (o normalized; lse = −inf: nothing yet)
+    and are overwritten with the attention over both key sets. qk_scale = softmax scale · log2(e). The caller checks
+    the scope (launch.gluon_forward_ready) and has set Triton's scratch allocator for the device-side TMA
+    descriptors."""
     B, H, N, _ = q.shape
     n_qtiles = -(-N // (consumers * ROWS_PER_CONSUMER.value))
     work, work_start = device_one_each(B * H, tuple(reversed(range(n_qtiles))), q.device)
-    _launch(q, k, v, o, lse, qk_scale, consumers, block_n, stages, work, work_start, persistent=False)
+    _launch(q, k, v, o, lse, qk_scale, consumers, block_n, stages, work, work_start, persistent=False, causal=causal,
+            accumulate=accumulate, stride_lse=stride_lse)
 
 
 def launch_forward_persistent(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float,
-                              consumers: int, block_n: int, stages: int, programs: int | None = None) -> None:
+                              consumers: int, block_n: int, stages: int, programs: int | None = None, *,
+                              causal: bool = True, accumulate: bool = False, stride_lse: int | None = None) -> None:
     """launch_forward_pingpong's contract, on one program per SM (or `programs`) walking schedule.py's
     work list (an item costing its key tiles, query_tile_costs)."""
     B, H, N, _ = q.shape
-    costs = query_tile_costs(N, consumers * ROWS_PER_CONSUMER.value, block_n)
+    costs = query_tile_costs(N, consumers * ROWS_PER_CONSUMER.value, block_n, None if causal else k.shape[2])
     programs = min(programs or sm_count(q.device), B * H * len(costs))
     work, work_start = device_schedule(B * H, costs, programs, q.device)
-    _launch(q, k, v, o, lse, qk_scale, consumers, block_n, stages, work, work_start, persistent=True)
+    _launch(q, k, v, o, lse, qk_scale, consumers, block_n, stages, work, work_start, persistent=True, causal=causal,
+            accumulate=accumulate, stride_lse=stride_lse)
 
 
 def launch_forward_masked(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float, consumers: int,
-                          block_n: int, stages: int, window: int | None, document_ids: Tensor | None) -> None:
-    """launch_forward_pingpong's contract with GQA (k, v with H / group heads) and the masks: `window` (keys
-    i − window < j) and `document_ids` ((B, N) int32/int64, non-decreasing, rows with a contiguous last dimension;
-    keys of the row's document), as a plain grid (the key tiles per query tile depend on the ids, so no work list is
-    balanced on the host). Each query tile visits only the key tiles its rows see, found on the device (each
-    token's document bounds by torch.searchsorted, then four loads per item)."""
+                          block_n: int, stages: int, window: int | None, document_ids: Tensor | None, *,
+                          stride_lse: int | None = None) -> None:
+    """launch_forward_pingpong's causal fresh contract with GQA (k, v with H / group heads) and the masks: `window`
+    (keys i − window < j) and `document_ids` ((B, N) int32/int64, non-decreasing, rows with a contiguous last
+    dimension; keys of the row's document), as a plain grid (the key tiles per query tile depend on the ids, so no
+    work list is balanced on the host). Each query tile visits only the key tiles its rows see, found on the device
+    (each token's document bounds by torch.searchsorted, then four loads per item)."""
     B, H, N, _ = q.shape
     n_qtiles = -(-N // (consumers * ROWS_PER_CONSUMER.value))
     work, work_start = device_one_each(B * H, tuple(reversed(range(n_qtiles))), q.device)
     _launch(q, k, v, o, lse, qk_scale, consumers, block_n, stages, work, work_start, persistent=False, window=window,
-            document_ids=document_ids)
+            document_ids=document_ids, stride_lse=stride_lse)

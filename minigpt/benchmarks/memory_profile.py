@@ -13,9 +13,16 @@ moment of the step's peak and every allocation alive then; they are grouped by w
 op that made it and the innermost frame in minigpt/ or the kernel package calling it, attached to each
 allocation by a dispatch mode) and by their size per token, so "3.0 KB/token made in levers.py backward" reads as one fp32 768-wide tensor per token.
 
+The same history gives what the allocator reserved (`replay_reserved`): at the reserved peak, how much was
+allocated, how much was freed but still waiting for another stream's work (a block NCCL used, say), and how much
+was free but too fragmented for the requests made.
+
+Under torchrun (`torchrun --nproc_per_node 2 -m minigpt.benchmarks.memory_profile --out DIR -- ...
+parallel.context=2`) every rank profiles its own GPU in the same step and writes memory_profile.rank<r>.*.
+
 Writes memory_profile.json and memory_profile.md to --out (and with --snapshot the raw allocator snapshot,
-for https://pytorch.org/memory_viz). The replay (`replay_peak`, `group_live`) is plain Python over the
-snapshot's event list, tested on CPU; recording needs a CUDA GPU.
+for https://pytorch.org/memory_viz). The replay (`replay_peak`, `replay_reserved`, `group_live`) is plain Python
+over the snapshot's event list, tested on CPU; recording needs a CUDA GPU.
 Exit codes: 0 done, 1 no GPU or a failure, 2 bad arguments or settings, 3 out of memory.
 """
 from __future__ import annotations
@@ -72,6 +79,44 @@ def replay_peak(events: Sequence[dict[str, Any]], baseline: int) -> tuple[int, l
     return peak, list(live.values()), old
 
 
+SEGMENT_GROWS = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
+
+
+def replay_reserved(events: Sequence[dict[str, Any]], reserved_baseline: int, allocated_baseline: int
+                    ) -> dict[str, Any]:
+    """What the allocator reserved over the trace, and what that memory held at its peak.
+
+    Reserved memory grows by 'segment_alloc' (or 'segment_map', with expandable segments) and shrinks by
+    'segment_free' ('segment_unmap'). A block the program has freed ('free_requested') returns to the allocator
+    only at 'free_completed'; in between it still waits for work on another stream that used it (record_stream,
+    e.g. NCCL's), and the allocator cannot hand it out. At the reserved peak the memory therefore splits into
+    allocated (as torch.cuda.memory_allocated counts it: up to 'free_requested'), pending (freed, still waiting)
+    and free but unusable for the requests made (fragmentation). Returns those bytes at the peak (the first moment
+    it is reached) and the pending blocks themselves."""
+    reserved = peak = reserved_baseline
+    allocated, at = allocated_baseline, -1
+    pending: dict[int, dict[str, Any]] = {}
+    snapshot: tuple[int, dict[int, dict[str, Any]]] = (allocated, {})
+    for i, e in enumerate(events):
+        action = e["action"]
+        if action in SEGMENT_GROWS:
+            reserved += SEGMENT_GROWS[action] * e["size"]
+            if reserved > peak:
+                peak, at, snapshot = reserved, i, (allocated, dict(pending))
+        elif action == "alloc":
+            allocated += e["size"]
+        elif action == "free_requested":  # torch's allocated stat drops here; the block may still be pending
+            allocated -= e["size"]
+            pending[e["addr"]] = e
+        elif action == "free_completed":
+            pending.pop(e["addr"], None)
+    allocated_then, pending_then = snapshot
+    pending_bytes = sum(e["size"] for e in pending_then.values())
+    return {"peak_reserved": peak, "at_event": at, "allocated": allocated_then,
+            "pending_free": pending_bytes, "unused": peak - allocated_then,
+            "fragmented": peak - allocated_then - pending_bytes, "pending_blocks": list(pending_then.values())}
+
+
 def describe(entry: dict[str, Any]) -> tuple[str, str]:
     """(where in our code, torch op) of one allocation: from the label OpLabels attached ('op @ where'), else
     from its recorded stack (innermost frame first); '' when not found."""
@@ -103,11 +148,12 @@ def group_live(live: Sequence[dict[str, Any]], tokens: int) -> list[dict[str, An
 
 
 def report_table(result: dict[str, Any]) -> str:
-    """Markdown: the phases, then the allocations alive at the peak."""
+    """Markdown: the phases, the allocations alive at the peak, then what the reserved memory held at its peak."""
     from minigpt.files import markdown_table
 
     tokens = result["tokens"]
-    lines = [f"# GPU memory of one training step: {result['device']}, {tokens:,} tokens per step, commit "
+    rank = f" (rank {result['rank']} of {result['world']})" if result.get("world", 1) > 1 else ""
+    lines = [f"# GPU memory of one training step{rank}: {result['device']}, {tokens:,} tokens per step, commit "
              f"{result['commit']}\n", f"overrides: `{' '.join(result['overrides'])}`\n",
              markdown_table(["phase", "peak allocated GiB", "KB/token", "time s"],
                             [[p["phase"], f"{p['peak_gib']:.2f}", f"{p['peak_gib'] * GIB / tokens / 1024:.2f}",
@@ -120,6 +166,17 @@ def report_table(result: dict[str, Any]) -> str:
                               f"{result['before_step_gib'] * GIB / tokens / 1024:.2f}"]] +
                             [[g["where"], g["op"], f"{g['kb_per_token_each']:.2f}", g["count"], f"{g['gib']:.2f}",
                               f"{g['kb_per_token']:.2f}"] for g in result["live_at_peak"]])]
+    r = result.get("reserved")
+    if r:
+        lines += [f"\nReserved at its peak in the step: {r['peak_reserved_gib']:.2f} GiB by the replay "
+                  f"({result['max_memory_reserved_gib']:.2f} by torch.cuda.max_memory_reserved): allocated "
+                  f"{r['allocated_gib']:.2f}, freed but waiting for another stream's work {r['pending_free_gib']:.2f}, "
+                  f"free but not used for the requests made (fragmentation) {r['fragmented_gib']:.2f}.\n"]
+        if r["pending_at_peak"]:
+            lines += ["Freed and waiting at that moment:\n",
+                      markdown_table(["where it was made", "op", "KB/token each", "count", "GiB", "KB/token"],
+                                     [[g["where"], g["op"], f"{g['kb_per_token_each']:.2f}", g["count"],
+                                       f"{g['gib']:.2f}", f"{g['kb_per_token']:.2f}"] for g in r["pending_at_peak"]])]
     return "\n".join(lines)
 
 
@@ -184,10 +241,12 @@ def _step(t: Any, x: Any, y: Any, ids: Any, phases: list[dict[str, Any]] | None)
 
 def profile(overrides: list[str], warmup_tokens: int, cpp_stacks: bool, snapshot_path: Path | None
             ) -> dict[str, Any]:
+    """One rank's profile; under torchrun (parallel.context=K) every rank profiles its own GPU in the same step."""
     import torch
 
     from minigpt.compose import compose
     from minigpt.cuda_allocator import use_allocator_settings
+    from minigpt.distributed.mesh import Mesh
     from minigpt.distributed.sharding import shard_batch
     from minigpt.metrics import git_commit
     from minigpt.summary import RunSummary
@@ -197,7 +256,8 @@ def profile(overrides: list[str], warmup_tokens: int, cpp_stacks: bool, snapshot
     if cfg.torch_device().type != "cuda":
         raise RuntimeError("the memory profile records the CUDA caching allocator: it needs a CUDA GPU")
     use_allocator_settings(cfg.cuda_alloc_conf)  # as the trainer does, before CUDA starts
-    t = build(cfg, {}, RunSummary(status="running"))
+    mesh = Mesh.setup(cfg.parallel.context, "cuda")  # under torchrun (the caller joined the group), else one process
+    t = build(cfg, {}, RunSummary(status="running"), mesh)
     x, y, ids = to_device(shard_batch(t.mesh, t.data, "train", 0, cfg.batch_size), t.device)
     # the warm-up makes the optimizer state, grows the allocator and compiles the regions for every shape the
     # measured step uses (compiling while the allocator history is recorded failed on torch 2.11: a SystemError
@@ -206,7 +266,7 @@ def profile(overrides: list[str], warmup_tokens: int, cpp_stacks: bool, snapshot
     _step(t, x[:, :w], y[:, :w], None if ids is None else ids[:, :w], None)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    baseline = torch.cuda.memory_allocated()
+    baseline, reserved_baseline = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     labels = not cpp_stacks and hasattr(torch.cuda.memory, "_set_memory_metadata")
     torch.cuda.memory._record_memory_history(max_entries=2_000_000, context="all" if cpp_stacks else None,
                                              stacks="all")
@@ -216,6 +276,7 @@ def profile(overrides: list[str], warmup_tokens: int, cpp_stacks: bool, snapshot
         with op_labels() if labels else contextlib.nullcontext():
             _step(t, x, y, ids, phases)
         step_peak = max(p["peak_gib"] for p in phases)
+        reserved_peak = torch.cuda.max_memory_reserved()
         snap = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
@@ -223,11 +284,16 @@ def profile(overrides: list[str], warmup_tokens: int, cpp_stacks: bool, snapshot
         snapshot_path.write_bytes(pickle.dumps(snap))
     events = snap["device_traces"][torch.cuda.current_device()]
     peak, live, old = replay_peak(events, baseline)
+    reserved = replay_reserved(events, reserved_baseline, baseline)
     tokens = x.numel()
     return {"device": torch.cuda.get_device_name(), "commit": git_commit(), "overrides": overrides,
-            "tokens": tokens, "phases": phases, "max_memory_allocated_gib": step_peak,
-            "peak_gib": peak / GIB, "before_step_gib": old / GIB, "trace_events": len(events),
-            "live_at_peak": group_live(live, tokens)}
+            "rank": mesh.rank, "world": mesh.world, "tokens": tokens, "phases": phases,
+            "max_memory_allocated_gib": step_peak, "peak_gib": peak / GIB, "before_step_gib": old / GIB,
+            "trace_events": len(events), "live_at_peak": group_live(live, tokens),
+            "max_memory_reserved_gib": reserved_peak / GIB,
+            "reserved": {**{f"{k}_gib": reserved[k] / GIB for k in ("peak_reserved", "allocated", "pending_free",
+                                                                      "unused", "fragmented")},
+                         "pending_at_peak": group_live(reserved["pending_blocks"], tokens)}}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -251,13 +317,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     from minigpt.config import ConfigError
     from minigpt.files import WriteError, atomic_write_text
 
+    from minigpt.distributed.process import TorchrunProcess, env_rank, launched_world_size
+
+    # under torchrun each rank writes its own files (memory_profile.rank<r>.*); rank 0 prints its table
+    suffix = f".rank{env_rank()}" if launched_world_size() > 1 else ""
     try:
         args.out.mkdir(parents=True, exist_ok=True)
-        result = profile(overrides, args.warmup_tokens, args.cpp_stacks,
-                         args.out / "memory_snapshot.pickle" if args.snapshot else None)
-        table = report_table(result)
-        atomic_write_text(args.out / "memory_profile.json", json.dumps(result, indent=1))
-        atomic_write_text(args.out / "memory_profile.md", table)
+        with TorchrunProcess() as process:
+            result = profile(overrides, args.warmup_tokens, args.cpp_stacks,
+                             args.out / f"memory_snapshot{suffix}.pickle" if args.snapshot else None)
+            table = report_table(result)
+            atomic_write_text(args.out / f"memory_profile{suffix}.json", json.dumps(result, indent=1))
+            atomic_write_text(args.out / f"memory_profile{suffix}.md", table)
+            process.ok = True
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

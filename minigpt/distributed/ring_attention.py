@@ -27,20 +27,27 @@ softmax at m = lse, l = 1, acc = o, which after the new keys gives
 the softmax over both key sets, with no merge pass between the steps.
 
 Backward (FlashAttention-2): a block's dQ, dK, dV need only the final o, the final lse and
-delta = rowsum(dO ∘ O), so each step reruns our backward kernels on the same launches with the final
-(o, lse): dQ_rows += dS K_keys and dK_keys += dSᵀ Q_rows, dV_keys += Pᵀ dO_rows, each added by the kernel into
-an fp32 buffer (with GQA the dK/dV kernel sums a K/V head's group of query heads itself). dQ stays local; each
-block's dK/dV accumulator (fp32, Hkv heads) starts at the first other rank that holds the block, travels with it
-and, after the block's last hop, goes straight back to the block's owner, which adds its own share, computed last,
-while that hop is under way.
+delta = rowsum(dO ∘ O), so each step reruns the backward on the same launches with the final (o, lse):
+dQ_rows += dS K_keys and dK_keys += dSᵀ Q_rows, dV_keys += Pᵀ dO_rows, each added by the kernel into an fp32
+buffer (with GQA the kernel sums a K/V head's group of query heads itself). One launch gives all three where the
+fused five-matmul Gluon kernel takes it (sm_90, no mask on the launch: the full off-diagonal blocks and the causal
+local block of dense attention), else the Triton dQ and dK/dV kernels run (launch.launch_backward_block). dQ stays
+local; each block's dK/dV accumulator (fp32, Hkv heads) starts at the first other rank that holds the block,
+travels with it and, after the block's last hop, goes straight back to the block's owner, which adds its own share,
+computed last, while that hop is under way.
 
 Communication is `torch.distributed.batch_isend_irecv` on the context-parallel group, posted before the
 step's compute so the transfer overlaps it. Every rank issues the same sends and receives in the same
 order, whatever its data: recomputing a block (levers.py) runs the forward's ring again on all ranks.
+
+Memory: NCCL's sends and receives pin their tensors to NCCL's stream, so the allocator reuses a freed message only
+once the GPU has passed that point. The host is kept one or two ring calls ahead of the GPU (CallFence), or each
+layer's messages would take fresh memory.
 """
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Callable
 
 import torch
@@ -70,37 +77,33 @@ def _masks(launch: Launch, q_ids: Tensor | None, k_ids: Tensor | None) -> dict:
 def _block_forward(q: Tensor, k: Tensor, v: Tensor, q_ids: Tensor | None, k_ids: Tensor | None,
                    launches: list[Launch], sm_scale: float, o: Tensor, lse: Tensor) -> None:
     """Fold a block's keys into the running fp32 (o, lse) of the local rows that see them: its launches, each
-    continuing the rows' result, or writing their first state (the local block's first launch for those rows)."""
+    continuing the rows' result, or writing their first state (the local block's first launch for those rows).
+    Plain grids, never the table's persistent ones: NCCL's kernel of the transfer in flight holds SMs, and a
+    persistent kernel's work lists, fixed per SM on the host, wait for it (a block's dK/dV/dQ took 2.90 ms beside
+    a hop against 1.47 ms alone on an H100)."""
     from minigpt_kernels.launch import launch_forward
 
     for l in launches:
         launch_forward(_rows(q, l.rows), _rows(k, l.keys), _rows(v, l.keys), l.causal, sm_scale,
-                       out=(_rows(o, l.rows), _rows(lse, l.rows)), accumulate=not l.fresh_rows, **_masks(l, q_ids, k_ids))
+                       out=(_rows(o, l.rows), _rows(lse, l.rows)), accumulate=not l.fresh_rows, persistent=False,
+                       **_masks(l, q_ids, k_ids))
 
 
-def _block_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, q_ids: Tensor | None, k_ids: Tensor | None,
-              lse: Tensor, delta: Tensor, launches: list[Launch], sm_scale: float, dq: Tensor) -> None:
-    """A block's share of dQ, added by the kernel into the fp32 dq (written by the local block's first launches).
-    lse and delta are the final ones: P = exp2(s − lse) and delta = rowsum(dO ∘ O) are those of the whole row."""
-    from minigpt_kernels.launch import launch_backward_dq
-
-    for l in launches:
-        launch_backward_dq(_rows(do, l.rows), _rows(q, l.rows), _rows(k, l.keys), _rows(v, l.keys),
-                           _rows(lse, l.rows), _rows(delta, l.rows), l.causal, sm_scale, out=_rows(dq, l.rows),
-                           accumulate=not l.fresh_rows, **_masks(l, q_ids, k_ids))
-
-
-def _block_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, q_ids: Tensor | None, k_ids: Tensor | None,
-                lse: Tensor, delta: Tensor, launches: list[Launch], sm_scale: float, dk: Tensor, dv: Tensor) -> None:
-    """A block's dK/dV over the local queries, added by the kernel into the fp32 (dk, dv) (the block's travelling
-    accumulator), or written there by the local block's first launch for those keys."""
-    from minigpt_kernels.launch import launch_backward_dkdv
+def _block_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, q_ids: Tensor | None, k_ids: Tensor | None,
+                    lse: Tensor, delta: Tensor, launches: list[Launch], sm_scale: float, dq: Tensor, dk: Tensor,
+                    dv: Tensor) -> None:
+    """A block's dQ, dK, dV over the local queries, one launch_backward_block per launch (the fused five-matmul Gluon
+    kernel where it takes the launch, else the Triton dQ and dK/dV kernels): dQ added into the fp32 dq, dK/dV added
+    into the fp32 (dk, dv) (the block's travelling accumulator), or written there by the local block's first launch
+    for those keys. lse and delta are the final ones: P = exp2(s − lse) and delta = rowsum(dO ∘ O) of the whole row.
+    Plain grids, as _block_forward's."""
+    from minigpt_kernels.launch import launch_backward_block
 
     for l in launches:
-        launch_backward_dkdv(_rows(do, l.rows), _rows(q, l.rows), _rows(k, l.keys), _rows(v, l.keys),
-                             _rows(lse, l.rows), _rows(delta, l.rows), l.causal, sm_scale,
-                             out=(_rows(dk, l.keys), _rows(dv, l.keys)), accumulate=not l.fresh_keys,
-                             **_masks(l, q_ids, k_ids))
+        launch_backward_block(_rows(do, l.rows), _rows(q, l.rows), _rows(k, l.keys), _rows(v, l.keys),
+                              _rows(lse, l.rows), _rows(delta, l.rows), l.causal, sm_scale, _rows(dq, l.rows),
+                              _rows(dk, l.keys), _rows(dv, l.keys), accumulate_dq=True,
+                              accumulate_dkdv=not l.fresh_keys, persistent=False, **_masks(l, q_ids, k_ids))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -139,6 +142,45 @@ class Ring:
         """Send t to the next rank and receive the previous rank's tensor of the same shape (see send)."""
         wait = self.send((t,), 1)
         return lambda: wait()[0]
+
+
+class CallFence:
+    """Keeps the host at most one or two ring calls ahead of the GPU, so that the ring's messages reuse memory.
+
+    PyTorch's NCCL send and receive record their tensors on NCCL's stream (for point-to-point ops whatever
+    TORCH_NCCL_AVOID_RECORD_STREAMS says), and the caching allocator hands a freed block of such a tensor out again
+    only after NCCL's stream has passed, on the GPU, the point where the host freed it. In a training step nothing
+    makes the host wait until the loss is read, so it runs a whole backward ahead: every layer's messages and
+    accumulators were freed long before the GPU got there, and each layer's took fresh memory (21.0 GiB reserved for
+    6.0 allocated per rank at 256K tokens on 2 × H100). As a call starts, the host waits until the GPU has finished
+    the call `lag` calls back: at most `lag` calls' buffers wait. With lag 1 the GPU runs out of queued ring work
+    while the host posts the next call's first kernel (~1 ms); lag 2 keeps a whole call queued. Measured at 256K
+    against main in the same job: lag 1 reserved 8.2 GiB for a step 0.5-0.6% slower, lag 2 10.5 GiB and no slower;
+    long shards take lag 1 (2.3 GiB for half a percent), short ones, where that ms weighs more, lag 2."""
+
+    def __init__(self, new_event: Callable[[], object] = torch.cuda.Event):
+        self.new_event = new_event  # an event on the current stream (a stand-in in tests)
+        self.ends: deque = deque()  # events after the last calls' work, oldest first
+
+    def enter(self, lag: int) -> None:
+        """A call starts: wait until the GPU has finished the call `lag` calls back."""
+        while len(self.ends) >= lag:
+            self.ends.popleft().synchronize()
+
+    def leave(self) -> None:
+        """A call has been issued (its last waits on NCCL's stream included): mark its end on the current stream."""
+        end = self.new_event()
+        end.record()
+        self.ends.append(end)
+
+
+def fence_lag(k: Tensor) -> int:
+    """How many ring calls the host may run ahead: 1 for a long shard (a K/V message of SERIAL_HOP_BYTES or more,
+    whose call takes tens of ms), else 2."""
+    return 1 if 2 * k.numel() * k.element_size() >= SERIAL_HOP_BYTES else 2
+
+
+FENCE = CallFence()  # this process's ring calls on CUDA (one GPU per process)
 
 
 def stack_kv(k: Tensor, v: Tensor) -> Tensor:
@@ -196,6 +238,8 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | Non
     fp32 (B, H, N_local)."""
     from minigpt_kernels.launch import empty_in_layout_of
 
+    if q.is_cuda:
+        FENCE.enter(fence_lag(k))
     plan = _Plan(group, q.shape[2], window)
     ids = None if document_ids is None else document_ids.contiguous()
     local = (stack_kv(k, v), ids) if plan.steps else None  # the local block as it travels (if it does)
@@ -214,6 +258,8 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | Non
         incoming = post(i + 1)
         kv, k_ids = held[direction]
         _block_forward(q, *unstack_kv(kv), ids, k_ids, launches, sm_scale, o, lse)
+    if q.is_cuda:
+        FENCE.leave()
     return o.to(q.dtype), lse
 
 
@@ -222,13 +268,14 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
                   document_ids: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv of ring attention, from the final o and lse of ring_forward (the same window and document ids).
 
-    The local block comes first and last: its dQ kernel runs while the first other block arrives, and its dK/dV
-    kernel while the accumulators of the other ranks' dK/dV for it make their last hop home, so neither transfer
-    waits alone. In between, each other rank's block is processed as it arrives: its dQ kernel first, while the
-    block's accumulator is still arriving, then its dK/dV kernel adding into that accumulator, which then travels on
-    with the block, or home after the block's last hop."""
+    Each other rank's block is processed as it arrives, in one launch per plan launch that adds its dQ into the
+    local fp32 dq and its dK/dV into the block's accumulator, which then travels on with the block, or home after the
+    block's last hop. The local block comes last: its launches run while the accumulators of the other ranks' dK/dV
+    for it make their last hop home (the larger transfer: fp32), so that hop does not wait alone."""
     from minigpt_kernels.launch import empty_in_layout_of, launch_backward_delta
 
+    if q.is_cuda:
+        FENCE.enter(fence_lag(k))
     plan = _Plan(group, q.shape[2], window)
     ids = None if document_ids is None else document_ids.contiguous()
     local = (stack_kv(k, v), ids) if plan.steps else None
@@ -240,8 +287,7 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
 
     incoming = post(0)
     do, delta = launch_backward_delta(do, o, lse)
-    dq = empty_in_layout_of(q, torch.float32)
-    _block_dq(do, q, k, v, ids, ids, lse, delta, plan.local, sm_scale, dq)
+    dq = empty_in_layout_of(q, torch.float32).zero_()  # every block adds its share, the local block's last
     # per direction, the (dK, dV) accumulator (fp32, laid out as the kv message) of the block this rank holds next in
     # it, arriving from the previous holder; after a direction's last step, this rank's own block's, coming home
     arriving: dict[int, Callable[[], Tensor] | None] = {1: None, -1: None}
@@ -249,11 +295,9 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
         held[direction] = incoming()
         incoming = post(i + 1)
         kv, k_ids = held[direction]
-        # this block's share, computed while the next block (and, during its dQ kernel, its accumulator) is in flight
-        _block_dq(do, q, *unstack_kv(kv), ids, k_ids, lse, delta, launches, sm_scale, dq)
         # the first rank after a block's owner starts its accumulator: fp32 zeros laid out as kv
         dkv = (arriving[direction] or _ready(torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)))()
-        _block_dkdv(do, q, *unstack_kv(kv), ids, k_ids, lse, delta, launches, sm_scale, *unstack_kv(dkv))
+        _block_backward(do, q, *unstack_kv(kv), ids, k_ids, lse, delta, launches, sm_scale, dq, *unstack_kv(dkv))
         # hand the accumulator on with its block; after the block's last hop, straight home to its owner
         last = depth == plan.depth(direction)
         wait = plan.ring.send((dkv,), -direction * depth if last else direction)
@@ -261,34 +305,26 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
         if dkv.numel() * dkv.element_size() >= SERIAL_HOP_BYTES:
             arriving[direction] = _ready(arriving[direction]())  # a long shard: wait now, one accumulator in flight
         del dkv
-    held.clear()  # the blocks of other ranks are done with: free them before the local dK/dV kernel
+    held.clear()  # the blocks of other ranks are done with: free them before the local block's launches
     kv = k_ids = None
+    homes = [arriving[d] for d in (1, -1) if arriving[d] is not None]
+    # the local block, during the last hops: dK/dV in k's dtype from one launch that writes them all (the causal
+    # block; no fp32 copy of k's size beside the arriving accumulators at the layer's peak), else (a window's
+    # launches) in an fp32 buffer that they write and add into
+    one_launch = len(plan.local) == 1 and plan.local[0].fresh_keys and plan.local[0].keys == slice(0, k.shape[2])
+    dtype = k.dtype if one_launch else torch.float32
+    dk, dv = empty_in_layout_of(k, dtype), empty_in_layout_of(v, dtype)
+    _block_backward(do, q, k, v, ids, ids, lse, delta, plan.local, sm_scale, dq, dk, dv)
     dq = dq.to(q.dtype)
-    dk, dv = _local_dkdv(do, q, k, v, ids, lse, delta, plan.local, sm_scale)  # during the last hops
-    homes = [arriving[d]() for d in (1, -1) if arriving[d] is not None]
-    if not homes:  # a ring of one, or a window that reaches no other rank
-        return dq, dk.to(k.dtype), dv.to(v.dtype)
-    # dK = mine + the other ranks' (fp32), added in fp32 and cast into mine in one pass
-    for home in homes[:-1]:
-        homes[-1] += home
-    theirs_k, theirs_v = unstack_kv(homes[-1])
-    if dk.dtype == torch.float32:
-        return dq, dk.add_(theirs_k).to(k.dtype), dv.add_(theirs_v).to(v.dtype)
-    return dq, dk.add_(theirs_k), dv.add_(theirs_v)
-
-
-def _local_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, ids: Tensor | None, lse: Tensor, delta: Tensor,
-                launches: list[Launch], sm_scale: float) -> tuple[Tensor, Tensor]:
-    """The local block's dK, dV over the local queries: in k's dtype from one launch (causal, with or without
-    documents), else (a window's pairs) in an fp32 buffer that its launches write and add into."""
-    from minigpt_kernels.launch import empty_in_layout_of, launch_backward_dkdv
-
-    if len(launches) == 1 and launches[0].fresh_keys and launches[0].keys == slice(0, k.shape[2]):
-        l = launches[0]
-        return launch_backward_dkdv(do, q, k, v, lse, delta, l.causal, sm_scale, **_masks(l, ids, ids))
-    dk, dv = empty_in_layout_of(k, torch.float32), empty_in_layout_of(v, torch.float32)
-    _block_dkdv(do, q, k, v, ids, ids, lse, delta, launches, sm_scale, dk, dv)
-    return dk, dv
+    if homes:  # dK = mine + the other ranks' (fp32): added into mine (then cast in one pass where mine is fp32)
+        homes = [home() for home in homes]
+        for home in homes[:-1]:
+            homes[-1] += home
+        theirs_k, theirs_v = unstack_kv(homes[-1])
+        dk, dv = dk.add_(theirs_k), dv.add_(theirs_v)
+    if q.is_cuda:
+        FENCE.leave()
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 # An accumulator hop of at least this size is waited for at once instead of during the next block's dQ kernel: two

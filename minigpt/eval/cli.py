@@ -5,9 +5,11 @@
     minigpt-eval runs/final runs/base2k --lengths 32K --sliding none,2K --out runs/compare   # side by side
     minigpt-eval runs/final/eval/loss_by_position.json runs/base2k/eval_sliding/loss_by_position.json --out cmp
     minigpt-eval runs/final --no-loss --passkey-grid --haystack both --passkey-lengths 16K,32K --wandb
+    minigpt-eval parts/*/passkey_filler/passkey_grid.json --out runs/final/eval      # a grid run in parts, merged
 
-PATH is a run directory (its newest intact checkpoint), a checkpoints directory, a ckpt_*.pt, or the
-loss_by_position.json of an earlier command (drawn and compared, not recomputed). Sizes take K (1024) and M.
+PATH is a run directory (its newest intact checkpoint), a checkpoints directory, a ckpt_*.pt, the
+loss_by_position.json of an earlier command (drawn and compared, not recomputed), or the passkey_grid.json of
+earlier commands that each scored part of one grid (merged, alone). Sizes take K (1024) and M.
 
 Loss by position (minigpt/eval/loss_by_position.py): at each --lengths L, each held-out pycode document's first L
 tokens in one window (shorter documents contribute to the bins they reach), mean loss per power-of-two position
@@ -17,7 +19,9 @@ when fewer than --min-docs held-out documents have L tokens. The goal figures: m
 --goal-near per curve, and the first PATH minus each other PATH over --goal-far (paired over documents).
 
 The passkey grid (--passkey-grid; minigpt/eval/passkey_grid.py): depth × length, --keys keys per cell, in the
-synthetic filler and/or held-out pycode text (--haystack).
+synthetic filler and/or held-out pycode text (--haystack). A grid too long for one command can run in parts (some
+--passkey-lengths, or some --depths of one length, each into its own --out); their passkey_grid.json files given as
+the PATHs are merged per haystack into what one command over every cell writes.
 
 Outputs in --out (default eval/ in the run directory; required with several PATHs): loss_by_position.json and .png;
 passkey_<haystack>/passkey_grid.{json,md} and passkey_heatmap.png (under <run name>/ with several model PATHs);
@@ -52,7 +56,8 @@ from minigpt.eval.haystack import filler_haystack, pycode_haystack
 from minigpt.eval.heldout import HeldOut, check_enough, corpus_settings, heldout_documents, tokenizer_id
 from minigpt.eval.loss_by_position import full_windows, score_windows, sliding_windows
 from minigpt.eval.loss_report import WANDB_COLUMNS, goal_figures, goal_lines, make_curve, plot_curves, wandb_rows, wrap
-from minigpt.eval.passkey_grid import HAYSTACKS, length_label, run_grid, wandb_table, write_outputs
+from minigpt.eval.passkey_grid import (HAYSTACKS, is_grid, length_label, merge_grids, run_grid, wandb_table,
+                                       write_outputs)
 from minigpt.eval.retrieval import DEFAULT_DEPTHS, DEFAULT_KEYS_PER_CELL, FillerBytes
 from minigpt.files import WriteError, atomic_write_text
 from minigpt.metrics import device_name
@@ -150,6 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _is_result(path: Path) -> bool:
     return path.suffix == ".json"
+
+
+def _is_grid_file(path: Path) -> bool:
+    """A passkey_grid.json (a part of a grid to merge); anything unreadable is left to read_result to refuse."""
+    try:
+        return is_grid(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return False
 
 
 def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
@@ -360,8 +373,8 @@ def read_result(path: Path, first: int) -> list[dict[str, Any]]:
         curves = data["curves"]
         assert isinstance(curves, list) and all("label" in c and "status" in c for c in curves)
     except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
-        raise SampleError(f"{path}: not a loss_by_position.json of minigpt-eval ({type(e).__name__}); give a run "
-                          f"directory, a checkpoint or such a file") from None
+        raise SampleError(f"{path}: not a loss_by_position.json or passkey_grid.json of minigpt-eval "
+                          f"({type(e).__name__}); give a run directory, a checkpoint or such a file") from None
     sources = {s: first + i for i, s in enumerate(dict.fromkeys(c.get("source", 0) for c in curves))}
     return [{**c, "source": sources[c.get("source", 0)]} for c in curves]
 
@@ -409,6 +422,51 @@ def default_out(e: Evaluated) -> Path:
     return e.run_dir / "eval"
 
 
+def write_grid(result: dict[str, Any], out: Path, folder: str, grids: list, name: str, attention: str,
+               rope_scaling: str, rope_factor: float, command: str) -> list[Path]:
+    """One haystack's grid written into out/folder (titled with the model and command), added to `grids` (for W&B)
+    and its accuracy printed; returns the files written. A grid scored here and one merged from parts alike."""
+    rope = f", rope={rope_scaling}×{rope_factor:g}" if rope_scaling != "none" else ""
+    title = f"{name}, {result['haystack']} haystack, attention={attention}{rope}; {command}"
+    paths = write_outputs(result, out / folder, wrap(title, 110))
+    grids.append((folder, result, paths[2] if len(paths) > 2 else None))
+    if result["mean_accuracy"] is not None:
+        print(f"{name}: passkey ({result['haystack']}) mean accuracy {100 * result['mean_accuracy']:.1f}%, " +
+              ", ".join(f"{length_label(int(n))} {100 * a:.0f}%" for n, a in result["by_length"].items()))
+    return paths
+
+
+def merge_grid_files(paths: list[Path], args: argparse.Namespace, command: str, say: Callable[[str], None]) -> int:
+    """`minigpt-eval PART.json ... --out DIR`: the parts of each haystack's grid merged into DIR/passkey_<haystack>/,
+    as one command over every cell writes it; nothing is written if any haystack's parts do not make one grid."""
+    parts = [json.loads(q.read_text()) for q in paths]
+    merged = []
+    for haystack in dict.fromkeys(part["haystack"] for part in parts):
+        mine = [(str(q), part) for q, part in zip(paths, parts) if part["haystack"] == haystack]
+        try:
+            merged.append((merge_grids([part for _, part in mine], [q for q, _ in mine]), len(mine)))
+        except ValueError as e:
+            say(f"error: {e}")
+            return 2
+    grids: list[tuple[str, dict[str, Any], Path | None]] = []
+    written: list[Path] = []
+    try:
+        for result, n in merged:
+            run = result["run"]
+            rope = run.get("rope") or {}
+            written += write_grid(result, args.out, f"passkey_{result['haystack']}", grids,
+                                  f"{run.get('checkpoint')} step {run.get('step')}", run.get("attention"),
+                                  rope.get("scaling", "none"), rope.get("factor", 1.0),
+                                  f"{n} parts merged: {command}")
+    except WriteError as e:
+        say(f"error: {e}")
+        return 1
+    if args.wandb:
+        print(f"W&B: {log_wandb(args, args.out, command, None, None, grids, 'eval-merge')}")
+    print(f"results: {args.out.resolve()} ({', '.join(str(w.relative_to(args.out)) for w in written)})")
+    return 0
+
+
 # --------------------------------------------------------------------------------------------
 # main
 # --------------------------------------------------------------------------------------------
@@ -420,9 +478,17 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     device, dtype = check_arguments(p, args)
+    command = "minigpt-eval " + shlex.join(argv)
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
+
+    grid_files = [q for q in args.paths if _is_result(q) and _is_grid_file(q)]
+    if grid_files:
+        if len(grid_files) < len(args.paths) or args.passkey_grid:
+            p.error("argument PATH: passkey_grid.json files are merged on their own; give no model, "
+                    "loss_by_position.json or --passkey-grid with them")
+        return merge_grid_files(grid_files, args, command, say)
 
     # read everything and refuse what cannot be done before computing anything
     models: list[Evaluated] = []
@@ -468,7 +534,6 @@ def main(argv: list[str] | None = None) -> int:
         say(f"error: {e}")
         return 2
     out = args.out or default_out(models[0])
-    command = "minigpt-eval " + shlex.join(argv)
     commit = git_commit()
 
     # loss by position
@@ -504,16 +569,8 @@ def main(argv: list[str] | None = None) -> int:
             for result in passkey_grids(e, lambda: cache.get(e), device, dtype, args, say):
                 folder = f"passkey_{result['haystack']}" if len(models) == 1 else \
                     f"{e.run_dir.resolve().name}-{e.source}/passkey_{result['haystack']}"
-                title = f"{e.name}, {result['haystack']} haystack, attention={e.attention}" + (
-                    f", rope={e.model.cfg.rope_scaling}×{e.model.cfg.rope_factor:g}"
-                    if e.model.cfg.rope_scaling != "none" else "") + f"; {command}"
-                paths = write_outputs(result, out / folder, wrap(title, 110))
-                written += paths
-                grids.append((folder, result, paths[2] if len(paths) > 2 else None))
-                if result["mean_accuracy"] is not None:
-                    print(f"{e.name}: passkey ({result['haystack']}) mean accuracy "
-                          f"{100 * result['mean_accuracy']:.1f}%, " + ", ".join(
-                              f"{length_label(int(n))} {100 * a:.0f}%" for n, a in result["by_length"].items()))
+                written += write_grid(result, out, folder, grids, e.name, e.attention, e.model.cfg.rope_scaling,
+                                      e.model.cfg.rope_factor, command)
             e.model.to("cpu")
     except WriteError as e:
         say(f"error: {e}")

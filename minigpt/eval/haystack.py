@@ -3,7 +3,7 @@
 Training's passkey data is bytes (retrieval.FillerBytes); a model trained on pycode reads BPE tokens, so its grid is
 built here in its own tokens. A prompt of length L is
 
-    start + haystack[:cut] + needle + haystack[cut:] + question        (L - KEY_SLOTS tokens)
+    start + haystack[:cut] + needle + haystack[cut:] + question        (L - KEY_SLOTS tokens; passkey_tokens)
 
 with the needle and question of data.PasskeyData, the question cut before the key: "... The pass key is", and
 `start` the tokenizer's start token (the end-of-text separator before every document), as training's passkey rows
@@ -25,6 +25,7 @@ import numpy as np
 
 from minigpt.data import FILLER, DataError, PasskeyData
 from minigpt.eval.retrieval import cell_rng
+from minigpt.passkey_mix import passkey_tokens
 
 KEY_SLOTS = PasskeyData.KEY_DIGITS + 1  # " 12345": the space and five digits, at most one token each
 QUESTION = " What is the pass key? The pass key is"
@@ -38,7 +39,7 @@ class TokenHaystack:
     def __init__(self, name: str, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
                  source: Callable[[np.random.Generator, int], np.ndarray], start: int):
         self.name, self.encode, self.decode, self.source = name, encode, decode, source
-        self.start = np.asarray([start], dtype=np.int64)  # the first token of every prompt
+        self.start = start  # the first token of every prompt
         self.question = np.asarray(encode(QUESTION), dtype=np.int64)
 
     def cell(self, length: int, depth: float, keys: int, seed: int) -> tuple[np.ndarray, list[str]]:
@@ -54,9 +55,7 @@ class TokenHaystack:
                 raise DataError(f"length {length}: the passkey task needs at least "
                                 f"{length - n_hay} tokens here (needle, question and key)")
             hay = self.source(rng, n_hay).astype(np.int64)
-            cut = round(depth * n_hay)
-            # the separator first, as in training: at depth 0 the needle would otherwise be the attention sink
-            prompts.append(np.concatenate([self.start, hay[:cut], needle, hay[cut:], self.question]))
+            prompts.append(passkey_tokens(self.start, hay, round(depth * n_hay), needle, self.question))
             expected.append(" " + key)
         return np.stack(prompts), expected
 

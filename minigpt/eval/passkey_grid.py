@@ -7,6 +7,11 @@ scored on its own, so one that runs out of GPU memory is recorded under `oom` an
 
 Outputs per haystack (a folder passkey_<haystack>/ of --out): passkey_grid.json (the checkpoint's path in it
 relative), passkey_grid.md, passkey_heatmap.png.
+
+A grid too long for one command (the long-context recipe's, at 128K, in segments of a GPU's time limit) runs in
+parts, each a set of lengths or one length's run of depths; merge_grids joins their passkey_grid.json into what one
+command over every cell writes (keys are a function of seed, length, depth and index, so a cell is the same cell in
+any part), and `minigpt-eval PART.json ... --out DIR` writes the merged files.
 """
 from __future__ import annotations
 
@@ -128,6 +133,55 @@ def write_outputs(result: dict[str, Any], out_dir: Path, title: str = "") -> lis
     if not result["lengths"]:
         return [json_path, md_path]
     return [json_path, md_path, plot_heatmap(result, out_dir / FILES[2], title)]
+
+
+# --------------------------------------------------------------------------------------------
+# a grid from its parts
+# --------------------------------------------------------------------------------------------
+GRID_KEYS = ("haystack", "seed", "keys_per_cell", "trained_length")  # parts of one grid share these
+MODEL_KEYS = ("step", "model", "rope", "trained_length", "tokenizer")  # and their model (its path may differ)
+
+
+def is_grid(result: dict[str, Any]) -> bool:
+    """Whether a JSON object is a passkey_grid.json (rather than, say, a loss_by_position.json)."""
+    return isinstance(result, dict) and {"cells", "keys_per_cell", "haystack"} <= result.keys()
+
+
+def merge_grids(parts: Sequence[dict[str, Any]], names: Sequence[str] | None = None) -> dict[str, Any]:
+    """One grid from parts that split its cells between them: what one command over every cell writes (the first
+    part's `run`). A length that ran out of memory in one part is out of memory in the grid, as in one command.
+    ValueError if the parts are of other grids or models, share a cell, or leave a hole in depths x lengths; it
+    names a part by `names` (default: grid 1, grid 2, ...)."""
+    if not parts:
+        raise ValueError("no grids to merge")
+    names = list(names or (f"grid {i}" for i in range(1, len(parts) + 1)))
+    first = parts[0]
+    for name, part in zip(names[1:], parts[1:]):
+        for key in GRID_KEYS:
+            if part[key] != first[key]:
+                raise ValueError(f"{name} has {key} {part[key]!r}, {names[0]} {first[key]!r}: not parts of one grid")
+        for key in MODEL_KEYS:
+            if part["run"].get(key) != first["run"].get(key):
+                raise ValueError(f"{name} is of another model than {names[0]} (its {key} {part['run'].get(key)!r}, "
+                                 f"not {first['run'].get(key)!r})")
+    cells: dict[tuple[int, float], dict[str, Any]] = {}
+    for name, part in zip(names, parts):
+        for c in part["cells"]:
+            at = (c["length"], c["depth"])
+            if at in cells:
+                raise ValueError(f"{name}: length {length_label(at[0])} at depth {at[1]:g} is in another part too")
+            cells[at] = c
+    oom = sorted({n for part in parts for n in part["oom"]})
+    depths = sorted({float(d) for part in parts for d in part["depths"]})
+    lengths = sorted({n for n, _ in cells} - set(oom))
+    missing = [(n, d) for n in lengths for d in depths if (n, d) not in cells]
+    if missing:
+        n, d = missing[0]
+        raise ValueError(f"no grid has length {length_label(n)} at depth {d:g} ({len(missing)} cell(s) missing): "
+                         f"give every part")
+    result = summarize([cells[(n, d)] for n in lengths for d in depths], first["keys_per_cell"], first["seed"],
+                       first["trained_length"])
+    return {"haystack": first["haystack"], **result, "depths": depths, "oom": oom, "run": first["run"]}
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,12 +4,17 @@
     python scripts/long_context_recipe.py                   # the next segment (<= --budget-minutes); again to go on
     python scripts/long_context_recipe.py --import H --export H    # on a fresh machine each time (handoff.py)
     python scripts/long_context_recipe.py --tiny            # the whole recipe on a CPU in a minute or two
+    python scripts/long_context_recipe.py --publish-wandb results/long_context   # the final model's W&B offline run
 
 small-6l is trained 2K -> 8K (RoPE base 10K -> 1M) -> 32K -> 64K on pycode with 10% passkey examples, and a 2K
 baseline on the same tokens (configs/recipe/long_context*.yaml); then minigpt-eval reads the final model at every
 position to 64K against the baseline's sliding 2K windows (the goal figures) and scores its passkey grid at
-16K-128K in both haystacks. Everything lands in --out (default runs/long_context): recipe_state.json (what is done),
-recipe.log (every command, its exit code and seconds), logs/, each run's directory, eval/.
+16K-128K in both haystacks (20 keys a cell, in parts that each fit a segment, merged into one grid per haystack).
+Everything lands in --out (default runs/long_context): recipe_state.json (what is done), recipe.log (every command,
+its exit code and seconds), logs/, each run's directory, eval/; with the trainer's W&B logger (not --tiny's
+logger=none) each trainer and minigpt-eval command's W&B offline run in wandb/ of its directory.
+--publish-wandb DIR copies the final model's newest W&B offline run into DIR/wandb_offline/ for results/ (machine
+paths made relative to --out or dropped; minigpt/wandb_offline.py) and runs nothing else.
 
 Each invocation does what its budget allows and stops: a run late for the budget is stopped (it writes a
 checkpoint) and resumed by the next invocation. Overrides after `--` go to every trainer command, e.g.
@@ -30,11 +35,12 @@ from minigpt.data import DataError
 from minigpt.eval.passkey_grid import length_label
 from minigpt.files import WriteError
 from minigpt.recipe.handoff import export, import_handoff
-from minigpt.recipe.plan import FULL, TINY, Evaluation, Item, Plan, Prepare, Train, build_plan, shown
+from minigpt.recipe.plan import FINAL, FULL, TINY, Evaluation, Item, Plan, Prepare, Train, build_plan, shown
 from minigpt.recipe.runner import CommandFailed, Invocation, check_budget
 from minigpt.recipe.state import STATE_FILE, RecipeError, RecipeState, machine_id
 from minigpt.signals import Interrupted, StopSignals
 from minigpt.summary import ExitCode
+from minigpt.wandb_offline import PublishError, newest_run, publish_run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--import", dest="import_dir", type=Path, metavar="DIR",
                    help="first bring in the export in DIR (if newer than --out's state)")
     p.add_argument("--export", type=Path, metavar="DIR", help="at the end, export into DIR: the state, the small "
-                   "files and the live model's bf16 weights (parts of <= 15 MiB)")
+                   "files and W&B offline runs, and the live model's bf16 weights (parts of <= 15 MiB)")
+    p.add_argument("--publish-wandb", type=Path, metavar="DIR", help="copy the final model's newest W&B offline "
+                   "run into DIR/wandb_offline/ (DIR: results/<subject>; machine paths dropped), after --import "
+                   "if given; run nothing else")
     p.add_argument("overrides", nargs="*", help="after --: overrides for every trainer command")
     return p
 
@@ -88,7 +97,8 @@ def describe(plan: Plan, state: RecipeState, machine: str, budget_s: float) -> s
                      f"(configs/recipe/{r.preset}.yaml; {_tokens(r.tokens_per_step * (r.end - r.start))} tokens) "
                      f"[{status}]")
     lines.append("evaluations:")
-    lines += [f"  {e.name:<17} {e.what} [{'done' if e.name in state.evaluations else 'to do'}]"
+    width = max(len(e.name) for e in plan.evaluations)
+    lines += [f"  {e.name:<{width}} {e.what} [{'done' if state.done(e.name, plan) else 'to do'}]"
               for e in plan.evaluations]
     rates = ", ".join(f"{length_label(n)} {state.measured.get(str(n), r):,.0f}" +
                       (" measured" if str(n) in state.measured else "") for n, r in v.tokens_per_s.items())
@@ -139,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if args.publish_wandb:
+        return publish_wandb(plan, args.publish_wandb, args.import_dir)
     machine = machine_id()
     if args.dry_run:
         if args.import_dir or args.export:
@@ -146,6 +158,26 @@ def main(argv: list[str] | None = None) -> int:
         print(describe(plan, existing or RecipeState(plan.fingerprint()), machine, budget_s))
         return 0
     return run(plan, args.import_dir, args.export, machine, budget_s, exiting=True)
+
+
+def publish_wandb(plan: Plan, dest: Path, import_dir: Path | None) -> int:
+    """--publish-wandb (after --import, if given): the final model's newest W&B offline run (its last piece) into
+    dest/wandb_offline/."""
+    try:
+        if import_dir is not None:
+            import_handoff(import_dir, plan.out, plan)
+        source = newest_run(plan.out / plan.run(FINAL).folder)
+        published = publish_run(source, dest, plan.out)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return ExitCode.BAD_SETTING
+    except (RecipeError, PublishError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    size = sum(p.stat().st_size for p in published.rglob("*") if p.is_file())
+    print(f"published {source.relative_to(plan.out)} as {published} ({size:,} bytes); `wandb sync {published}` "
+          f"uploads it")
+    return 0
 
 
 def run(plan: Plan, import_dir: Path | None, export_dir: Path | None, machine: str, budget_s: float,

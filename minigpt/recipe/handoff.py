@@ -4,9 +4,12 @@ A machine that is given back takes its disk along, and what comes back from one 
 this recipe was planned for: at most 8 files of 16 MiB). An export is
 
     recipe_state.json         the state (state.py)
-    recipe_files.tar.gz       every other file of the output directory under SMALL_FILE bytes but the checkpoints
-                              and W&B folders: the log, each command's output, summaries, metrics, tokenizers,
-                              corpus manifests, Hydra records, the evaluations
+    recipe_files.tar.gz       every other file of the output directory under SMALL_FILE bytes but the checkpoints:
+                              the log, each command's output, summaries, metrics, tokenizers, corpus manifests,
+                              Hydra records, the evaluations; and the W&B offline runs of the trainer and of
+                              minigpt-eval --wandb (each wandb/offline-run-*/'s .wandb file and files/, not W&B's
+                              logs/ and symlinks: minigpt/wandb_offline.py), as many as keep the tar within
+                              TAR_BYTES, the largest runs left out first and named in one line
     weights.json, weights.NN  the newest checkpoint of the live run (state.live: the one model still to be trained
                               or read) as bf16 weights: the tensors' bytes, all high bytes (sign and exponent, which
                               compress well) then all low bytes, zlib, cut into parts of at most PART_BYTES; the
@@ -14,13 +17,16 @@ this recipe was planned for: at most 8 files of 16 MiB). An export is
                               each part's size and digest, and AdamW's state in a few numbers (its step, each
                               parameter's mean second moment)
 
-small-6l's 21.0M parameters are 40 MiB in bf16, 28 MiB compressed as initialized. An import unpacks the files and
-rebuilds that checkpoint with the trainer's own save_checkpoint: the weights back in fp32, AdamW restarted from its
-step and mean second moments with a first moment of zero (restart_adam: about ten steps of warmup, no full-size
-first step). The run then resumes from it (resume=auto) at the same step, with the same batches (a batch is a
-function of the step) and the same schedule; what is lost is the weights' bits below bf16 and the optimizer's
-moments beyond those means, so hand off where a stage ends when you can. An import is skipped when the directory's
-own state is as new (a machine that kept its disk).
+small-6l's 21.0M parameters are 40 MiB in bf16, 28 MiB compressed as initialized. An import unpacks the files (the
+W&B runs back where they were, byte for byte) and rebuilds that checkpoint with the trainer's own save_checkpoint:
+the weights back in fp32, AdamW restarted from its step and mean second moments with a first moment of zero
+(restart_adam: about ten steps of warmup, no full-size first step). The run then resumes from it (resume=auto) at
+the same step, with the same batches (a batch is a function of the step) and the same schedule; what is lost is the
+weights' bits below bf16 and the optimizer's moments beyond those means, so hand off where a stage ends when you
+can. An import is skipped when the directory's own state is as new (a machine that kept its disk), unless the
+directory lacks the checkpoint the export's weights are of while its state is at that step (given the state alone,
+or its checkpoints lost): then only that checkpoint is rebuilt. An export whose state has a model and no
+weights.json is refused (a copy that missed a file).
 """
 from __future__ import annotations
 
@@ -30,23 +36,25 @@ import sys
 import tarfile
 import zlib
 from dataclasses import asdict
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Callable
 
 import numpy as np
 import torch
 
-from minigpt.checkpoint import CheckpointError, list_checkpoints, newest_intact, save_checkpoint
+from minigpt.checkpoint import CheckpointError, list_checkpoints, newest_intact, save_checkpoint, step_of
 from minigpt.config import TrainConfig
 from minigpt.files import atomic_write, atomic_write_text
 from minigpt.recipe.plan import Plan, Run
 from minigpt.recipe.state import STATE_FILE, RecipeError, RecipeState
+from minigpt.wandb_offline import run_folder
 
 FILES_TAR = "recipe_files.tar.gz"
 WEIGHTS = "weights.json"
 PART_BYTES = 15 << 20
+TAR_BYTES = PART_BYTES  # recipe_files.tar.gz: one file of the export like a part, under the machines' 16 MiB
 SMALL_FILE = 8 << 20  # larger files stay behind (none of the recipe's own are)
-LEFT_OUT_DIRS = {"checkpoints", "wandb"}
+LEFT_OUT_DIRS = {"checkpoints", "wandb"}  # of wandb/, the offline runs travel (run_folder)
 LEFT_OUT_NAMES = {"run.lock", STATE_FILE}
 
 
@@ -119,41 +127,72 @@ def restart_adam(optimizer: torch.optim.Optimizer, summary: dict | None) -> None
 # --------------------------------------------------------------------------------------------
 # export
 # --------------------------------------------------------------------------------------------
-def _small_files(out: Path, dest: Path) -> tuple[list[Path], list[str]]:
-    """The files of `out` that travel in the tar, and the large ones that do not ("path (size)")."""
-    files, large = [], []
+def _small_files(out: Path, dest: Path) -> tuple[list[Path], list[Path], list[str]]:
+    """The files of `out` that travel in the tar: the recipe's own, the W&B offline runs' (run_folder: each .wandb
+    file and files/); and the large ones that do not ("path (size)"). Symlinks stay behind."""
+    files, wandb_files, large = [], [], []
     for path in sorted(out.rglob("*")):
         rel = path.relative_to(out)
-        if not path.is_file() or LEFT_OUT_DIRS & set(rel.parts) or path.name in LEFT_OUT_NAMES or \
-                ".tmp" in path.name or path.resolve().is_relative_to(dest.resolve()):
+        in_run = run_folder(rel) is not None
+        if path.is_symlink() or not path.is_file() or (LEFT_OUT_DIRS & set(rel.parts) and not in_run) or \
+                path.name in LEFT_OUT_NAMES or ".tmp" in path.name or path.resolve().is_relative_to(dest.resolve()):
             continue
         if path.stat().st_size > SMALL_FILE:
             large.append(f"{rel} ({path.stat().st_size / 2**20:.0f} MiB)")
         else:
-            files.append(path)
-    return files, large
+            (wandb_files if in_run else files).append(path)
+    return files, wandb_files, large
+
+
+def write_files_tar(out: Path, dest: Path, files: list[Path], wandb_files: list[Path],
+                    say: Callable[[str], None]) -> Path:
+    """recipe_files.tar.gz in `dest`: `files`, and as many whole W&B runs of `wandb_files` as keep it within
+    TAR_BYTES, the largest runs left out first (said in one line): a run without its .wandb file is no run."""
+    runs: dict[PurePath, list[Path]] = {}
+    for p in wandb_files:
+        runs.setdefault(run_folder(p.relative_to(out)), []).append(p)
+
+    def size(run: PurePath) -> int:
+        return sum(p.stat().st_size for p in runs[run])
+    kept, left = sorted(runs, key=size), []
+
+    def tar(f) -> None:
+        with tarfile.open(fileobj=f, mode="w:gz") as t:
+            for path in files + [p for run in kept for p in runs[run]]:
+                t.add(path, arcname=str(path.relative_to(out)))
+    while True:
+        path = atomic_write(dest / FILES_TAR, tar)
+        over = path.stat().st_size - TAR_BYTES
+        if over <= 0 or not kept:
+            break
+        while kept and over > 0:  # the largest runs out until what they add compressed covers the excess
+            left.append(kept.pop())
+            over -= sum(len(zlib.compress(p.read_bytes(), 9)) for p in runs[left[-1]])
+    if left:
+        say(f"export: left out {len(left)} W&B run(s) to keep {FILES_TAR} within {TAR_BYTES / 2**20:g} MiB: " +
+            ", ".join(f"{run} ({size(run):,} bytes)" for run in left))
+    if over > 0:
+        say(f"export: {FILES_TAR} is {path.stat().st_size / 2**20:.1f} MiB without W&B runs, over the "
+            f"{TAR_BYTES / 2**20:g} MiB a file of the export should be")
+    return path
 
 
 def export(out: Path, dest: Path, state: RecipeState, plan: Plan, say: Callable[[str], None] = print) -> list[Path]:
-    """Write the export of `out` into `dest` (module docstring); returns the files written."""
+    """Write the export of `out` into `dest` (module docstring); returns the files written. An export that cannot be
+    made (no checkpoint of the live run) is refused before an earlier export in `dest` is touched."""
+    live = state.live(plan)
+    newest = live_checkpoint(out, live) if live is not None else None
     dest.mkdir(parents=True, exist_ok=True)
     # the state goes last, atomically: it is what an import reads first, so an export cut short leaves the old
     # state (or none) beside the new files, never a newer state without its files
     for old in [dest / STATE_FILE, *dest.glob("weights.*"), dest / FILES_TAR]:
         old.unlink(missing_ok=True)
-    written: list[Path] = []
-    files, large = _small_files(out, dest)
-
-    def tar(f) -> None:
-        with tarfile.open(fileobj=f, mode="w:gz") as t:
-            for path in files:
-                t.add(path, arcname=str(path.relative_to(out)))
-    written.append(atomic_write(dest / FILES_TAR, tar))
+    files, wandb_files, large = _small_files(out, dest)
+    written = [write_files_tar(out, dest, files, wandb_files, say)]
     if large:
         say(f"export: left out {len(large)} large file(s): {', '.join(large)}")
-    live = state.live(plan)
     if live is not None:
-        written += export_weights(out, live, dest)
+        written += write_weights(*newest, live, dest)
     written.append(atomic_write_text(dest / STATE_FILE, (out / STATE_FILE).read_text()))
     if live is not None:
         say(f"export: {dest} holds the recipe's files and {live.name}'s weights at step "
@@ -164,15 +203,27 @@ def export(out: Path, dest: Path, state: RecipeState, plan: Plan, say: Callable[
     return written
 
 
-def export_weights(out: Path, run: Run, dest: Path) -> list[Path]:
+def live_checkpoint(out: Path, run: Run) -> tuple[Path, dict]:
+    """The newest intact checkpoint of `run` in `out` (path, loaded); RecipeError if there is none. The state says
+    the run has steps only once a checkpoint of them was written, so none here means it was lost."""
     ckpt_dir = out / run.folder / "checkpoints"
     candidates = [p for p in list_checkpoints(ckpt_dir) if p.is_file()]
     if not candidates:
-        raise RecipeError(f"{ckpt_dir}: no checkpoint of {run.name} to export; run the recipe again to train it")
+        raise RecipeError(f"{ckpt_dir}: no checkpoint of {run.name} to export (a fresh machine, or checkpoints "
+                          f"removed?); --import the export that holds it, or start over in a new --out")
     try:
-        path, ckpt = newest_intact(candidates, warn=print)
+        return newest_intact(candidates, warn=print)
     except CheckpointError as e:
         raise RecipeError(f"export: {e}") from e
+
+
+def export_weights(out: Path, run: Run, dest: Path) -> list[Path]:
+    """weights.NN and weights.json in `dest` of run's newest intact checkpoint in `out`."""
+    return write_weights(*live_checkpoint(out, run), run, dest)
+
+
+def write_weights(path: Path, ckpt: dict, run: Run, dest: Path) -> list[Path]:
+    """weights.NN and weights.json in `dest` of the checkpoint `ckpt` (loaded from `path`) of `run`."""
     blob, tensors, tied = pack_weights(ckpt["model"])
     parts = []
     for i in range(0, len(blob), PART_BYTES):
@@ -200,27 +251,50 @@ def import_handoff(src: Path, out: Path, plan: Plan, say: Callable[[str], None] 
     theirs.check(plan, out)
     ours = RecipeState.read(out / STATE_FILE)
     if ours is not None and ours.revision >= theirs.revision:
-        say(f"--import {src}: {out} is as new (its state's revision {ours.revision}, the export's "
-            f"{theirs.revision}); nothing imported")
+        lacking = _manifest(src, plan) if (src / WEIGHTS).is_file() else None
+        if lacking is None or not _lacks(out, ours, *lacking[1:]):
+            say(f"--import {src}: {out} is as new (its state's revision {ours.revision}, the export's "
+                f"{theirs.revision}); nothing imported")
+            return
+        manifest, run, step = lacking  # as new, but without the checkpoint the state is at: only that comes in
+        path = rebuild_checkpoint(src, manifest, out / run.folder / "checkpoints")
+        say(f"--import {src}: {out}'s state is as new (revision {ours.revision}, the export's {theirs.revision}) "
+            f"but had no checkpoint of {run.name} at step {step}; it continues from {path} (bf16 weights, fresh "
+            f"optimizer moments)")
         return
     if not (src / FILES_TAR).is_file():
         raise RecipeError(f"--import {src}: no {FILES_TAR}; copy every file of the export")
+    live = theirs.live(plan)
+    if live is not None and not (src / WEIGHTS).is_file():
+        raise RecipeError(f"--import {src}: no {WEIGHTS}, and its state has {live.name}'s model (step "
+                          f"{theirs.step(live)}); copy every file of the export")
     out.mkdir(parents=True, exist_ok=True)
     with tarfile.open(src / FILES_TAR) as t:
         unpack(t, out)
     if (src / WEIGHTS).is_file():
-        try:
-            manifest = json.loads((src / WEIGHTS).read_text())
-            run, step = plan.run(manifest["run"]), int(manifest["step"])  # its folder from the plan, not the file
-        except (ValueError, KeyError, TypeError) as e:
-            raise RecipeError(f"--import {src}: {WEIGHTS} is damaged or of another plan ({type(e).__name__}: {e}); "
-                              f"export again") from e
+        manifest, run, step = _manifest(src, plan)
         path = rebuild_checkpoint(src, manifest, out / run.folder / "checkpoints")
         theirs.runs[run.name] = step
         say(f"--import {src}: {manifest['run']} continues from {path} (step {manifest['step']}; bf16 weights, "
             f"fresh optimizer moments)")
     atomic_write_text(out / STATE_FILE, json.dumps(asdict(theirs), indent=1) + "\n")
     say(f"--import {src}: the recipe's state (revision {theirs.revision}) and files are in {out}")
+
+
+def _manifest(src: Path, plan: Plan) -> tuple[dict, Run, int]:
+    """weights.json of the export in `src`: (manifest, its run, its step); RecipeError if damaged."""
+    try:
+        manifest = json.loads((src / WEIGHTS).read_text())
+        return manifest, plan.run(manifest["run"]), int(manifest["step"])  # its folder from the plan, not the file
+    except (ValueError, KeyError, TypeError) as e:
+        raise RecipeError(f"--import {src}: {WEIGHTS} is damaged or of another plan ({type(e).__name__}: {e}); "
+                          f"export again") from e
+
+
+def _lacks(out: Path, ours: RecipeState, run: Run, step: int) -> bool:
+    """Our state is at `step` of `run`, and `out` has no checkpoint of it that far (the export's weights would do)."""
+    ckpts = [p for p in list_checkpoints(out / run.folder / "checkpoints") if p.is_file() and step_of(p) >= step]
+    return ours.step(run) == step and not ckpts
 
 
 def unpack(tar: tarfile.TarFile, out: Path) -> None:

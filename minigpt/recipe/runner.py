@@ -137,7 +137,6 @@ class Invocation:
             self.log(f"prepare: trained the recipe's tokenizer: {self.plan.tokenizer}")
         cfg = compose([*base, f"data.tokenizer={quoted(self.plan.tokenizer)}"], machine=False)
         data = build_data(cfg.data, cfg.seq_len, cfg.seed)
-        self.state.tokens = {"train": int(len(data.train)), "val": int(len(data.val))}
         self.state.prepared = [*[m for m in self.state.prepared if m != self.machine], self.machine]
         tokens = self.plan.run(FINAL).tokens_per_step * self.plan.run(FINAL).end
         self.log(f"prepare: {len(data.train):,} training tokens; the chain's {tokens:,} (and the baseline's) pass over "
@@ -192,8 +191,8 @@ class Invocation:
 
     def evaluate(self, item: Evaluation) -> bool:
         """Its commands; False when one was stopped at the budget (the next invocation does it again, whole)."""
-        reads = self.out / self.plan.run(item.reads).folder / "checkpoints"
-        if not list_checkpoints(reads):
+        reads = self.out / self.plan.run(item.reads).folder / "checkpoints" if item.reads else None
+        if reads and not list_checkpoints(reads):
             raise RecipeError(f"{item.name} reads {item.reads}'s model, and {reads} has no checkpoint (a fresh "
                               f"machine?); --import the export that holds it, or start over in a new --out")
         began = time.monotonic()
@@ -230,12 +229,13 @@ class Invocation:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     **own_group())
             try:
-                rc = proc.wait(timeout=max(limit_s, 1.0))
-            except subprocess.TimeoutExpired:
-                stopped = True
-                rc = stop_group(proc, signal.SIGTERM, STOP_GRACE_S)
-            except Interrupted as e:  # the recipe is stopping: so does the command, as on the budget
-                stop_group(proc, e.signum, STOP_GRACE_S)
+                try:
+                    rc = proc.wait(timeout=max(limit_s, 1.0))
+                except subprocess.TimeoutExpired:
+                    stopped = True
+                    rc = stop_group(proc, signal.SIGTERM, STOP_GRACE_S)
+            except Interrupted as e:  # the recipe is stopping (also mid-way through the budget's stop): so does the
+                stop_group(proc, e.signum, STOP_GRACE_S)  # command, and it has ended before anything is recorded
                 raise
         seconds = time.monotonic() - began
         self.log(f"exit {rc} after {seconds:.0f} s{' (stopped at the budget)' if stopped else ''}; output: "

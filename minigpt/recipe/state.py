@@ -3,9 +3,8 @@
     {"plan": {"variant": "full", "extra": [], "runs": [["baseline", 2048, 64, 0, 2000], ...]},
      "revision": 7,                                   # one more at every write
      "runs": {"baseline": 2000, "2k": 450},           # the step each run's checkpoints reached
-     "evaluations": {"baseline-sliding": {"seconds": 41.0}},      # those done
+     "evaluations": {"baseline-sliding": {"seconds": 41.0}},      # those done (each passkey part on its own)
      "prepared": ["<machine>"],                       # machines whose data cache holds the recipe's token streams
-     "tokens": {"train": 28400000, "val": 3000000},   # the token streams' lengths
      "measured": {"2048": 1250000.0},                 # tokens/s by seq_len, from the runs' summaries
      "segments": [{"number": 1, "machine": "...", "finished": "...", "seconds": 497.2, "did": [...],
                    "ended": "budget"}]}
@@ -13,6 +12,7 @@
 It is written after every item, atomically, so an invocation that is killed loses at most the item it was in (and
 that run's checkpoints still say how far it got). `revision` orders states: --import takes a handoff only when it is
 newer than the directory's own. A machine is the kernel's boot id (a fresh machine is a new one), else the host name.
+A key the recipe no longer writes (RETIRED) is dropped on reading, so a directory of an earlier minigpt continues.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from minigpt.files import atomic_write_text
 from minigpt.recipe.plan import ORDER, Item, Plan, Prepare, Run, Train
 
 STATE_FILE = "recipe_state.json"
+RETIRED = ("tokens",)  # the token streams' lengths, never read (recipe.log's prepare line says them)
 
 
 class RecipeError(RuntimeError):
@@ -48,7 +49,6 @@ class RecipeState:
     runs: dict[str, int] = field(default_factory=dict)
     evaluations: dict[str, dict[str, Any]] = field(default_factory=dict)
     prepared: list[str] = field(default_factory=list)
-    tokens: dict[str, int] = field(default_factory=dict)
     measured: dict[str, float] = field(default_factory=dict)
     segments: list[dict[str, Any]] = field(default_factory=list)
 
@@ -58,7 +58,8 @@ class RecipeState:
         if not path.is_file():
             return None
         try:
-            return cls(**json.loads(path.read_text()))
+            data = json.loads(path.read_text())
+            return cls(**{k: v for k, v in data.items() if k not in RETIRED})
         except (OSError, ValueError, TypeError) as e:
             raise RecipeError(f"{path} is unreadable ({type(e).__name__}: {e}); restore it, or start over in a new "
                               f"--out") from e
@@ -87,15 +88,18 @@ class RecipeState:
         return max(self.runs.get(run.name, run.start), run.start)
 
     def done(self, name: str, plan: Plan) -> bool:
-        if name in self.evaluations:
-            return True
-        runs = {r.name: r for r in plan.runs}
+        """A run trained to its end; an evaluation recorded as done whose output is still there (one whose files
+        were lost is done again, before anything that reads them)."""
+        runs, evals = {r.name: r for r in plan.runs}, {e.name: e for e in plan.evaluations}
+        if name in evals:
+            output = evals[name].output
+            return name in self.evaluations and (output is None or output.is_file())
         return name in runs and self.step(runs[name]) >= runs[name].end
 
     def todo(self, plan: Plan, machine: str) -> list[Item]:
         """What is left, in ORDER: the data (on a machine that has not prepared it, while a run is left), each run
-        from the step it reached, each evaluation not done."""
-        runs, evals = {r.name: r for r in plan.runs}, {e.name: e for e in plan.evaluations}
+        from the step it reached, each evaluation not done (a passkey grid's parts, then their merge)."""
+        runs = {r.name: r for r in plan.runs}
         training = [Train(r, self.step(r), r.end) for r in plan.runs if self.step(r) < r.end]
         items: list[Item] = []
         for name in ORDER:
@@ -104,8 +108,8 @@ class RecipeState:
                     items.append(Prepare(plan.variant.prepare_s))
             elif name in runs:
                 items += [t for t in training if t.run.name == name]
-            elif not self.done(name, plan):
-                items.append(evals[name])
+            else:
+                items += [e for e in plan.evaluations if e.place == name and not self.done(e.name, plan)]
         return items
 
     def live(self, plan: Plan) -> Run | None:
