@@ -36,7 +36,7 @@ from minigpt_kernels.gluon import forward as fwd
 
 SM90 = GPUTarget("cuda", 90, 32)
 FP32_POINTERS = {"LSE", "DELTA", "DQ_ACC"}
-INT32_POINTERS = {"WORK", "WORK_START", "IDS", "DOC_ENDS"}
+INT32_POINTERS = {"WORK", "WORK_START", "IDS", "DOC_STARTS", "DOC_ENDS"}
 
 
 @dataclass(frozen=True)

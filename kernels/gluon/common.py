@@ -1,8 +1,7 @@
 """What the Hopper (Gluon) kernels share: the TMA copy, the wgmma accumulator layout, one head's rows as a TMA
 descriptor, the register split between producer and consumer warps.
 
-One module so that forward.py and backward.py import each other's helpers from neither (search_ids: the forward's
-binary search over document ids; the backward reads each token's document end, found by torch.searchsorted)."""
+One module so that forward.py and backward.py import each other's helpers from neither."""
 from __future__ import annotations
 
 from triton.experimental import gluon
@@ -47,24 +46,3 @@ def program_items(WORK_START, PERSISTENT: gl.constexpr):
         first = gl.program_id(0)
         count: gl.constexpr = 1
     return first, count
-
-
-@gluon.jit
-def search_ids(ids, n, target, steps, AFTER: gl.constexpr):
-    """The first index j in [0, n) of the non-decreasing ids with ids[j] > target (AFTER) or ids[j] >= target (n if
-    none): a binary search of `steps` >= log2(n + 1) halvings, one scalar load each, on the device (no host sync)."""
-    lo = n * 0
-    hi = n
-    for _ in range(steps):
-        if lo < hi:
-            mid = (lo + hi) // 2
-            val = gl.load(ids + mid)
-            if AFTER:
-                right = val <= target
-            else:
-                right = val < target
-            if right:
-                lo = mid + 1
-            else:
-                hi = mid
-    return lo

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -50,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, head_rows, mma_layout, program_items,
-                                          search_ids, tma_load)
+                                          tma_load)
 from minigpt_kernels.gluon.schedule import device_one_each, device_schedule, sm_count
 
 ROWS_PER_CONSUMER = gl.constexpr(64)  # query rows per consumer warpgroup: the M of one wgmma
@@ -61,9 +62,10 @@ def _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale, mask, n_key
                     WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """Fold one tile of scores into the running row max m and row sum l (base 2). Returns (p, α, m_new, l_new):
     p = exp2(s·scale − m_new) are the tile's unnormalized probabilities, α = exp2(m_old − m_new) rescales what was
-    accumulated under the old max. `mask` = (window, the rows' document ids, the sequence's ids, steps, N) where
-    WINDOWED or DOCS; a masked tile may then leave a row with no key seen yet (its max stays −inf). Without CAUSAL
-    a masked tile is the last one, reaching past the n_keys keys: only those are left out (every row sees key 0)."""
+    accumulated under the old max. `mask` = (window, the rows' document ids, the sequence's ids, its documents'
+    starts, their ends, N) where WINDOWED or DOCS; a masked tile may then leave a row with no key seen yet (its max
+    stays −inf). Without CAUSAL a masked tile is the last one, reaching past the n_keys keys: only those are left out
+    (every row sees key 0)."""
     if masked:
         keys = key0 + cols
         if CAUSAL:  # keys after the row (and so keys past the end), out of the window or of the row's document: p = 0
@@ -73,7 +75,7 @@ def _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale, mask, n_key
         if WINDOWED:  # keys i − window < j
             visible = visible & (gl.expand_dims(rows, 1) - gl.expand_dims(keys, 0) < mask[0])
         if DOCS:
-            key_doc = gl.load(mask[2] + keys, mask=keys < mask[4], other=-2)
+            key_doc = gl.load(mask[2] + keys, mask=keys < mask[5], other=-2)
             visible = visible & (gl.expand_dims(mask[1], 1) == gl.expand_dims(key_doc, 0))
         s = gl.where(visible, s, float("-inf"))
     # m_new = max(m_old, rowmax(s)·scale)
@@ -212,7 +214,8 @@ def _key_span(first, last, mask, N, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """The keys of causal query rows first..last under the masks: [lo, hi) holds every key one of them sees, [a, b)
     the keys all of them see. Each row sees an interval of keys whose ends never decrease with the row (the window's
     i − window < j, its document's first key, the diagonal), so the first row bounds the span from below and the last
-    from above, and the other way round for the keys all see. mask = (window, -, ids, steps, N)."""
+    from above, and the other way round for the keys all see. mask = (window, -, ids, starts, ends, N): each token's
+    document runs from starts[i] to ends[i] (exclusive), so four independent loads give the span."""
     lo = first * 0
     hi = last + 1
     a = lo
@@ -221,21 +224,19 @@ def _key_span(first, last, mask, N, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
         lo = gl.maximum(lo, first - mask[0] + 1)
         a = gl.maximum(a, last - mask[0] + 1)
     if DOCS:  # from the first row's document's first key to the last row's document's last
-        ids = mask[2]
-        doc_first = gl.load(ids + first)
-        doc_last = gl.load(ids + last)
-        lo = gl.maximum(lo, search_ids(ids, N, doc_first, mask[3], False))
-        hi = gl.minimum(hi, search_ids(ids, N, doc_last, mask[3], True))
-        a = gl.maximum(a, search_ids(ids, N, doc_last, mask[3], False))
-        b = gl.minimum(b, search_ids(ids, N, doc_first, mask[3], True))
+        starts, ends = mask[3], mask[4]
+        lo = gl.maximum(lo, gl.load(starts + first))
+        hi = gl.minimum(hi, gl.load(ends + last))
+        a = gl.maximum(a, gl.load(starts + last))
+        b = gl.minimum(b, gl.load(ends + first))
     return lo, hi, a, b
 
 
 @gluon.jit
 def _batch_ids(mask, b, stride_ids, DOCS: gl.constexpr):
-    """`mask` with batch b's document ids."""
+    """`mask` with batch b's document ids and their documents' bounds ((B, N) rows, N apart)."""
     if DOCS:
-        mask = (mask[0], mask[1], mask[2] + b * stride_ids, mask[3], mask[4])
+        mask = (mask[0], mask[1], mask[2] + b * stride_ids, mask[3] + b * mask[5], mask[4] + b * mask[5], mask[5])
     return mask
 
 
@@ -243,7 +244,7 @@ def _batch_ids(mask, b, stride_ids, DOCS: gl.constexpr):
 def _row_ids(mask, rows, N, DOCS: gl.constexpr):
     """`mask` with these query rows' document ids (−1 past N: no key's)."""
     if DOCS:
-        mask = (mask[0], gl.load(mask[2] + rows, mask=rows < N, other=-1), mask[2], mask[3], mask[4])
+        mask = (mask[0], gl.load(mask[2] + rows, mask=rows < N, other=-1), mask[2], mask[3], mask[4], mask[5])
     return mask
 
 
@@ -422,8 +423,8 @@ def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_
 def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
                         stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                         stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-                        H, N, n_qtiles, qk_scale, group, IDS, stride_ids, window, steps, stride_lse, N_K,
-                        HEAD_DIM: gl.constexpr, NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
+                        H, N, n_qtiles, qk_scale, group, IDS, stride_ids, window, DOC_STARTS, DOC_ENDS, stride_lse,
+                        N_K, HEAD_DIM: gl.constexpr, NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                         SKIP: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr, WINDOWED: gl.constexpr,
                         DOCS: gl.constexpr, CAUSAL: gl.constexpr, CONTINUE: gl.constexpr):
@@ -431,9 +432,10 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
     of one tile of 64·NUM_CONSUMERS of the N query rows of one (batch, head) each over the N_K keys, causal (N_K = N)
     or, without CAUSAL, every key. H: query heads; GQA: K/V head h // group. LSE rows lie stride_lse apart.
     WINDOWED: keys i − window < j; DOCS: keys of the row's document, IDS (B, N) non-decreasing int32/int64 rows
-    stride_ids apart, searched in `steps` >= log2(N + 1) halvings (both causal only). Without them the last five are
-    unused. CONTINUE: O (fp32) and LSE hold the rows' attention over other keys, continued here and overwritten with
-    the attention over both key sets."""
+    stride_ids apart, DOC_STARTS and DOC_ENDS (B, N) contiguous int32: where each token's document starts and ends
+    (exclusive), found before the launch (both causal only). Without them the last six are unused. CONTINUE: O
+    (fp32) and LSE hold the rows' attention over other keys, continued here and overwritten with the attention over
+    both key sets."""
     gl.static_assert(CAUSAL or not (SKIP or WINDOWED or DOCS), "SKIP and the masks go with the causal mask")
     gl.static_assert(not (CONTINUE and (WINDOWED or DOCS)), "the masks go with fresh launches")
     # Causal launches are a sequence against itself (N keys), and the fresh ones write LSE rows N apart: those variants
@@ -463,7 +465,8 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=NUM_CONSUMERS)
     fence_async_shared()
-    mask = (window, 0, IDS, steps, N)  # the rows' own document ids (the 0) are filled in per item by the consumers
+    # the rows' own document ids (the 0) are filled in per item by the consumers
+    mask = (window, 0, IDS, DOC_STARTS, DOC_ENDS, N)
 
     shared = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, O, LSE, H, stride_ob,
               stride_oh, stride_on, stride_lse, N, N_K, qk_scale, WORK, WORK_START, n_qtiles, mask, stride_ids)
@@ -514,12 +517,18 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: f
         raise ValueError(f"the persistent forward with {consumers} consumers needs at least 2 stages, got {stages}")
     if causal and not accumulate and stride_lse not in (None, N) and B * H > 1:
         raise ValueError(f"causal fresh launches write LSE rows N = {N} apart (a contiguous LSE), got {stride_lse}")
-    ids = work if document_ids is None else document_ids  # a placeholder pointer where there are no documents
+    if document_ids is None:  # placeholder pointers where there are no documents
+        ids = starts = ends = work
+    else:  # each token's document as [start, end): two binary searches per token on the device (no host sync), so
+        # that a work item reads its key span with four loads instead of searching the ids itself (NOTES.md)
+        ids = document_ids
+        starts = torch.searchsorted(document_ids, document_ids, out_int32=True)
+        ends = torch.searchsorted(document_ids, document_ids, right=True, out_int32=True)
     pingpong_fwd_kernel[(work_start.numel() - 1,)](
         q, k, v, o, lse, work, work_start, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), H, N,
         -(-N // (consumers * ROWS_PER_CONSUMER.value)), qk_scale, H // k.shape[1], ids,
-        0 if document_ids is None else document_ids.stride(0), window or 0, N.bit_length() if masks else 0,
+        0 if document_ids is None else document_ids.stride(0), window or 0, starts, ends,
         N if stride_lse is None else stride_lse, k.shape[2],
         HEAD_DIM=D, NUM_CONSUMERS=consumers, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
         PRODUCER_REGS=PRODUCER_REGS, SKIP=skip, PERSISTENT=persistent, GQA=k.shape[1] != H,
@@ -563,8 +572,8 @@ def launch_forward_masked(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
     """launch_forward_pingpong's causal fresh contract with GQA (k, v with H / group heads) and the masks: `window`
     (keys i − window < j) and `document_ids` ((B, N) int32/int64, non-decreasing, rows with a contiguous last
     dimension; keys of the row's document), as a plain grid (the key tiles per query tile depend on the ids, so no
-    work list is balanced on the host). Each query tile visits only the key tiles its rows see, found on the
-    device."""
+    work list is balanced on the host). Each query tile visits only the key tiles its rows see, found on the device
+    (each token's document bounds by torch.searchsorted, then four loads per item)."""
     B, H, N, _ = q.shape
     n_qtiles = -(-N // (consumers * ROWS_PER_CONSUMER.value))
     work, work_start = device_one_each(B * H, tuple(reversed(range(n_qtiles))), q.device)
