@@ -54,6 +54,31 @@ def test_doubles_then_bisects_to_granularity():
     assert all(n % 128 == 0 for n in run.calls) and len(run.calls) == len(set(run.calls))
 
 
+def test_without_bisection_the_search_is_the_doubling_grid_up_to_the_first_failure():
+    run = FakeRunner(limit=100_000)
+    trials = search_max_seq_len(run, "sdpa", start=1024, granularity=128, bisect=False)
+    assert run.calls == [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
+    assert [t.status for t in trials] == ["ok"] * 7 + ["oom"] and best(trials).seq_len == 65536
+
+
+def test_grid_sweep_reports_every_power_of_two_and_its_oom(tmp_path):
+    run = FakeRunner(limit=5000)
+    cfg = SweepConfig(variants=["sdpa"], out_dir=tmp_path / "grid", default_start=1024, bisect=False, logger="none")
+    run_sweep(cfg, runner=run, **QUIET)
+    assert run.calls == [1024, 2048, 4096, 8192]
+    assert [(t["seq_len"], t["status"]) for t in lines(tmp_path / "grid" / "trials.jsonl")] == [
+        (1024, "ok"), (2048, "ok"), (4096, "ok"), (8192, "oom")]
+
+
+def test_grid_on_the_command_line_starts_at_1k_and_takes_powers_of_two_only(capsys, tmp_path):
+    parser = build_parser()
+    cfg = sweep_config(parser, parser.parse_args(["--grid", "--allow-cpu", "--logger", "none"]))
+    assert (cfg.default_start, cfg.bisect, cfg.search) == (1024, False, True)
+    cfg = sweep_config(parser, parser.parse_args(["--grid", "--cpu", "--logger", "none"]))
+    assert (cfg.default_start, cfg.bisect) == (128, False)  # --cpu keeps its own start
+    assert sweep_config(parser, parser.parse_args(["--allow-cpu", "--logger", "none"])).bisect
+
+
 def test_start_that_fails_halves_down():
     run = FakeRunner(limit=1000)
     b = best(search_max_seq_len(run, "naive", start=8192, granularity=128))
@@ -367,6 +392,9 @@ def no_wandb_login(monkeypatch, tmp_path):
     (["--probe-layers", "2", "2"], "--probe-layers"),
     (["--max-seq-len", "1024", "--default-start", "4096"], "--default-start"),
     (["--no-search"], "--no-search"),
+    (["--grid", "--default-start", "3000"], "--grid"),
+    (["--grid", "--variants", "sdpa", "--start", "sdpa=1536"], "--grid"),
+    (["--grid", "--no-search", "--probe-seq-lens", "4096"], "--grid"),
     (["--set", "model.n_layer"], "--set"),
     (["--combine", "/no/such/sweep"], "--combine"),
     (["--logger", "wandb"], "--logger"),  # WANDB_MODE=online without credentials

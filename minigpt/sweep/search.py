@@ -106,12 +106,14 @@ def _round(n: float, granularity: int) -> int:
 
 
 def search_max_seq_len(run: TrialRunner, variant: str, start: int, granularity: int = 128,
-                       max_seq_len: int | None = None, out_of_time: Callable[[], bool] = lambda: False) -> list[Trial]:
+                       max_seq_len: int | None = None, out_of_time: Callable[[], bool] = lambda: False,
+                       bisect: bool = True) -> list[Trial]:
     """Trials of the doubling-then-bisection search for `variant`; the best is the longest ok trial.
 
     If `start` fails, halve until a success (or below the granularity). Bisection stops when the bracket
     is at most max(granularity, first bracket / 16). Failures need not be monotone in seq_len: the
-    search only ever reports a length that itself succeeded. An error trial ends the search.
+    search only ever reports a length that itself succeeded. An error trial ends the search. Without
+    `bisect` it stops at the bracket: start, 2·start, 4·start, ... up to the first failure (the figures' grid).
     """
     trials: list[Trial] = []
 
@@ -144,7 +146,7 @@ def search_max_seq_len(run: TrialRunner, variant: str, start: int, granularity: 
             if n >= hi:
                 return trials
     stop = max(granularity, (hi - lo) // 16)
-    while hi - lo > stop:  # phase 2: bisect
+    while bisect and hi - lo > stop:  # phase 2: bisect
         mid = _round((lo + hi) / 2, granularity)
         if mid <= lo or mid >= hi:
             break

@@ -6,6 +6,7 @@
     minigpt-sweep --cpu                                            # tiny model on CPU (smoke test)
     (on a machine without a GPU a GPU-sized sweep is refused with exit code 2; --allow-cpu runs it anyway)
     minigpt-sweep --variants flash+levers --nproc 2 --context 2    # each trial under torchrun, sequence split over 2
+    minigpt-sweep --grid --variants naive sdpa flash --out runs/grid   # the figures' grid: 1K, 2K, 4K, ... to the OOM
     minigpt-sweep --combine runs/sweeps/* --out results --name context_scaling_H200   # publish a combined table
 
 (or `python scripts/context_sweep.py ...`, `python -m minigpt.sweep.sweep ...`, from any directory.)
@@ -55,6 +56,8 @@ DEFAULTS = {
 }
 
 
+GRID_START = 1024  # --grid's default first length: the figures' x axis starts at 1K
+
 @dataclass
 class SweepConfig:
     variants: list[str]
@@ -73,6 +76,7 @@ class SweepConfig:
     probe_layers: tuple[int, ...] = (1, 2)
     full_n_layer: int = 12  # the layers of the model the probes stand for
     search: bool = True  # False: only the probes
+    bisect: bool = True  # False: the doubling alone, start·2^k up to the first OOM (--grid)
     nproc: int = 1  # processes per trial (torchrun); global batch = nproc / context sequences
     context: int = 1  # parallel.context of each trial
 
@@ -141,8 +145,9 @@ def run_sweep(cfg: SweepConfig, runner: TrialRunner | None = None, log: Callable
     try:
         for variant in cfg.variants if cfg.search else []:
             start = cfg.start.get(variant, cfg.default_start)
-            log(f"{variant}: searching from {start:,}")
-            ran[variant] += search_max_seq_len(run, variant, start, cfg.granularity, cfg.max_seq_len, out_of_time)
+            log(f"{variant}: {'searching' if cfg.bisect else 'doubling (the grid)'} from {start:,}")
+            ran[variant] += search_max_seq_len(run, variant, start, cfg.granularity, cfg.max_seq_len, out_of_time,
+                                               cfg.bisect)
             log(_outcome(variant, ran[variant]))
         for n in cfg.probe_seq_lens:
             for variant in cfg.variants:
@@ -249,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--full-layers", metavar="N", type=positive_int,
                    help="layers of the model the probes stand for (12, gpt2-small; --cpu: 2, tiny)")
     p.add_argument("--no-search", action="store_true", help="skip the search, run only the probes")
+    p.add_argument("--grid", action="store_true",
+                   help="the figures' grid instead of the search: each variant at its start (--default-start: 1024 "
+                        "here), doubled up to its first out-of-memory length, no bisection; starts powers of two")
     p.add_argument("--nproc", metavar="N", type=positive_int, default=1,
                    help="processes per trial: each trial runs under torchrun --standalone --nproc_per_node N (one node)")
     p.add_argument("--context", metavar="K", type=positive_int, default=1,
@@ -291,6 +299,8 @@ def sweep_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> S
     def given(name: str):
         return defaults[name] if getattr(args, name) is None else getattr(args, name)
 
+    if args.grid and args.default_start is None and not args.cpu:
+        args.default_start = GRID_START
     variants = list(dict.fromkeys(given("variants")))
     start = dict(args.start)
     for variant, n in start.items():
@@ -307,6 +317,13 @@ def sweep_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> S
         parser.error(f"argument --context: {args.context} must divide --nproc {args.nproc}")
     if args.no_search and not args.probe_seq_lens:
         parser.error("argument --no-search: needs --probe-seq-lens (nothing would run)")
+    if args.grid and args.no_search:
+        parser.error("argument --grid: not with --no-search (the grid is what runs instead of the search)")
+    if args.grid:
+        for variant in variants:
+            n = start.get(variant, given("default_start"))
+            if n & (n - 1):
+                parser.error(f"argument --grid: {variant} would start at {n}, not a power of two (the figures' grid)")
     if args.logger == "wandb":  # an online W&B run without credentials would fail every trial, then the summary
         from minigpt.config import ConfigError, LoggerConfig
         from minigpt.loggers import check_wandb
@@ -327,7 +344,8 @@ def sweep_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> S
         default_start=given("default_start"), granularity=given("granularity"), max_seq_len=given("max_seq_len"),
         steps=args.steps, trial_time_limit_s=args.trial_time_limit, budget_s=args.budget, logger=args.logger,
         project=args.project, probe_seq_lens=args.probe_seq_lens, probe_layers=tuple(args.probe_layers),
-        full_n_layer=given("full_layers"), search=not args.no_search, nproc=args.nproc, context=args.context)
+        full_n_layer=given("full_layers"), search=not args.no_search, bisect=not args.grid, nproc=args.nproc,
+        context=args.context)
 
 
 def _progress(line: str) -> None:
