@@ -2,6 +2,8 @@
 
     python -m minigpt.figures --out results/figures                     # from the kept results
     python -m minigpt.figures --data my_sweeps.json --out runs/figures   # any file in the same format
+    python -m minigpt.figures --from-sweep runs/grid --data results/context/grid_H100.json --out results/figures
+                                                       # build the data file from sweep directories, then draw
 
 Reads one JSON file (default `results/context/context_scaling_NVIDIA_H200.json`):
 
@@ -22,6 +24,10 @@ lengths of the grid were never measured):
   the tables.
 
 Probe trials (1- or 2-layer models) are not drawn; the 12-layer figures derived from them are, hollow.
+
+`--from-sweep DIR ...` first writes that file (at --data, which must not exist yet) from `minigpt-sweep` output
+directories (`--grid` or searches): each directory's results.json gives the trials and derived figures, each trial's
+summary.json the GPU, commit, GPU count and versions, and its file date the date; one group per directory and commit.
 """
 from __future__ import annotations
 
@@ -60,9 +66,69 @@ class Point:
         return self.variant if self.gpus == 1 else f"{self.variant}, {self.gpus} GPUs (context {self.gpus})"
 
 
+def from_sweeps(dirs: list[Path]) -> dict:
+    """The figures' data (the format above) from minigpt-sweep output directories. Raises ValueError when a
+    directory has no results.json, or when the trials ran on more than one kind of GPU (one figure, one GPU)."""
+    from datetime import datetime, timezone
+
+    from minigpt.sweep.search import is_probe
+
+    groups, devices, versions, models = [], set(), {}, set()
+    for d in dirs:
+        results_path = Path(d) / "results.json"
+        if not results_path.is_file():
+            raise ValueError(f"{d}: no results.json (not a finished minigpt-sweep directory)")
+        results = json.loads(results_path.read_text())
+        by_key: dict[tuple[str, int], dict] = {}
+        for t in results["trials"]:
+            summary_path = Path(d) / (t.get("run_dir") or "") / "summary.json"
+            summary = json.loads(summary_path.read_text()) if t.get("run_dir") and summary_path.is_file() else {}
+            if summary.get("device"):
+                devices.add(summary["device"])
+            versions.update({k: summary[k] for k in ("torch", "triton") if summary.get(k)})
+            if summary.get("model") and summary.get("n_params") and not is_probe(t["variant"]):
+                models.add(f"{summary['model']} ({summary['n_params'] / 1e6:.1f}M)")
+            commit = str(summary.get("commit") or "?")
+            gpus = int(summary.get("world_size") or 1)
+            day = (datetime.fromtimestamp(summary_path.stat().st_mtime, timezone.utc).date().isoformat()
+                   if summary else "?")
+            trial = {k: t.get(k) for k in ("variant", "seq_len", "status", "peak_allocated_gib", "peak_reserved_gib",
+                                           "tokens_per_s", "step_time_s", "n_layer")}
+            trial["kind"] = "probe" if is_probe(t["variant"]) else "measured"
+            by_key[(commit, gpus)] = by_key.get((commit, gpus)) or {"trials": [], "dates": set()}
+            by_key[(commit, gpus)]["trials"].append(trial)
+            by_key[(commit, gpus)]["dates"].add(day)
+        for (commit, gpus), g in by_key.items():
+            if gpus == 1 or len(by_key) == 1:  # derived figures stand for the directory's own GPU count
+                g["trials"] += [{k: x.get(k) for k in ("variant", "seq_len", "peak_allocated_gib", "step_time_s",
+                                                       "tokens_per_s", "n_layer")} | {"status": "ok", "kind": "derived"}
+                                for x in results.get("derived", [])]
+            variants = {t["variant"] for t in g["trials"] if t["kind"] == "measured"}
+            to_oom = all(any(t["variant"] == v and t["status"] == "oom" and t["seq_len"] > top
+                             for t in g["trials"])
+                         for v in variants
+                         for top in [max((t["seq_len"] for t in g["trials"]
+                                          if t["variant"] == v and t["status"] == "ok"), default=0)])
+            dates = sorted(x for x in g["dates"] if x != "?") or ["?"]
+            groups.append({"name": f"{Path(d).name}-{commit}", "commit": commit, "date": dates[-1], "gpus": gpus,
+                           "searched_to_oom": bool(variants) and to_oom, "command": results.get("header", ""),
+                           "trials": g["trials"]})
+    if len(devices) > 1:
+        raise ValueError(f"the trials ran on {len(devices)} kinds of GPU ({', '.join(sorted(devices))}): draw one "
+                         f"kind per figure (give the directories of one)")
+    return {"about": "Built by `python -m minigpt.figures --from-sweep` from minigpt-sweep directories "
+                     f"({', '.join(Path(d).name for d in dirs)}): one group per directory and commit; dates are "
+                     "those of the trials' summary files.",
+            "gpu": next(iter(devices), "?"), "model": ", ".join(sorted(models)), **versions, "groups": groups}
+
+
 def load(path: Path) -> tuple[dict, list[Point]]:
     """The file's metadata and every trial as a Point."""
-    data = json.loads(Path(path).read_text())
+    return load_data(json.loads(Path(path).read_text()))
+
+
+def load_data(data: dict) -> tuple[dict, list[Point]]:
+    """The data's metadata and every trial as a Point."""
     points = []
     for g in data["groups"]:
         for t in g["trials"]:
@@ -331,7 +397,22 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m minigpt.figures", description=__doc__.split("\n\n")[0])
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help=f"trials JSON (default: {DEFAULT_DATA})")
     p.add_argument("--out", type=Path, required=True, help="folder for the PNGs and their README.md")
+    p.add_argument("--from-sweep", type=Path, nargs="+", metavar="DIR",
+                   help="first write --data (a new file) from these minigpt-sweep directories")
     args = p.parse_args(argv)
+    if args.from_sweep:
+        if args.data.exists():
+            print(f"--data: {args.data} exists; name a new file for the data built from --from-sweep (nothing was "
+                  f"overwritten)", file=sys.stderr)
+            return 2
+        try:
+            data = from_sweeps(args.from_sweep)
+        except ValueError as e:
+            print(f"--from-sweep: {e}", file=sys.stderr)
+            return 2
+        args.data.parent.mkdir(parents=True, exist_ok=True)
+        args.data.write_text(json.dumps(data, indent=1) + "\n")
+        print(args.data.as_posix())
     if not args.data.is_file():
         print(f"--data: no file at {args.data}", file=sys.stderr)
         return 2

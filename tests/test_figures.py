@@ -106,3 +106,56 @@ def test_longest_context_bars_mark_derived_apart(data_file):
     assert hatches[0] is None and hatches[1] is None    # searched to an OOM
     assert hatches[3] == "//" and hatches[2] == ".."    # derived, and only run at that length
     assert len({h for h in hatches}) == 3
+
+
+def _sweep_dir(root, name, device="Fake GPU", commit="abc1234", world_size=1):
+    """A minigpt-sweep output directory as the sweep writes it: results.json and each trial's summary.json."""
+    d = root / name
+    trials = []
+    for variant, n, status, peak in [("sdpa", 1024, "ok", 1.0), ("sdpa", 2048, "ok", 2.0), ("sdpa", 4096, "oom", 9.9),
+                                     ("flash+levers", 1024, "ok", 0.5), ("flash+levers@L1", 65536, "ok", 3.0)]:
+        run_dir = f"trials/{variant}-n{n}"
+        (d / run_dir).mkdir(parents=True)
+        (d / run_dir / "summary.json").write_text(json.dumps(
+            {"device": device, "commit": commit, "world_size": world_size, "model": "tiny", "n_params": 4.2e5,
+             "torch": "9.9", "triton": "9.9"}))
+        trials.append({"variant": variant, "seq_len": n, "status": status, "peak_allocated_gib": peak,
+                       "tokens_per_s": 100.0, "step_time_s": 0.1, "n_layer": 1 if "@L" in variant else 12,
+                       "run_dir": run_dir})
+    derived = [{"variant": "flash+levers", "seq_len": 65536, "peak_allocated_gib": 7.0, "step_time_s": 2.0,
+                "tokens_per_s": 32768.0, "n_layer": 12, "derived": True}]
+    (d / "results.json").write_text(json.dumps({"header": f"sweep {name}", "trials": trials, "derived": derived}))
+    return d
+
+
+def test_data_from_sweep_directories(tmp_path):
+    data = figures.from_sweeps([_sweep_dir(tmp_path, "grid")])
+    assert (data["gpu"], data["model"], data["torch"]) == ("Fake GPU", "tiny (0.4M)", "9.9")
+    (group,) = data["groups"]
+    assert (group["commit"], group["gpus"], group["command"]) == ("abc1234", 1, "sweep grid")
+    assert group["searched_to_oom"] is False  # flash+levers has no failure above its longest length
+    kinds = {(t["variant"], t["seq_len"]): t["kind"] for t in group["trials"]}
+    assert kinds[("sdpa", 4096)] == "measured" and kinds[("flash+levers@L1", 65536)] == "probe"
+    assert kinds[("flash+levers", 65536)] == "derived"
+    meta, points = figures.load_data(data)
+    assert figures.grid_gaps(points)["sdpa"] == {"measured": [1024, 2048, 4096], "trained": [1024, 2048],
+                                                 "first_oom": 4096, "missing": [], "searched": False}
+
+
+def test_data_from_sweeps_of_two_gpu_kinds_is_refused(tmp_path):
+    dirs = [_sweep_dir(tmp_path, "a"), _sweep_dir(tmp_path, "b", device="Other GPU")]
+    with pytest.raises(ValueError, match="2 kinds of GPU"):
+        figures.from_sweeps(dirs)
+    with pytest.raises(ValueError, match="no results.json"):
+        figures.from_sweeps([tmp_path])
+
+
+def test_cli_from_sweep_writes_the_data_then_the_pictures_and_never_overwrites(tmp_path, capsys):
+    sweep, data, out = _sweep_dir(tmp_path, "grid"), tmp_path / "data" / "grid.json", tmp_path / "figs"
+    assert figures.main(["--from-sweep", str(sweep), "--data", str(data), "--out", str(out)]) == 0
+    assert json.loads(data.read_text())["groups"][0]["name"] == "grid-abc1234"
+    assert (out / "memory_vs_seq_len_Fake_GPU.png").is_file()
+    assert "| sdpa | 1K, 2K | 4K |" in (out / "README.md").read_text()
+    before = data.read_text()
+    assert figures.main(["--from-sweep", str(sweep), "--data", str(data), "--out", str(out)]) == 2
+    assert "exists" in capsys.readouterr().err and data.read_text() == before
