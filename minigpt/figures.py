@@ -4,6 +4,7 @@
     python -m minigpt.figures --data my_sweeps.json --out runs/figures   # any file in the same format
     python -m minigpt.figures --from-sweep runs/grid --data results/context/grid_H100.json --out results/figures
                                                        # build the data file from sweep directories, then draw
+                                                       # (another GPU's README.md in --out is kept: README_<gpu>.md)
 
 Reads one JSON file (default `results/context/context_scaling_NVIDIA_H200.json`):
 
@@ -27,7 +28,9 @@ Probe trials (1- or 2-layer models) are not drawn; the 12-layer figures derived 
 
 `--from-sweep DIR ...` first writes that file (at --data, which must not exist yet) from `minigpt-sweep` output
 directories (`--grid` or searches): each directory's results.json gives the trials and derived figures, each trial's
-summary.json the GPU, commit, GPU count and versions, and its file date the date; one group per directory and commit.
+summary.json the GPU, commit, GPU count and versions, and its modification date the date (a copy that did not keep
+file times moves it); one group per directory and commit; trials without a summary are left out. The data has no
+usable-memory line (`gpu_memory_gib`): add it to the file by hand if the memory figure should show it.
 """
 from __future__ import annotations
 
@@ -82,7 +85,9 @@ def from_sweeps(dirs: list[Path]) -> dict:
         by_key: dict[tuple[str, int], dict] = {}
         for t in results["trials"]:
             summary_path = Path(d) / (t.get("run_dir") or "") / "summary.json"
-            summary = json.loads(summary_path.read_text()) if t.get("run_dir") and summary_path.is_file() else {}
+            if not (t.get("run_dir") and summary_path.is_file()):
+                continue  # no summary (a trial killed before writing one): nothing to draw, and no GPU or commit
+            summary = json.loads(summary_path.read_text())
             if summary.get("device"):
                 devices.add(summary["device"])
             versions.update({k: summary[k] for k in ("torch", "triton") if summary.get(k)})
@@ -90,16 +95,17 @@ def from_sweeps(dirs: list[Path]) -> dict:
                 models.add(f"{summary['model']} ({summary['n_params'] / 1e6:.1f}M)")
             commit = str(summary.get("commit") or "?")
             gpus = int(summary.get("world_size") or 1)
-            day = (datetime.fromtimestamp(summary_path.stat().st_mtime, timezone.utc).date().isoformat()
-                   if summary else "?")
+            day = datetime.fromtimestamp(summary_path.stat().st_mtime, timezone.utc).date().isoformat()
             trial = {k: t.get(k) for k in ("variant", "seq_len", "status", "peak_allocated_gib", "peak_reserved_gib",
                                            "tokens_per_s", "step_time_s", "n_layer")}
             trial["kind"] = "probe" if is_probe(t["variant"]) else "measured"
             by_key[(commit, gpus)] = by_key.get((commit, gpus)) or {"trials": [], "dates": set()}
             by_key[(commit, gpus)]["trials"].append(trial)
             by_key[(commit, gpus)]["dates"].add(day)
+        # the derived figures once per directory, in its largest group (they stand for its GPU count and commit)
+        largest = max(by_key, key=lambda key: len(by_key[key]["trials"]), default=None)
         for (commit, gpus), g in by_key.items():
-            if gpus == 1 or len(by_key) == 1:  # derived figures stand for the directory's own GPU count
+            if (commit, gpus) == largest:
                 g["trials"] += [{k: x.get(k) for k in ("variant", "seq_len", "peak_allocated_gib", "step_time_s",
                                                        "tokens_per_s", "n_layer")} | {"status": "ok", "kind": "derived"}
                                 for x in results.get("derived", [])]
@@ -109,8 +115,9 @@ def from_sweeps(dirs: list[Path]) -> dict:
                          for v in variants
                          for top in [max((t["seq_len"] for t in g["trials"]
                                           if t["variant"] == v and t["status"] == "ok"), default=0)])
-            dates = sorted(x for x in g["dates"] if x != "?") or ["?"]
-            groups.append({"name": f"{Path(d).name}-{commit}", "commit": commit, "date": dates[-1], "gpus": gpus,
+            name = f"{Path(d).name}-{commit}"
+            name = name if all(x["name"] != name for x in groups) else f"{name}-{len(groups)}"
+            groups.append({"name": name, "commit": commit, "date": max(g["dates"]), "gpus": gpus,
                            "searched_to_oom": bool(variants) and to_oom, "command": results.get("header", ""),
                            "trials": g["trials"]})
     if len(devices) > 1:
@@ -118,7 +125,7 @@ def from_sweeps(dirs: list[Path]) -> dict:
                          f"kind per figure (give the directories of one)")
     return {"about": "Built by `python -m minigpt.figures --from-sweep` from minigpt-sweep directories "
                      f"({', '.join(Path(d).name for d in dirs)}): one group per directory and commit; dates are "
-                     "those of the trials' summary files.",
+                     "the modification dates of the trials' summary files (as found, so a copy may have moved them).",
             "gpu": next(iter(devices), "?"), "model": ", ".join(sorted(models)), **versions, "groups": groups}
 
 
@@ -364,7 +371,10 @@ def write_figures(data_path: Path, out: Path) -> list[Path]:
         fig.savefig(out / name, dpi=110, bbox_inches="tight")
         plt.close(fig)
         written.append(out / name)
-    readme = out / "README.md"
+    readme = out / "README.md"  # another GPU's figures' README there is kept: this one takes the GPU's name
+    title = f"# Figures: {meta.get('model', '')} on {meta.get('gpu', '?')}"
+    if readme.exists() and not readme.read_text().startswith(title):
+        readme = out / f"README_{slug}.md"
     readme.write_text(sidecar(meta, points, [p.name for p in written]))
     return written + [readme]
 

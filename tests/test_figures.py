@@ -159,3 +159,24 @@ def test_cli_from_sweep_writes_the_data_then_the_pictures_and_never_overwrites(t
     before = data.read_text()
     assert figures.main(["--from-sweep", str(sweep), "--data", str(data), "--out", str(out)]) == 2
     assert "exists" in capsys.readouterr().err and data.read_text() == before
+
+
+def test_from_sweep_leaves_out_trials_without_a_summary_and_names_groups_apart(tmp_path):
+    a, b = _sweep_dir(tmp_path / "one", "grid"), _sweep_dir(tmp_path / "two", "grid")
+    results = json.loads((a / "results.json").read_text())
+    results["trials"].append({"variant": "sdpa", "seq_len": 8192, "status": "timeout", "run_dir": "trials/gone"})
+    (a / "results.json").write_text(json.dumps(results))
+    data = figures.from_sweeps([a, b])
+    assert [g["name"] for g in data["groups"]] == ["grid-abc1234", "grid-abc1234-1"]
+    first = data["groups"][0]["trials"]
+    assert all(t["seq_len"] != 8192 for t in first) and sum(t["kind"] == "derived" for t in first) == 1
+
+
+def test_another_gpus_readme_in_out_is_kept(tmp_path, data_file):
+    out = tmp_path / "figs"
+    out.mkdir()
+    (out / "README.md").write_text("# Figures: gpt2-small on Some Other GPU\n")
+    figures.main(["--data", str(data_file), "--out", str(out)])
+    assert (out / "README.md").read_text() == "# Figures: gpt2-small on Some Other GPU\n"
+    assert (out / "README_Fake_GPU.md").read_text().startswith("# Figures: tiny on Fake GPU")
+

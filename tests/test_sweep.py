@@ -395,6 +395,7 @@ def no_wandb_login(monkeypatch, tmp_path):
     (["--grid", "--default-start", "3000"], "--grid"),
     (["--grid", "--variants", "sdpa", "--start", "sdpa=1536"], "--grid"),
     (["--grid", "--no-search", "--probe-seq-lens", "4096"], "--grid"),
+    (["--grid", "--max-seq-len", "100000"], "--grid"),
     (["--set", "model.n_layer"], "--set"),
     (["--combine", "/no/such/sweep"], "--combine"),
     (["--logger", "wandb"], "--logger"),  # WANDB_MODE=online without credentials

@@ -42,8 +42,8 @@ step's compute so the transfer overlaps it. Every rank issues the same sends and
 order, whatever its data: recomputing a block (levers.py) runs the forward's ring again on all ranks.
 
 Memory: NCCL's sends and receives pin their tensors to NCCL's stream, so the allocator reuses a freed message only
-once the GPU has passed that point. The host is kept one or two ring calls ahead of the GPU (CallFence), or each
-layer's messages would take fresh memory.
+once the GPU has passed that point. The host waits for a long shard's ring call at its end and keeps at most two
+short ones in flight (CallFence), or each layer's messages would take fresh memory.
 """
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ class Ring:
 
 
 class CallFence:
-    """Keeps the host at most one or two ring calls ahead of the GPU, so that the ring's messages reuse memory.
+    """Keeps the host at most `lag` ring calls (0, 1 or 2) ahead of the GPU, so that the ring's buffers reuse memory.
 
     PyTorch's NCCL send and receive record their tensors on NCCL's stream (for point-to-point ops whatever
     TORCH_NCCL_AVOID_RECORD_STREAMS says), and the caching allocator hands a freed block of such a tensor out again
@@ -159,8 +159,8 @@ class CallFence:
     against main in the same job: lag 1 reserved 8.2 GiB for a step 0.5-0.6% slower, lag 2 10.5 GiB and no slower.
     With lag 1 the buffers of the call in flight (2.25 GiB at 256K) still wait while the host allocates the next
     layer's; lag 0 waits at a call's end for the call itself, so none of its buffers is left waiting (with the home
-    hop in k's dtype: 6.1 GiB reserved for 5.9 allocated at 256K, the step 0.8% faster than lag 1's). Long shards
-    take lag 0 (their calls take tens of ms, beside which the host's ~1 ms is small), short ones lag 2."""
+    hop in k's dtype: 6.1 GiB reserved for 5.9 allocated at 256K, the step no slower than lag 1 with an fp32 hop).
+    Long shards take lag 0 (their calls take tens of ms, beside which the host's ~1 ms is small), short ones lag 2."""
 
     def __init__(self, new_event: Callable[[], object] = torch.cuda.Event):
         self.new_event = new_event  # an event on the current stream (a stand-in in tests)
@@ -311,8 +311,9 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
         dkv = (arriving[direction] or _ready(torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)))()
         _block_backward(do, q, *unstack_kv(kv), ids, k_ids, lse, delta, launches, sm_scale, dq, *unstack_kv(dkv))
         # hand the accumulator on with its block (fp32: the next holders add into it); after the block's last hop,
-        # straight home to its owner in k's dtype: half the bytes to send and to land, and the fp32 accumulator,
-        # never handed to NCCL, is free at once (the owner's sum is rounded to k's dtype in any case)
+        # straight home to its owner in k's dtype: half the bytes to send and to land, and this last fp32 copy is
+        # not handed to NCCL, so it is free at once. The share is rounded to k's dtype before the owner adds it (and
+        # the sum once more after): one rounding more than an fp32 hop, within the tests' tolerance
         last = depth == plan.depth(direction)
         hop = dkv.to(kv.dtype) if last else dkv
         del dkv

@@ -256,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-search", action="store_true", help="skip the search, run only the probes")
     p.add_argument("--grid", action="store_true",
                    help="the figures' grid instead of the search: each variant at its start (--default-start: 1024 "
-                        "here), doubled up to its first out-of-memory length, no bisection; starts powers of two")
+                        "here), doubled up to its first failure (out of memory or a timeout), no bisection; starts "
+                        "and --max-seq-len powers of two")
     p.add_argument("--nproc", metavar="N", type=positive_int, default=1,
                    help="processes per trial: each trial runs under torchrun --standalone --nproc_per_node N (one node)")
     p.add_argument("--context", metavar="K", type=positive_int, default=1,
@@ -324,6 +325,9 @@ def sweep_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> S
             n = start.get(variant, given("default_start"))
             if n & (n - 1):
                 parser.error(f"argument --grid: {variant} would start at {n}, not a power of two (the figures' grid)")
+        if args.max_seq_len is not None and args.max_seq_len & (args.max_seq_len - 1):
+            parser.error(f"argument --grid: --max-seq-len {args.max_seq_len} is not a power of two (the figures' "
+                         f"grid would end off it)")
     if args.logger == "wandb":  # an online W&B run without credentials would fail every trial, then the summary
         from minigpt.config import ConfigError, LoggerConfig
         from minigpt.loggers import check_wandb
