@@ -333,11 +333,9 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     dk, dv = empty_in_layout_of(k, dtype), empty_in_layout_of(v, dtype)
     _block_backward(do, q, k, v, ids, ids, lse, delta, plan.local, sm_scale, dq, dk, dv)
     dq = dq.to(q.dtype)
-    if homes:  # dK = mine + the other ranks' (in k's dtype; where a window has two, summed in fp32 first): added
-        # into mine (then cast in one pass where mine is fp32)
-        homes = [home() for home in homes]
-        theirs = homes[0] if len(homes) == 1 else homes[0].float().add_(homes[1])
-        theirs_k, theirs_v = unstack_kv(theirs)
+    for home in homes:  # dK = mine + the other ranks' shares (in k's dtype), each added into mine; where a window
+        # has two, mine is fp32 and holds their sum (cast in one pass below)
+        theirs_k, theirs_v = unstack_kv(home())
         dk, dv = dk.add_(theirs_k), dv.add_(theirs_v)
     if q.is_cuda:
         FENCE.leave(lag)
