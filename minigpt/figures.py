@@ -99,9 +99,9 @@ def from_sweeps(dirs: list[Path]) -> dict:
             trial = {k: t.get(k) for k in ("variant", "seq_len", "status", "peak_allocated_gib", "peak_reserved_gib",
                                            "tokens_per_s", "step_time_s", "n_layer")}
             trial["kind"] = "probe" if is_probe(t["variant"]) else "measured"
-            by_key[(commit, gpus)] = by_key.get((commit, gpus)) or {"trials": [], "dates": set()}
-            by_key[(commit, gpus)]["trials"].append(trial)
-            by_key[(commit, gpus)]["dates"].add(day)
+            group = by_key.setdefault((commit, gpus), {"trials": [], "dates": set()})
+            group["trials"].append(trial)
+            group["dates"].add(day)
         # the derived figures once per directory, in its largest group (they stand for its GPU count and commit)
         largest = max(by_key, key=lambda key: len(by_key[key]["trials"]), default=None)
         for (commit, gpus), g in by_key.items():
@@ -110,11 +110,7 @@ def from_sweeps(dirs: list[Path]) -> dict:
                                                        "tokens_per_s", "n_layer")} | {"status": "ok", "kind": "derived"}
                                 for x in results.get("derived", [])]
             variants = {t["variant"] for t in g["trials"] if t["kind"] == "measured"}
-            to_oom = all(any(t["variant"] == v and t["status"] == "oom" and t["seq_len"] > top
-                             for t in g["trials"])
-                         for v in variants
-                         for top in [max((t["seq_len"] for t in g["trials"]
-                                          if t["variant"] == v and t["status"] == "ok"), default=0)])
+            to_oom = all(_ran_out_above_longest(g["trials"], v) for v in variants)
             name = f"{Path(d).name}-{commit}"
             name = name if all(x["name"] != name for x in groups) else f"{name}-{len(groups)}"
             groups.append({"name": name, "commit": commit, "date": max(g["dates"]), "gpus": gpus,
@@ -127,6 +123,13 @@ def from_sweeps(dirs: list[Path]) -> dict:
                      f"({', '.join(Path(d).name for d in dirs)}): one group per directory and commit; dates are "
                      "the modification dates of the trials' summary files (as found, so a copy may have moved them).",
             "gpu": next(iter(devices), "?"), "model": ", ".join(sorted(models)), **versions, "groups": groups}
+
+
+def _ran_out_above_longest(trials: list[dict], variant: str) -> bool:
+    """Whether the variant ran out of memory at some length above the longest it trained (its search reached OOM)."""
+    mine = [t for t in trials if t["variant"] == variant and t["kind"] == "measured"]
+    longest = max((t["seq_len"] for t in mine if t["status"] == "ok"), default=0)
+    return any(t["status"] == "oom" and t["seq_len"] > longest for t in mine)
 
 
 def load(path: Path) -> tuple[dict, list[Point]]:

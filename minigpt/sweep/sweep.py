@@ -42,6 +42,7 @@ from minigpt.sweep.report import (by_variant, combine, derive_all, log_summary_t
 from minigpt.sweep.runner import TRIALS_FILE, SubprocessRunner, TrialStore
 from minigpt.sweep.search import (LEVERS, Trial, TrialRunner, best, is_probe, probe_variant, search_max_seq_len,
                                         variant_overrides)
+from minigpt.figures import GRID_START  # --grid's default first length: the figures' x axis
 from minigpt.files import WriteError
 from minigpt.signals import Interrupted, StopSignals
 
@@ -55,8 +56,6 @@ DEFAULTS = {
             "granularity": 64, "max_seq_len": 512, "full_layers": 2},
 }
 
-
-GRID_START = 1024  # --grid's default first length: the figures' x axis starts at 1K
 
 @dataclass
 class SweepConfig:
