@@ -29,7 +29,9 @@ Probe trials (1- or 2-layer models) are not drawn; the 12-layer figures derived 
 `--from-sweep DIR ...` first writes that file (at --data, which must not exist yet) from `minigpt-sweep` output
 directories (`--grid` or searches): each directory's results.json gives the trials and derived figures, each trial's
 summary.json the GPU, commit, GPU count and versions, and its modification date the date (a copy that did not keep
-file times moves it); one group per directory and commit; trials without a summary are left out. The data has no
+file times moves it); one group per directory and commit; trials without a summary are left out. A training run's
+directory (summary.json, no results.json) joins as a group of one trial, named by its setting (the 2-GPU 1M step,
+say). The data has no
 usable-memory line (`gpu_memory_gib`): add it to the file by hand if the memory figure should show it.
 """
 from __future__ import annotations
@@ -44,8 +46,8 @@ DEFAULT_DATA = Path("results/context/context_scaling_NVIDIA_H200.json")
 GRID_START = 1024
 
 # One colour and one marker per series, never reused (12 of each; 'x' is kept for out of memory).
-COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-          "#bcbd22", "#17becf", "#000000", "#0b5d1e"]
+COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22",
+          "#17becf", "#000000", "#0b5d1e", "#7f7f7f"]  # grey last: the bar chart's legend draws its styles in grey
 MARKERS = ["o", "s", "^", "v", "D", "P", "*", "h", "<", ">", "p", "d"]
 OOM_MARKER = "x"
 
@@ -79,9 +81,13 @@ def from_sweeps(dirs: list[Path]) -> dict:
     groups, devices, versions, models = [], set(), {}, set()
     for d in dirs:
         results_path = Path(d) / "results.json"
-        if not results_path.is_file():
-            raise ValueError(f"{d}: no results.json (not a finished minigpt-sweep directory)")
-        results = json.loads(results_path.read_text())
+        if not results_path.is_file() and (Path(d) / "summary.json").is_file():
+            results = _one_run_as_results(Path(d))  # a lone training run: one trial, its own group
+        elif not results_path.is_file():
+            raise ValueError(f"{d}: no results.json (not a finished minigpt-sweep directory) and no summary.json "
+                             f"(not a training run)")
+        else:
+            results = json.loads(results_path.read_text())
         by_key: dict[tuple[str, int], dict] = {}
         for t in results["trials"]:
             summary_path = Path(d) / (t.get("run_dir") or "") / "summary.json"
@@ -125,6 +131,20 @@ def from_sweeps(dirs: list[Path]) -> dict:
             "gpu": next(iter(devices), "?"), "model": ", ".join(sorted(models)), **versions, "groups": groups}
 
 
+def _one_run_as_results(run_dir: Path) -> dict:
+    """A training run's directory in the shape of a sweep's results.json: its one trial, named by its setting."""
+    from minigpt.sweep.search import variant_of
+    summary = json.loads((run_dir / "summary.json").read_text())
+    status = summary.get("status") if summary.get("status") in ("ok", "oom") else "error"
+    trial = {"variant": variant_of(summary), "seq_len": summary.get("seq_len"), "status": status,
+             "run_dir": ".", **{k: summary.get(k) for k in ("peak_allocated_gib", "peak_reserved_gib", "tokens_per_s",
+                                                            "step_time_s", "n_layer")}}
+    return {"header": f"one training run ({run_dir.name}): attention={summary.get('attention')}, "
+                      f"seq_len={summary.get('seq_len')}, {summary.get('world_size') or 1} GPU(s), context parallel "
+                      f"{summary.get('context_parallel') or 1}, levers {summary.get('levers')}, compile "
+                      f"{summary.get('compile')}", "trials": [trial]}
+
+
 def _ran_out_above_longest(trials: list[dict], variant: str) -> bool:
     """Whether the variant ran out of memory at some length above the longest it trained (its search reached OOM)."""
     mine = [t for t in trials if t["variant"] == variant and t["kind"] == "measured"]
@@ -151,12 +171,23 @@ def load_data(data: dict) -> tuple[dict, list[Point]]:
 
 
 def series_order(points: list[Point]) -> list[str]:
-    """Series in the order they first appear (probes excluded): one GPU before two."""
-    seen: dict[str, tuple[int, int]] = {}
+    """Series from least to most memory saved (probes excluded): one GPU before two; then eager before compiled,
+    fewer levers before more; ties in the order they first appear (naive, sdpa, flash as the sweep runs them)."""
+    seen: dict[str, tuple] = {}
     for i, p in enumerate(points):
         if p.kind != "probe" and p.series not in seen:
-            seen[p.series] = (p.gpus, i)
+            seen[p.series] = (p.gpus, *_lever_weight(p.variant), i)
     return sorted(seen, key=lambda s: seen[s])
+
+
+def _lever_weight(variant: str) -> tuple[int, int]:
+    """(memory overrides the variant's levers add, compiled?); (0, 0) for a name the sweep does not know."""
+    from minigpt.sweep.search import variant_overrides
+    try:
+        overrides = variant_overrides(variant)
+    except ValueError:
+        return 0, 0
+    return sum(o.startswith("model.") for o in overrides), int("compile=true" in overrides)
 
 
 def styles(series: list[str]) -> dict[str, tuple[str, str]]:
@@ -411,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help=f"trials JSON (default: {DEFAULT_DATA})")
     p.add_argument("--out", type=Path, required=True, help="folder for the PNGs and their README.md")
     p.add_argument("--from-sweep", type=Path, nargs="+", metavar="DIR",
-                   help="first write --data (a new file) from these minigpt-sweep directories")
+                   help="first write --data (a new file) from these minigpt-sweep directories (or training run "
+                        "directories: one trial each)")
     args = p.parse_args(argv)
     if args.from_sweep:
         if args.data.exists():

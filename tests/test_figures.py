@@ -180,3 +180,30 @@ def test_another_gpus_readme_in_out_is_kept(tmp_path, data_file):
     assert (out / "README.md").read_text() == "# Figures: gpt2-small on Some Other GPU\n"
     assert (out / "README_Fake_GPU.md").read_text().startswith("# Figures: tiny on Fake GPU")
 
+
+
+def test_a_lone_training_run_joins_as_its_own_group(tmp_path):
+    run = tmp_path / "scale_n2"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps(
+        {"status": "ok", "device": "Fake GPU", "commit": "fedcba9", "world_size": 2, "context_parallel": 2,
+         "seq_len": 1 << 20, "attention": "flash", "compile": True, "peak_allocated_gib": 16.8, "tokens_per_s": 14e3,
+         "step_time_s": 74.9, "n_layer": 12, "model": "tiny", "n_params": 4.2e5,
+         "levers": {"recompute_every": 1, "recompute_dtype": "bfloat16", "offload": True, "keep_attention": True,
+                    "mlp_chunk": 65536, "loss_chunk": 4096}}))
+    data = figures.from_sweeps([_sweep_dir(tmp_path, "grid"), run])
+    lone = data["groups"][-1]
+    assert (lone["commit"], lone["gpus"], lone["searched_to_oom"]) == ("fedcba9", 2, False)
+    (trial,) = lone["trials"]
+    assert (trial["variant"], trial["seq_len"], trial["status"], trial["kind"]) == \
+        ("flash+levers+offload+keepattn+compile", 1 << 20, "ok", "measured")
+    _, points = figures.load_data(data)
+    assert figures.series_order(points)[-1] == "flash+levers+offload+keepattn+compile, 2 GPUs (context 2)"
+
+
+def test_series_run_from_least_to_most_memory_saved():
+    points = [figures.Point(v, 1, 1024, "ok", "measured", True, 1.0, 1.0, "c", "d")
+              for v in ["flash+levers", "naive+compile", "naive", "flash", "flash+levers+offload+keepattn",
+                        "flash+compile", "made-up"]]
+    assert figures.series_order(points) == ["naive", "flash", "made-up", "naive+compile", "flash+compile",
+                                            "flash+levers", "flash+levers+offload+keepattn"]

@@ -11,7 +11,8 @@ import pytest
 from minigpt.attention import BACKENDS, FlashAttention
 from minigpt.sweep.report import combine
 from minigpt.sweep.runner import SubprocessRunner, TrialStore
-from minigpt.sweep.search import LEVERS, Trial, best, derive_from_probes, search_max_seq_len, variant_overrides
+from minigpt.sweep.search import (LEVERS, Trial, best, derive_from_probes, search_max_seq_len, variant_of,
+                                  variant_overrides)
 from minigpt.sweep.sweep import SweepConfig, build_parser, main, run_sweep, sweep_config
 from minigpt.summary import RunSummary
 
@@ -135,6 +136,23 @@ def test_variant_grammar():
                      ("sdpa+keepattn", "log-sum-exp"), ("flash@Lx", "layer count")):
         with pytest.raises(ValueError, match=why):
             variant_overrides(bad)
+
+
+@pytest.mark.parametrize("variant", ["naive", "sdpa+compile", "flash+ckpt", "flash+bf16ckpt+losschunk",
+                                     "flash+offload", "flash+keepattn+mlpchunk", "flash+levers",
+                                     "flash+levers+offload+keepattn+compile", "sdpa+ckpt+losschunk"])
+def test_a_summarys_setting_names_the_variant_back(variant):
+    """variant_of reads the setting a run recorded; its name gives the same trainer overrides as the variant's."""
+    from minigpt.config import ModelConfig
+    overrides = variant_overrides(variant)
+    model = ModelConfig()
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key.startswith("model."):
+            field = key.removeprefix("model.")
+            setattr(model, field, {"true": True}.get(value, int(value) if value.isdigit() else value))
+    summary = {"attention": variant.split("+")[0], "compile": "compile=true" in overrides, "levers": model.levers()}
+    assert sorted(variant_overrides(variant_of(summary))) == sorted(overrides)
 
 
 def test_variant_backends_come_from_the_registry(monkeypatch):

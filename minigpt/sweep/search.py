@@ -57,6 +57,25 @@ def variant_overrides(variant: str) -> list[str]:
     return out
 
 
+def variant_of(summary: dict) -> str:
+    """The variant name of the setting a run's summary.json records (attention, levers, compile): the inverse of
+    variant_overrides up to equal overrides, so a lone training run can stand beside a sweep's variants."""
+    lv = summary.get("levers") or {}
+    ckpt = lv.get("recompute_every") == 1
+    bf16 = ckpt and lv.get("recompute_dtype") == "bfloat16"
+    loss, mlp = bool(lv.get("loss_chunk")), bool(lv.get("mlp_chunk"))
+    names = []
+    if bf16 and loss and mlp:
+        names.append("levers")
+    else:
+        if ckpt and (bf16 or not (lv.get("offload") or lv.get("keep_attention"))):
+            names.append("bf16ckpt" if bf16 else "ckpt")  # offload and keepattn bring recompute themselves
+        names += ["losschunk"] * loss + ["mlpchunk"] * mlp
+    names += ["offload"] * bool(lv.get("offload")) + ["keepattn"] * bool(lv.get("keep_attention"))
+    names += ["compile"] * bool(summary.get("compile"))
+    return "+".join([summary["attention"], *names])
+
+
 def probe_variant(variant: str, n_layer: int) -> str:
     return f"{variant}{PROBE_MARK}{n_layer}"
 
