@@ -77,13 +77,13 @@ def plot(stats: dict, what: str, path: Path) -> None:
     total = stats["windows"] * stats["seq_len"]
     labels = [_bin_label(b, stats["seq_len"]) for b in stats["bins"]]
     ax.bar(range(len(labels)), [100 * b["tokens"] / total for b in stats["bins"]], color="#1f77b4")
-    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_xticks(range(len(labels)), labels, fontsize=8, rotation=30, ha="right")
     ax.set_xlabel("length of a document's part in the window (tokens)")
     ax.set_ylabel("share of tokens (%)")
     ax.set_title(f"Documents in {stats['seq_len']:,}-token training windows; mask keeps "
                  f"{100 * stats['causal_work']:.1f}% of causal work", fontsize=10)
     fig.text(0.01, 0.01, what, fontsize=7, va="bottom")
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
