@@ -329,6 +329,17 @@ def test_the_persistent_forward_schedule_covers_every_tile_once(bh, n, block_m, 
         assert max(loads) <= 1.02 * sum(loads) / programs, (max(loads), sum(loads) / programs)
 
 
+@pytest.mark.parametrize("B,H,kv,n_kblocks,want", [(1, 16, 1, 64, 8), (2, 4, 1, 32, 4), (4, 16, 1, 64, 2),
+                                                     (1, 16, 1, 8, 16), (1, 16, 4, 64, 1), (4, 16, 1, 128, 1),
+                                                     (1, 1, 1, 8, 1), (1, 6, 1, 50, 6), (1, 6, 1, 100, 3)])
+def test_a_one_kv_head_backward_splits_its_group_until_two_waves(B, H, kv, n_kblocks, want):
+    """MQA's masked backward (gluon/backward.py mqa_splits): the fewest divisor-of-H splits of the query heads that
+    give two waves of programs on 132 SMs, all H where none does, none with several K/V heads or a full grid."""
+    backward = pytest.importorskip("minigpt_kernels.gluon.backward")
+    splits = backward.mqa_splits(B, H, kv, n_kblocks, 132)
+    assert splits == want and H % splits == 0
+
+
 def test_only_consumers_that_end_a_key_tile_early_skip_past_their_diagonal():
     """A consumer skips the key tiles past its own rows only where it can end a tile earlier than its query tile:
     3 consumers (192 rows) over 128-key tiles, or 64-key tiles; never 2 consumers (128 rows) over 128-key tiles,

@@ -203,7 +203,9 @@ BACKWARD_CASES = [
     (5000, 4, 4, 128, None, "tokens", "rows", False), (4096, 4, 4, 64, None, "one", "rows", False),
     (3000, 2, 2, 64, 5000, "none", "heads", False), (6000, 6, 3, 128, 300, "ragged", "heads", False),
     (2048, 4, 4, 64, 129, "none", "rows", False), (1000, 8, 2, 128, 64, "ragged", "rows", False),
-    (3001, 4, 1, 128, 2, "tokens", "rows", False), (2500, 8, 2, 64, 700, "one", "rows", False)]
+    (3001, 4, 1, 128, 2, "tokens", "rows", False), (2500, 8, 2, 64, 700, "one", "rows", False),
+    # one K/V head over a short grid: the group split over programs (mqa_splits: 4 splits of 16 heads, 4 of 8)
+    (8192, 16, 1, 64, None, "ragged", "rows", False), (4097, 8, 1, 128, 300, "none", "heads", False)]
 
 
 @pytest.mark.skipif(not HOPPER, reason="the masked Gluon backward is written for sm_90 (wgmma)")
