@@ -72,8 +72,9 @@ class Point:
 
 
 def from_sweeps(dirs: list[Path]) -> dict:
-    """The figures' data (the format above) from minigpt-sweep output directories. Raises ValueError when a
-    directory has no results.json, or when the trials ran on more than one kind of GPU (one figure, one GPU)."""
+    """The figures' data (the format above) from minigpt-sweep output directories and training run directories.
+    Raises ValueError for a directory that is neither (or a run it cannot draw), or when the trials ran on more than
+    one kind of GPU (one figure, one GPU)."""
     from datetime import datetime, timezone
 
     from minigpt.sweep.search import is_probe
@@ -125,18 +126,25 @@ def from_sweeps(dirs: list[Path]) -> dict:
     if len(devices) > 1:
         raise ValueError(f"the trials ran on {len(devices)} kinds of GPU ({', '.join(sorted(devices))}): draw one "
                          f"kind per figure (give the directories of one)")
-    return {"about": "Built by `python -m minigpt.figures --from-sweep` from minigpt-sweep directories "
+    return {"about": "Built by `python -m minigpt.figures --from-sweep` from minigpt-sweep and training run directories "
                      f"({', '.join(Path(d).name for d in dirs)}): one group per directory and commit; dates are "
                      "the modification dates of the trials' summary files (as found, so a copy may have moved them).",
             "gpu": next(iter(devices), "?"), "model": ", ".join(sorted(models)), **versions, "groups": groups}
 
 
 def _one_run_as_results(run_dir: Path) -> dict:
-    """A training run's directory in the shape of a sweep's results.json: its one trial, named by its setting."""
+    """A training run's directory in the shape of a sweep's results.json: its one trial, named by its setting.
+    ValueError for a run the figures cannot stand beside the sweeps' (not finished ok, not one sequence a step,
+    data parallel, or a setting no variant name gives)."""
     from minigpt.sweep.search import variant_of
     summary = json.loads((run_dir / "summary.json").read_text())
-    status = summary.get("status") if summary.get("status") in ("ok", "oom") else "error"
-    trial = {"variant": variant_of(summary), "seq_len": summary.get("seq_len"), "status": status,
+    why = ("it did not finish ok" if summary.get("status") != "ok"
+           else "not batch 1 without accumulation" if (summary.get("batch_size"), summary.get("grad_accum")) != (1, 1)
+           else "data parallel" if (summary.get("world_size") or 1) != (summary.get("context_parallel") or 1)
+           else None)
+    if why:
+        raise ValueError(f"{run_dir}: a training run the figures cannot draw beside the sweeps ({why})")
+    trial = {"variant": variant_of(summary), "seq_len": summary.get("seq_len"), "status": "ok",
              "run_dir": ".", **{k: summary.get(k) for k in ("peak_allocated_gib", "peak_reserved_gib", "tokens_per_s",
                                                             "step_time_s", "n_layer")}}
     return {"header": f"one training run ({run_dir.name}): attention={summary.get('attention')}, "
@@ -171,8 +179,9 @@ def load_data(data: dict) -> tuple[dict, list[Point]]:
 
 
 def series_order(points: list[Point]) -> list[str]:
-    """Series from least to most memory saved (probes excluded): one GPU before two; then eager before compiled,
-    fewer levers before more; ties in the order they first appear (naive, sdpa, flash as the sweep runs them)."""
+    """Series from least to most memory saved (probes excluded): one GPU before two; then fewer lever overrides
+    first, eager before compiled at equal levers; ties in the order they first appear (naive, sdpa, flash as the
+    sweep runs them)."""
     seen: dict[str, tuple] = {}
     for i, p in enumerate(points):
         if p.kind != "probe" and p.series not in seen:

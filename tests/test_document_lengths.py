@@ -18,6 +18,9 @@ def test_summary_bins_median_and_causal_work():
     assert stats["windows"] == 2 and stats["segments"] == 4
     assert [(b["from"], b["segments"], b["tokens"]) for b in stats["bins"]] == [(2, 3, 8), (8, 1, 8)]
     assert stats["token_weighted_median"] == 3  # 8 of the 16 tokens lie in segments of <= 3
+    assert [b["to"] for b in summarize([3000, 1500], seq_len=3000)["bins"]] == [2048, 3000]  # whole windows apart
+    with pytest.raises(ValueError, match="no document lengths"):
+        summarize([], seq_len=8)
     # kept pairs: (6 + 3 + 6) + 36 = 51 of 2 * 36 causal pairs
     assert stats["causal_work"] == pytest.approx(51 / 72)
 

@@ -187,6 +187,7 @@ def test_a_lone_training_run_joins_as_its_own_group(tmp_path):
     run.mkdir()
     (run / "summary.json").write_text(json.dumps(
         {"status": "ok", "device": "Fake GPU", "commit": "fedcba9", "world_size": 2, "context_parallel": 2,
+         "batch_size": 1, "grad_accum": 1,
          "seq_len": 1 << 20, "attention": "flash", "compile": True, "peak_allocated_gib": 16.8, "tokens_per_s": 14e3,
          "step_time_s": 74.9, "n_layer": 12, "model": "tiny", "n_params": 4.2e5,
          "levers": {"recompute_every": 1, "recompute_dtype": "bfloat16", "offload": True, "keep_attention": True,
@@ -199,6 +200,13 @@ def test_a_lone_training_run_joins_as_its_own_group(tmp_path):
         ("flash+levers+offload+keepattn+compile", 1 << 20, "ok", "measured")
     _, points = figures.load_data(data)
     assert figures.series_order(points)[-1] == "flash+levers+offload+keepattn+compile, 2 GPUs (context 2)"
+    summary = json.loads((run / "summary.json").read_text())
+    for change, why in (({"status": "interrupted"}, "did not finish ok"), ({"batch_size": 2}, "not batch 1"),
+                        ({"context_parallel": 1}, "data parallel"),
+                        ({"levers": {**summary["levers"], "recompute_every": 2}}, "no variant name")):
+        (run / "summary.json").write_text(json.dumps({**summary, **change}))
+        with pytest.raises(ValueError, match=why):
+            figures.from_sweeps([run])
 
 
 def test_series_run_from_least_to_most_memory_saved():

@@ -215,7 +215,8 @@ BACKWARD_CASES = [
 def test_the_masked_gluon_backward_matches_float32_and_the_triton_path(N, Hq, Hkv, D, window, docs, layout, split,
                                                                        monkeypatch):
     """Causal masked and GQA calls of a sequence against itself run the five-matmul Gluon backward on sm_90 (each key
-    block over the query tiles that see it, dK/dV summed over the GQA group in one program): its gradients against
+    block over the query tiles that see it, dK/dV summed over the GQA group in one program, or over mqa_splits
+    programs for one K/V head over a short grid): its gradients against
     float32 masked SDPA's and against the forced Triton path's (the seven-matmul backward)."""
     gluon_backward = launch.gluon_backward
     ran = []

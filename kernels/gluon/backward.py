@@ -39,7 +39,10 @@ instead of searching per item. A tile runs without the elementwise mask where ev
 consumer (past its last key and below end_key0). With GQA an item is a K/V head's key block: its roles walk the
 group's query heads in turn through the same ring (counters run on), the producer remaking the Q/dO/LSE/delta
 descriptors per query head once the copies through the old ones have landed, so dK and dV sum over the group in
-registers and no per-query-head K/V copy exists.
+registers and no per-query-head K/V copy exists. A launch with one K/V head over a grid of under two waves (MQA, or a
+GQA call cut to one K/V head per launch by the dQ accumulator's cap) splits the group instead (`mqa_splits`): the
+one head is passed S times with head stride 0, each virtual head walks H/S query heads into its own fp32 dK, dV, and
+those are summed after the launch.
 
 Ring attention's blocks (`launch_dkdv_dq_block`, for launch.launch_backward_block; the same kernel with the
 constexprs FULL and ACCUMULATE_DKDV, which leave the code compiled without them as it was): a block off the
@@ -201,7 +204,8 @@ def _write_dkdv(dk, dv, DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride
                 sm_scale, HEAD_DIM: gl.constexpr, ACCUMULATE: gl.constexpr):
     """dK (scaled: dS was taken w.r.t. the scaled scores) and dV of this consumer's 64 keys; keys past N not written.
     ACCUMULATE: added to what DK, DV (fp32) hold instead (ring attention's travelling accumulator); a load, an add
-    and a store, no atomics: one program owns a key block's rows (with GQA its K/V head's, the group summed)."""
+    and a store, no atomics: one program owns a key block's rows (with GQA its K/V head's, the group summed; split by mqa_splits, a virtual
+    head's own fp32 rows)."""
     d_layout: gl.constexpr = dk.type.layout
     dk = dk * sm_scale
     out_keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, d_layout))

@@ -28,10 +28,13 @@ def segment_lengths(document_ids: torch.Tensor) -> list[int]:
 
 
 def summarize(lengths: list[int], seq_len: int) -> dict:
-    """Counts per power-of-two bin [2^k, 2^(k+1)), the token-weighted median and the causal work kept."""
+    """Counts per power-of-two bin [2^k, 2^(k+1)) (whole windows, n = seq_len, a bin of their own), the
+    token-weighted median and the causal work kept. ValueError for no lengths."""
+    if not lengths:
+        raise ValueError("no document lengths to summarize (no windows drawn)")
     bins: dict[int, dict[str, int]] = {}
     for n in lengths:
-        lo = 1 << (n.bit_length() - 1)
+        lo = seq_len if n >= seq_len else 1 << (n.bit_length() - 1)
         b = bins.setdefault(lo, {"segments": 0, "tokens": 0})
         b["segments"] += 1
         b["tokens"] += n
@@ -46,15 +49,17 @@ def summarize(lengths: list[int], seq_len: int) -> dict:
     return {"seq_len": seq_len, "windows": round(windows), "segments": len(lengths),
             "segments_per_window": len(lengths) / windows, "token_weighted_median": median,
             "causal_work": kept,
-            "bins": [{"from": lo, "to": 2 * lo, **bins[lo]} for lo in sorted(bins)]}
+            "bins": [{"from": lo, "to": min(2 * lo, seq_len), **bins[lo]} for lo in sorted(bins)]}
 
 
 def _bin_label(b: dict, seq_len: int) -> str:
     """'[4K, 8K)'; the bin of whole windows (no boundary inside) is named as such."""
     from minigpt.figures import tokens_label
+    def label(n: int) -> str:  # 4096 -> '4K', 3000 -> '3,000'
+        return tokens_label(n) if n % 1024 == 0 or n < 1024 else f"{n:,}"
     if b["from"] >= seq_len:
-        return f"{tokens_label(seq_len)} (whole window)"
-    return f"[{tokens_label(b['from'])}, {tokens_label(min(b['to'], seq_len))})"
+        return f"{label(seq_len)} (whole window)"
+    return f"[{label(b['from'])}, {label(b['to'])})"
 
 
 def to_markdown(stats: dict, what: str) -> str:
@@ -96,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, default=100, help="training batches to draw (100)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
+    if args.batches < 1:
+        p.error(f"argument --batches: {args.batches}: draw at least 1 batch")
     from minigpt.compose import compose, one_line
     from minigpt.data import build_data
     try:
@@ -113,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         _, _, ids = data.batch("train", index, cfg.batch_size)
         lengths += segment_lengths(ids)
     stats = summarize(lengths, cfg.seq_len)
-    what = f"data={cfg.data.name}, seq_len={cfg.seq_len}, seed={cfg.seed}, {args.batches} batches of {cfg.batch_size}"
+    corpus = (data.manifest or {}).get("corpus_hash") if getattr(data, "manifest", None) else None
+    what = (f"data={cfg.data.name}, seq_len={cfg.seq_len}, seed={cfg.seed}, {args.batches} batches of "
+            f"{cfg.batch_size} (one process's draws)" + (f"; corpus {corpus[:12]}" if corpus else "")
+            + ("; passkey rows count as one document" if getattr(data, "passkey", None) else ""))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "document_lengths.json").write_text(json.dumps({"what": what, **stats}, indent=1) + "\n")
     (args.out / "document_lengths.md").write_text(to_markdown(stats, what))

@@ -57,9 +57,17 @@ def variant_overrides(variant: str) -> list[str]:
     return out
 
 
+# The memory settings of a run without levers (the model config's defaults), as summary.json records them.
+NO_LEVERS = {"recompute_every": 0, "recompute_dtype": "float32", "offload": False, "keep_attention": False,
+             "mlp_chunk": 0, "loss_chunk": 0}
+
+
 def variant_of(summary: dict) -> str:
     """The variant name of the setting a run's summary.json records (attention, levers, compile): the inverse of
-    variant_overrides up to equal overrides, so a lone training run can stand beside a sweep's variants."""
+    variant_overrides, so a lone training run can stand beside a sweep's variants. ValueError when no variant name
+    gives that setting (recompute every 2 blocks, a loss chunk other than the levers', no attention recorded)."""
+    if not summary.get("attention"):
+        raise ValueError("the summary records no attention backend: not a training run's summary.json")
     lv = summary.get("levers") or {}
     ckpt = lv.get("recompute_every") == 1
     bf16 = ckpt and lv.get("recompute_dtype") == "bfloat16"
@@ -73,7 +81,16 @@ def variant_of(summary: dict) -> str:
         names += ["losschunk"] * loss + ["mlpchunk"] * mlp
     names += ["offload"] * bool(lv.get("offload")) + ["keepattn"] * bool(lv.get("keep_attention"))
     names += ["compile"] * bool(summary.get("compile"))
-    return "+".join([summary["attention"], *names])
+    name = "+".join([summary["attention"], *names])
+    named = dict(NO_LEVERS)
+    for o in variant_overrides(name):
+        key, _, value = o.partition("=")
+        if key.startswith("model."):
+            named[key.removeprefix("model.")] = {"true": True}.get(value, int(value) if value.isdigit() else value)
+    recorded = {k: lv.get(k, v) for k, v in NO_LEVERS.items()}
+    if recorded != named:
+        raise ValueError(f"no variant name gives the recorded memory settings {recorded} (nearest: {name})")
+    return name
 
 
 def probe_variant(variant: str, n_layer: int) -> str:
