@@ -78,6 +78,9 @@ def test_grid_on_the_command_line_starts_at_1k_and_takes_powers_of_two_only(caps
     cfg = sweep_config(parser, parser.parse_args(["--grid", "--cpu", "--logger", "none"]))
     assert (cfg.default_start, cfg.bisect) == (128, False)  # --cpu keeps its own start
     assert sweep_config(parser, parser.parse_args(["--allow-cpu", "--logger", "none"])).bisect
+    cfg = sweep_config(parser, parser.parse_args(["--allow-cpu", "--logger", "none", "--gpu-memory-gib", "79.2",
+                                                  "--host-memory-gib", "128"]))
+    assert (cfg.gpu_memory_gib, cfg.host_memory_gib) == (79.2, 128.0)  # the frontier's capacities
 
 
 def test_start_that_fails_halves_down():
@@ -170,6 +173,23 @@ def test_probe_derivation():
     assert d["derived"] and d["variant"] == "f" and d["peak_allocated_gib"] == pytest.approx(32.0)
     assert d["step_time_s"] == pytest.approx(13.0) and d["per_layer_gib"] == pytest.approx(2.0)
     assert derive_from_probes([probes[0], Trial("f@L2", 1000, "oom", n_layer=2)], 12) is None
+    assert d["host_offload_gib"] is None  # the probes recorded no offloading
+
+
+def test_the_frontier_judges_a_derived_figure_against_gpu_and_host_memory():
+    """Offloaded block inputs grow with the layers too: host memory is derived like the GPU peak, and a figure fits
+    only where both fit (the frontier of issue 35); a capacity not given is said, not assumed."""
+    from minigpt.sweep.search import judge_fit
+    probes = [Trial("f@L1", 1000, "ok", peak_allocated_gib=10.0, step_time_s=2.0, n_layer=1, host_offload_gib=3.0),
+              Trial("f@L2", 1000, "ok", peak_allocated_gib=12.0, step_time_s=3.0, n_layer=2, host_offload_gib=6.0)]
+    d = derive_from_probes(probes, 12)
+    assert d["host_offload_gib"] == pytest.approx(36.0)
+    assert judge_fit(d, 40.0, 64.0)["fits"] is True and judge_fit(d, 40.0, 64.0)["limit"] == "fits"
+    over = judge_fit(d, 30.0, 32.0)
+    assert over["fits"] is False and over["limit"] == "GPU 32.0 > 30.0 GiB; host 36.0 > 32.0 GiB"
+    unknown = judge_fit(d, 40.0, None)
+    assert unknown["fits"] is None and unknown["limit"] == "host memory not given"
+    assert judge_fit(d, 20.0, None)["fits"] is False  # over the GPU whatever the host holds
 
 
 # ------------------------------------------------------------------------------------------------
@@ -276,6 +296,15 @@ def test_summary_run_in_wandb(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------------
 # The trial runner, against a stub trainer (a few lines of Python, no torch): how outcomes are read
 # ------------------------------------------------------------------------------------------------
+def test_a_trial_counts_the_host_memory_of_every_rank(tmp_path):
+    """Each rank pins its own offloaded blocks in the one host's RAM: the trial's host figure is theirs together."""
+    from minigpt.sweep.runner import read_trial
+    RunSummary(status="ok", exit_code=0, peak_allocated_gib=5.0, step_time_s=1.0, n_layer=1, seq_len=4096,
+               world_size=2, context_parallel=2, peak_host_offload_gib=18.0).write(tmp_path)
+    t = read_trial("flash+offload@L1", 4096, tmp_path, 0, "", 1.0, 10.0)
+    assert t.ok and t.host_offload_gib == pytest.approx(36.0)
+
+
 STUB = textwrap.dedent("""
     import sys, time
     from pathlib import Path
@@ -496,3 +525,7 @@ def test_probes_of_one_depth_each_into_one_out_derive_the_full_model(tmp_path):
     assert calls == [2_000_000] and "**derived**" not in text
     calls, text = probe((2,))
     assert calls == [2_000_000] and "| 2,000,000 | 24.0 GiB |" in text and "**derived**" in text
+    cfg = SweepConfig(variants=["flash+levers"], out_dir=tmp_path / "p", search=False, logger="none",
+                      probe_seq_lens=[2_000_000], probe_layers=(1, 2), gpu_memory_gib=20.0, host_memory_gib=100.0)
+    text = run_sweep(cfg, runner=FakeRunner(limit=10**9), **QUIET).report.read_text()
+    assert "GPU 24.0 > 20.0 GiB" in text  # the derived row says what it does not fit

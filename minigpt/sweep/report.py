@@ -68,9 +68,11 @@ def _row(variant: str, trials: list[Trial]) -> list[object]:
 
 
 def _derived_row(d: dict) -> list[object]:
+    """The derived figure; the failure column says whether it fits the GPU and host memory (judge_fit)."""
+    host = f" (+{d['host_offload_gib']:.1f} GiB host)" if d.get("host_offload_gib") else ""
     return [f"{d['variant']} ({d['n_layer']} layers, **derived** from {d['probe_layers']}-layer probes)",
-            f"{d['seq_len']:,}", f"{d['peak_allocated_gib']:.1f} GiB", f"{d['kb_per_token']:.1f}",
-            f"{d['tokens_per_s']:,.0f}", f"{d['step_time_s']:.1f} s", None, "probe"]
+            f"{d['seq_len']:,}", f"{d['peak_allocated_gib']:.1f} GiB{host}", f"{d['kb_per_token']:.1f}",
+            f"{d['tokens_per_s']:,.0f}", f"{d['step_time_s']:.1f} s", d.get("limit"), "probe"]
 
 
 def markdown_report(trials_by_variant: dict[str, list[Trial]], derived: list[dict], header: str,

@@ -151,7 +151,9 @@ def read_trial(variant: str, seq_len: int, run_dir: Path, returncode: int | None
                  tokens_per_s=measured.tokens_per_s if measured else None,
                  step_time_s=measured.step_time_s if measured else None,
                  wall_s=wall_s, n_layer=summary.n_layer if summary else None, error=error, run_dir=str(run_dir),
-                 exit_code=returncode)
+                 exit_code=returncode,
+                 # every rank pins its own offloaded blocks in the one host's memory
+                 host_offload_gib=measured.peak_host_offload_gib * (measured.world_size or 1) if measured else None)
 
 
 def _error_message(returncode: int, summary: RunSummary | None, unreadable: str | None, output: str) -> str:

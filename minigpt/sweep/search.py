@@ -120,6 +120,7 @@ class Trial:
     error: str | None = None  # one line: why, for status error or timeout
     run_dir: str | None = None  # the trial's run directory, relative to the sweep's --out
     exit_code: int | None = None  # the trainer's; None when it was stopped at the time limit
+    host_offload_gib: float | None = None  # host RAM the trial's offloaded activations held, all its ranks together
 
     @property
     def ok(self) -> bool:
@@ -212,7 +213,28 @@ def derive_from_probes(probes: list[Trial], n_layer: int) -> dict | None:
     per_layer_s = (b.step_time_s - a.step_time_s) / (b.n_layer - a.n_layer)
     peak = a.peak_allocated_gib + (n_layer - a.n_layer) * per_layer_gib
     step = a.step_time_s + (n_layer - a.n_layer) * per_layer_s
+    host = None  # offloading keeps each layer's block input on the host: linear in layers too
+    if a.host_offload_gib is not None and b.host_offload_gib is not None:
+        host = a.host_offload_gib + (n_layer - a.n_layer) * (b.host_offload_gib - a.host_offload_gib) / (
+            b.n_layer - a.n_layer)
     return {"variant": base_variant(a.variant), "seq_len": a.seq_len, "n_layer": n_layer, "derived": True,
             "probe_layers": [t.n_layer for t in ok], "per_layer_gib": per_layer_gib, "per_layer_step_s": per_layer_s,
             "peak_allocated_gib": peak, "kb_per_token": peak * GIB / KB / a.seq_len, "step_time_s": step,
-            "tokens_per_s": a.seq_len / step}
+            "tokens_per_s": a.seq_len / step, "host_offload_gib": host}
+
+
+def judge_fit(derived: dict, gpu_gib: float | None, host_gib: float | None) -> dict:
+    """The derived figure with `fits` (True, False, or None where a capacity is unknown) and `limit` (what it
+    exceeds, or what was not judged): its GPU peak (the fullest rank's) against gpu_gib, and the host memory its
+    offloaded activations need (all ranks of one host) against host_gib. The frontier is the longest length that
+    fits both (issue 35)."""
+    over, unjudged = [], []
+    for what, need, have in (("GPU", derived["peak_allocated_gib"], gpu_gib),
+                             ("host", derived.get("host_offload_gib") or 0.0, host_gib)):
+        if have is None:
+            unjudged.append(what)
+        elif need > have:
+            over.append(f"{what} {need:.1f} > {have:.1f} GiB")
+    fits = False if over else None if unjudged else True
+    limit = "; ".join(over) if over else (f"{' and '.join(unjudged)} memory not given" if unjudged else "fits")
+    return {**derived, "fits": fits, "limit": limit}

@@ -40,8 +40,8 @@ from minigpt.attention import attention_names
 from minigpt.sweep.report import (by_variant, combine, derive_all, log_summary_to_wandb, only_errors, plot,
                                         write_reports)
 from minigpt.sweep.runner import TRIALS_FILE, SubprocessRunner, TrialStore
-from minigpt.sweep.search import (LEVERS, Trial, TrialRunner, best, is_probe, probe_variant, search_max_seq_len,
-                                        variant_overrides)
+from minigpt.sweep.search import (LEVERS, Trial, TrialRunner, best, is_probe, judge_fit, probe_variant,
+                                        search_max_seq_len, variant_overrides)
 from minigpt.figures import GRID_START  # --grid's default first length: the figures' x axis
 from minigpt.files import WriteError
 from minigpt.signals import Interrupted, StopSignals
@@ -78,6 +78,14 @@ class SweepConfig:
     bisect: bool = True  # False: the doubling alone, start·2^k up to the first OOM (--grid)
     nproc: int = 1  # processes per trial (torchrun); global batch = nproc / context sequences
     context: int = 1  # parallel.context of each trial
+    gpu_memory_gib: float | None = None  # what a derived figure must fit per GPU (None: this GPU's, if any)
+    host_memory_gib: float | None = None  # what its offloaded activations must fit on the host (None: not judged)
+
+
+def _this_gpu_gib() -> float | None:
+    """This machine's GPU memory (the first device's), or None without CUDA."""
+    import torch
+    return torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else None
 
 
 @dataclass
@@ -159,10 +167,13 @@ def run_sweep(cfg: SweepConfig, runner: TrialRunner | None = None, log: Callable
         log(f"sweep budget of {cfg.budget_s:.0f} s spent; reporting what ran")
 
     trials = store.latest()
-    derived = derive_all(trials, cfg.full_n_layer)
+    gpu_gib = cfg.gpu_memory_gib or _this_gpu_gib()
+    derived = [judge_fit(d, gpu_gib, cfg.host_memory_gib) for d in derive_all(trials, cfg.full_n_layer)]
     for d in derived:
+        host = f", {d['host_offload_gib']:.1f} GiB on the host" if d.get("host_offload_gib") else ""
         log(f"{d['variant']} at {d['seq_len']:,}: derived {d['peak_allocated_gib']:.1f} GiB "
-            f"({d['kb_per_token']:.1f} KB/token), {d['step_time_s']:.1f} s/step for {d['n_layer']} layers")
+            f"({d['kb_per_token']:.1f} KB/token){host}, {d['step_time_s']:.1f} s/step for {d['n_layer']} layers: "
+            f"{d['limit']}")
     no_result = [v for v, ts in ran.items() if not ts or only_errors(ts)]
     ranks = f" per data-parallel rank, torchrun {cfg.nproc} processes, context parallel {cfg.context}" \
         if cfg.nproc > 1 else ""
@@ -252,6 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "and another call into the same --out the other (e.g. two GPUs at once)")
     p.add_argument("--full-layers", metavar="N", type=positive_int,
                    help="layers of the model the probes stand for (12, gpt2-small; --cpu: 2, tiny)")
+    p.add_argument("--gpu-memory-gib", metavar="GIB", type=positive_float,
+                   help="GPU memory a derived figure must fit, per GPU (this GPU's total)")
+    p.add_argument("--host-memory-gib", metavar="GIB", type=positive_float,
+                   help="host memory the derived figure's offloaded activations must fit, all ranks of one host "
+                        "together (not judged unless given: give the machine's stated RAM, as MemTotal may start low)")
     p.add_argument("--no-search", action="store_true", help="skip the search, run only the probes")
     p.add_argument("--grid", action="store_true",
                    help="the figures' grid instead of the search: each variant at its start (--default-start: 1024 "
@@ -348,7 +364,7 @@ def sweep_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> S
         steps=args.steps, trial_time_limit_s=args.trial_time_limit, budget_s=args.budget, logger=args.logger,
         project=args.project, probe_seq_lens=args.probe_seq_lens, probe_layers=tuple(args.probe_layers),
         full_n_layer=given("full_layers"), search=not args.no_search, bisect=not args.grid, nproc=args.nproc,
-        context=args.context)
+        context=args.context, gpu_memory_gib=args.gpu_memory_gib, host_memory_gib=args.host_memory_gib)
 
 
 def _progress(line: str) -> None:
