@@ -31,8 +31,8 @@ directories (`--grid` or searches): each directory's results.json gives the tria
 summary.json the GPU, commit, GPU count and versions, and its modification date the date (a copy that did not keep
 file times moves it); one group per directory and commit; trials without a summary are left out. A training run's
 directory (summary.json, no results.json) joins as a group of one trial, named by its setting (the 2-GPU 1M step,
-say). The data has no
-usable-memory line (`gpu_memory_gib`): add it to the file by hand if the memory figure should show it.
+say). The data has no usable-memory line (`gpu_memory_gib`): add it to the file by hand if the memory figure
+should show it.
 """
 from __future__ import annotations
 
@@ -126,8 +126,8 @@ def from_sweeps(dirs: list[Path]) -> dict:
     if len(devices) > 1:
         raise ValueError(f"the trials ran on {len(devices)} kinds of GPU ({', '.join(sorted(devices))}): draw one "
                          f"kind per figure (give the directories of one)")
-    return {"about": "Built by `python -m minigpt.figures --from-sweep` from minigpt-sweep and training run directories "
-                     f"({', '.join(Path(d).name for d in dirs)}): one group per directory and commit; dates are "
+    return {"about": "Built by `python -m minigpt.figures --from-sweep` from minigpt-sweep and training run "
+                     f"directories ({', '.join(Path(d).name for d in dirs)}): one group per directory and commit; dates are "
                      "the modification dates of the trials' summary files (as found, so a copy may have moved them).",
             "gpu": next(iter(devices), "?"), "model": ", ".join(sorted(models)), **versions, "groups": groups}
 

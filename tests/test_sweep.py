@@ -147,14 +147,11 @@ def test_variant_grammar():
 def test_a_summarys_setting_names_the_variant_back(variant):
     """variant_of reads the setting a run recorded; its name gives the same trainer overrides as the variant's."""
     from minigpt.config import ModelConfig
+    from minigpt.sweep.search import NO_LEVERS, lever_settings
+    assert NO_LEVERS == ModelConfig().levers()  # what a run without levers records
     overrides = variant_overrides(variant)
-    model = ModelConfig()
-    for o in overrides:
-        key, _, value = o.partition("=")
-        if key.startswith("model."):
-            field = key.removeprefix("model.")
-            setattr(model, field, {"true": True}.get(value, int(value) if value.isdigit() else value))
-    summary = {"attention": variant.split("+")[0], "compile": "compile=true" in overrides, "levers": model.levers()}
+    summary = {"attention": variant.split("+")[0], "compile": "compile=true" in overrides,
+               "levers": lever_settings(variant)}
     assert sorted(variant_overrides(variant_of(summary))) == sorted(overrides)
 
 

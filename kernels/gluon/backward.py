@@ -204,8 +204,8 @@ def _write_dkdv(dk, dv, DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride
                 sm_scale, HEAD_DIM: gl.constexpr, ACCUMULATE: gl.constexpr):
     """dK (scaled: dS was taken w.r.t. the scaled scores) and dV of this consumer's 64 keys; keys past N not written.
     ACCUMULATE: added to what DK, DV (fp32) hold instead (ring attention's travelling accumulator); a load, an add
-    and a store, no atomics: one program owns a key block's rows (with GQA its K/V head's, the group summed; split by mqa_splits, a virtual
-    head's own fp32 rows)."""
+    and a store, no atomics: one program owns a key block's rows (with GQA its K/V head's, the group summed; split
+    by mqa_splits, a virtual head's own fp32 rows)."""
     d_layout: gl.constexpr = dk.type.layout
     dk = dk * sm_scale
     out_keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, d_layout))
@@ -1115,8 +1115,8 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
                           block_m: int, stages: int, window: int | None, document_ids: Tensor | None) -> None:
     """launch_dkdv_dq's contract with GQA (k, v, dk, dv with H / group heads: dK, dV of a K/V head sum over its
     group's query heads, in one program per key block; with one K/V head and a short grid, in mqa_splits programs
-    per key block, each over a part of the group, whose fp32 dK, dV are then summed) and the masks: `window` (query i sees key j only if
-    i − window < j) and `document_ids` ((B, N) int32/int64, non-decreasing, rows with a contiguous last dimension;
+    per key block, each over a part of the group, whose fp32 dK, dV are then summed) and the masks: `window`
+    (query i sees key j only if i − window < j) and `document_ids` ((B, N) int32/int64, non-decreasing, rows with a contiguous last dimension;
     only keys of the query's document), as a plain grid (the query tiles per key block depend on the ids, so no work
     list is balanced on the host). Each key block visits only the query tiles that see its keys, found on the
     device (each token's document end by torch.searchsorted, then one load per key); lse and delta are the query

@@ -94,8 +94,8 @@ def plot(stats: dict, what: str, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m minigpt.benchmarks.document_lengths", description=__doc__.split("\n")[0],
-                                usage="%(prog)s --out DIR [--batches N] -- <trainer overrides, e.g. data=pycode "
+    p = argparse.ArgumentParser(prog="python -m minigpt.benchmarks.document_lengths",
+                                description=__doc__.split("\n")[0], usage="%(prog)s --out DIR [--batches N] -- <trainer overrides, e.g. data=pycode "
                                       "seq_len=32768>")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--batches", type=int, default=100, help="training batches to draw (100)")
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         _, _, ids = data.batch("train", index, cfg.batch_size)
         lengths += segment_lengths(ids)
     stats = summarize(lengths, cfg.seq_len)
-    corpus = (data.manifest or {}).get("corpus_hash") if getattr(data, "manifest", None) else None
+    corpus = (getattr(data, "manifest", None) or {}).get("corpus_hash")
     what = (f"data={cfg.data.name}, seq_len={cfg.seq_len}, seed={cfg.seed}, {args.batches} batches of "
             f"{cfg.batch_size} (one process's draws)" + (f"; corpus {corpus[:12]}" if corpus else "")
             + ("; passkey rows count as one document" if getattr(data, "passkey", None) else ""))

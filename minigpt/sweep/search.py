@@ -62,6 +62,16 @@ NO_LEVERS = {"recompute_every": 0, "recompute_dtype": "float32", "offload": Fals
              "mlp_chunk": 0, "loss_chunk": 0}
 
 
+def lever_settings(variant: str) -> dict:
+    """The memory settings a variant's levers give, in summary.json's `levers` form (NO_LEVERS where untouched)."""
+    out = dict(NO_LEVERS)
+    for o in variant_overrides(variant):
+        key, _, value = o.partition("=")
+        if key.startswith("model.") and key.removeprefix("model.") in out:
+            out[key.removeprefix("model.")] = {"true": True}.get(value, int(value) if value.isdigit() else value)
+    return out
+
+
 def variant_of(summary: dict) -> str:
     """The variant name of the setting a run's summary.json records (attention, levers, compile): the inverse of
     variant_overrides, so a lone training run can stand beside a sweep's variants. ValueError when no variant name
@@ -82,13 +92,8 @@ def variant_of(summary: dict) -> str:
     names += ["offload"] * bool(lv.get("offload")) + ["keepattn"] * bool(lv.get("keep_attention"))
     names += ["compile"] * bool(summary.get("compile"))
     name = "+".join([summary["attention"], *names])
-    named = dict(NO_LEVERS)
-    for o in variant_overrides(name):
-        key, _, value = o.partition("=")
-        if key.startswith("model."):
-            named[key.removeprefix("model.")] = {"true": True}.get(value, int(value) if value.isdigit() else value)
     recorded = {k: lv.get(k, v) for k, v in NO_LEVERS.items()}
-    if recorded != named:
+    if recorded != lever_settings(name):
         raise ValueError(f"no variant name gives the recorded memory settings {recorded} (nearest: {name})")
     return name
 

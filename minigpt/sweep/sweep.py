@@ -266,8 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-gib", metavar="GIB", type=positive_float,
                    help="GPU memory a derived figure must fit, per GPU (this GPU's total)")
     p.add_argument("--host-memory-gib", metavar="GIB", type=positive_float,
-                   help="host memory the derived figure's offloaded activations must fit, all ranks of one host "
-                        "together (not judged unless given: give the machine's stated RAM, as MemTotal may start low)")
+                   help="host memory the derived figure's offloaded activations must fit, all ranks of one "
+                        "host together (not judged unless given: give the machine's stated RAM, as MemTotal may "
+                        "start low)")
     p.add_argument("--no-search", action="store_true", help="skip the search, run only the probes")
     p.add_argument("--grid", action="store_true",
                    help="the figures' grid instead of the search: each variant at its start (--default-start: 1024 "
