@@ -4,6 +4,8 @@ command gives, and a part stopped in one segment is done again, alone, in the ne
 export."""
 import json
 import shutil
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,6 +20,8 @@ from minigpt.recipe.handoff import export_weights, rebuild_checkpoint
 from minigpt.recipe.plan import FINAL, FULL, TINY, Evaluation, Plan, build_plan, grid_parts, shown
 from minigpt.recipe.state import STATE_FILE, RecipeState
 from test_eval import pycode_run  # noqa: F401 - the tiny pycode run (a BPE model)
+
+SLEEP_60 = [sys.executable, "-c", "import time; time.sleep(60)"]
 
 
 def size(text: str) -> int:
@@ -97,13 +101,20 @@ def test_parts_merge_into_the_grid_of_one_command_and_a_stopped_part_runs_again_
     parts, _ = passkey_items(first)["filler"]
     assert [part_cells(e)[0][1:3] for e in parts] == [(128, 0.0), (256, 0.0), (256, 1.0)]
 
-    # segment 1: the first part, then the second stopped by the budget half a second in
-    command = runner.Invocation.command
+    # segment 1: the first part, then the second stopped by the budget. Its process sleeps instead of scoring, so
+    # the stop always comes before it writes anything (a real eval can write its grid within the 1 s floor).
+    command, popen = runner.Invocation.command, subprocess.Popen
     calls = []
 
     def stopped_second(self, argv, name, limit_s):
         calls.append(name)
-        return command(self, argv, name, 0.5 if len(calls) == 2 else limit_s)
+        if len(calls) != 2:
+            return command(self, argv, name, limit_s)
+        monkeypatch.setattr(subprocess, "Popen", lambda _argv, **kw: popen(SLEEP_60, **kw))
+        try:
+            return command(self, argv, name, 0.5)
+        finally:
+            monkeypatch.setattr(subprocess, "Popen", popen)
     monkeypatch.setattr(runner.Invocation, "command", stopped_second)
     handoff = tmp_path / "handoff"
     assert run(first, None, handoff, "m1", budget_s=600.0) == 0
