@@ -190,7 +190,7 @@ def new_summary(cfg: TrainConfig) -> RunSummary:
 def _oom_line(cfg: TrainConfig, alloc: float) -> str:
     return (f"out of memory: seq_len={cfg.seq_len} attention={cfg.attention.name} model={cfg.model.name} "
             f"batch={cfg.batch_size}, peak {alloc:.1f} GiB allocated; try attention=flash, a smaller seq_len or "
-            f"batch_size, model.recompute_every=1, model.loss_chunk=4096 (README: Memory levers)")
+            f"batch_size, model.recompute_every=1, model.loss_chunk=4096 (docs/memory.md)")
 
 
 def _is_oom(e: BaseException) -> bool:

@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 from minigpt.attention import get_attention
 from minigpt.model import GPT
 
-LEVER_SETS = {  # the README's "Memory levers" and their combinations as the sweep names them
+LEVER_SETS = {  # docs/memory.md's levers and their combinations as the sweep names them
     "none": [],
     "ckpt": ["model.recompute_every=1"],
     "ckpt+losschunk": ["model.recompute_every=1", "model.loss_chunk=48"],

@@ -5,8 +5,8 @@ machine path (/home/, /root/, /tmp/, /work/, /Users/ or a drive letter such as C
 is the one exception to the `wandb/` ban: results/<subject>/wandb_offline/offline-run-*/, at most 1 MB in all, with
 its `.wandb` file (what `wandb sync` reads; `--publish-wandb` of the recipe writes it). Citations: a `results/...` path
 in README.md, docs/**/*.md, kernels/NOTES.md or a markdown file under results/ must exist in the tree; one written
-`lab-archive-2026-11:results/...` points into the tag that keeps the old lab notebook (`git show <tag>:<path>`)
-and is not checked. The checks are functions, run on the repository and on a planted bad tree.
+`<commit>:results/...` (e668b53:, the old lab notebook) points into the history (`git show <commit>:<path>`) and is
+not checked. The checks are functions, run on the repository and on a planted bad tree.
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def citing_documents(root: Path) -> list[Path]:
 
 
 def cited_paths(text: str) -> list[str]:
-    """`results/...` paths in a text, not those behind `lab-archive-2026-11:` (or any `tag:`)."""
+    """`results/...` paths in a text, not those behind a `<commit>:` (or `<tag>:`)."""
     out = []
     for m in CITATION.finditer(text):
         path = m.group().rstrip(".,")
@@ -154,7 +154,7 @@ def test_the_checks_catch_a_bad_tree(tmp_path):
 
     (tmp_path / "README.md").write_text(
         "See `results/ok.md`, `results/gone.md`, results/ok.{md,json}, results/part*.bin, results/nothing*.png,\n"
-        "`lab-archive-2026-11:results/old/run.json` and results/sweeps/<date>.\n")
+        "`e668b53:results/old/run.json` and results/sweeps/<date>.\n")
     missing = missing_citations(tmp_path, citing_documents(tmp_path))
     assert missing == ["README.md: results/gone.md does not exist",
                        "README.md: results/ok.{md,json} does not exist",
@@ -200,5 +200,5 @@ def test_a_published_wandb_offline_run_passes_and_the_bad_ones_fail(tmp_path):
 
 
 def test_citations_are_read_as_written():
-    text = "`results/a.md`. (results/b/) lab-archive-2026-11:results/c.json x/results/d see results/e.{md,json}."
+    text = "`results/a.md`. (results/b/) e668b53:results/c.json x/results/d see results/e.{md,json}."
     assert cited_paths(text) == ["results/a.md", "results/b/", "results/e.{md,json}"]
