@@ -107,7 +107,7 @@ class ModelConfig:
     rope_scaling: str = "none"  # RoPE length extension: none | linear | yarn
     rope_factor: float = 1.0  # RoPE scaling factor s >= 1: how many times the trained context
     rope_original_len: Optional[int] = None  # the context the RoPE scaling extends from (required for yarn)
-    # Memory levers (minigpt/levers.py; README "Memory levers" says what each saves and costs).
+    # Memory levers (minigpt/levers.py; docs/memory.md says what each saves and costs).
     recompute_every: int = 0  # keep only every k-th block's input, recompute the block in the backward; 0 = off
     recompute_dtype: str = "float32"  # float32 | bfloat16: dtype of those stored block inputs
     offload: bool = False  # keep the stored block inputs in pinned CPU memory instead of on the GPU

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The passkey recipe (README "Passkey retrieval"): small-6l with attention=flash, trained in stages of growing
+# The passkey recipe (docs/long-context.md, "Passkey retrieval"): small-6l with attention=flash, trained in stages of growing
 # length, each resuming the previous stage's checkpoint on one cosine schedule; then the depth x length grid of
 # the 8K and the 32K checkpoints, and the training curve. A stage that finished is skipped, an interrupted one
 # continues (resume=auto), so the script can be run again after a stop.

@@ -10,6 +10,7 @@ from the per-layer increment.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -19,7 +20,7 @@ KB = 1024.0
 GIB = float(1 << 30)
 PROBE_MARK = "@L"
 
-# Memory levers by name: the trainer overrides each one adds (README "Memory levers").
+# Memory levers by name: the trainer overrides each one adds (docs/memory.md).
 LEVERS: dict[str, list[str]] = {
     "ckpt": ["model.recompute_every=1"],
     "bf16ckpt": ["model.recompute_every=1", "model.recompute_dtype=bfloat16"],
@@ -72,30 +73,28 @@ def lever_settings(variant: str) -> dict:
     return out
 
 
+# Lever names in the order a variant name lists them ("levers" first, as the sweep's variants are written)
+LEVER_ORDER = ("levers", "ckpt", "bf16ckpt", "losschunk", "mlpchunk", "offload", "keepattn")
+
+
 def variant_of(summary: dict) -> str:
     """The variant name of the setting a run's summary.json records (attention, levers, compile): the inverse of
-    variant_overrides, so a lone training run can stand beside a sweep's variants. ValueError when no variant name
-    gives that setting (recompute every 2 blocks, a loss chunk other than the levers', no attention recorded)."""
+    variant_overrides, so a lone training run can stand beside a sweep's variants. The shortest name in LEVER_ORDER
+    whose lever_settings are the recorded ones; ValueError when no name gives them (recompute every 2 blocks, a loss
+    chunk other than the levers', no attention recorded)."""
     if not summary.get("attention"):
         raise ValueError("the summary records no attention backend: not a training run's summary.json")
-    lv = summary.get("levers") or {}
-    ckpt = lv.get("recompute_every") == 1
-    bf16 = ckpt and lv.get("recompute_dtype") == "bfloat16"
-    loss, mlp = bool(lv.get("loss_chunk")), bool(lv.get("mlp_chunk"))
-    names = []
-    if bf16 and loss and mlp:
-        names.append("levers")
-    else:
-        if ckpt and (bf16 or not (lv.get("offload") or lv.get("keep_attention"))):
-            names.append("bf16ckpt" if bf16 else "ckpt")  # offload and keepattn bring recompute themselves
-        names += ["losschunk"] * loss + ["mlpchunk"] * mlp
-    names += ["offload"] * bool(lv.get("offload")) + ["keepattn"] * bool(lv.get("keep_attention"))
-    names += ["compile"] * bool(summary.get("compile"))
-    name = "+".join([summary["attention"], *names])
-    recorded = {k: lv.get(k, v) for k, v in NO_LEVERS.items()}
-    if recorded != lever_settings(name):
-        raise ValueError(f"no variant name gives the recorded memory settings {recorded} (nearest: {name})")
-    return name
+    recorded = {k: (summary.get("levers") or {}).get(k, v) for k, v in NO_LEVERS.items()}
+    compiled = ["compile"] if summary.get("compile") else []
+    for count in range(len(LEVER_ORDER) + 1):
+        for names in itertools.combinations(LEVER_ORDER, count):
+            name = "+".join([summary["attention"], *names, *compiled])
+            try:
+                if lever_settings(name) == recorded:
+                    return name
+            except ValueError:  # a name this backend cannot run (keepattn without an LSE)
+                continue
+    raise ValueError(f"no variant name gives the recorded memory settings {recorded}")
 
 
 def probe_variant(variant: str, n_layer: int) -> str:
