@@ -363,7 +363,8 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
             # _mask_args checked them
             gluon_forward.launch_forward_masked(q, k, v, o, lse, sm_scale * LOG2E, cfg.block_m // 64, cfg.block_n,
                                                 cfg.num_stages, margs[5] if mflags["WINDOWED"] else None,
-                                                margs[0] if mflags["DOCS"] else None, stride_lse=stride_lse)
+                                                margs[0] if mflags["DOCS"] else None, stride_lse=stride_lse,
+                                                persistent=None if persistent else False)  # ring: plain grids
             return o, lse
         # no masks (GQA at most): causal or not, fresh or continuing the rows' (o, lse)
         launch = gluon_forward.launch_forward_persistent if cfg.persistent else gluon_forward.launch_forward_pingpong

@@ -55,7 +55,8 @@ def table_variants() -> list[Variant]:
     and gluon/backward.py derive them from a TileConfig), plus fp16 where the forward has three consumers (the
     hand-packed P of NOTES.md Z), and the forward's forms in ring attention's launches: each causal row's with an fp32
     o written fresh ("fp32 o", the local block) and continued ("continue"), each non-causal row's fresh (o in the
-    input dtype) and continued (fp32 o: the other ranks' blocks; also with GQA), the masked one's with an fp32 o."""
+    input dtype) and continued (fp32 o: the other ranks' blocks; also with GQA), the masked one's with an fp32 o and
+    persistent (a window alone)."""
     out = []
     for kind, d, cfg, masks, when in ((e.kernel, d, e.tiles, e.masks, e.when) for e in TABLE if e.tiles.specialized
                                       for d in e.head_dims):
@@ -69,10 +70,12 @@ def table_variants() -> list[Variant]:
                      PERSISTENT=cfg.persistent, GQA=False, WINDOWED=False, DOCS=False, CAUSAL=causal,
                      CONTINUE=False)
             kernel = fwd.pingpong_fwd_kernel  # one kernel; plain and persistent differ in their work lists
-            if masks:  # the masked launch (launch_forward_masked): a plain grid, GQA, windows and documents
+            if masks:  # the masked launch (launch_forward_masked): a plain grid or persistent, GQA, windows, documents
                 masked = dict(c, SKIP=False, PERSISTENT=False, GQA=True, WINDOWED=True, DOCS=True)
                 out.append(Variant(f"fwd masked D{d} C{consumers}", kernel, masked))
                 out.append(Variant(f"fwd masked D{d} C{consumers} fp32 o", kernel, masked, fp32=("O",)))
+                out.append(Variant(f"fwd masked persistent D{d} C{consumers}", kernel,  # a window alone
+                                   dict(masked, PERSISTENT=True, DOCS=False)))
                 continue
             name = f"fwd {mode} D{d} C{consumers}" if causal else f"fwd non-causal {mode} D{d} C{consumers}"
             out.append(Variant(name, kernel, c))
@@ -89,9 +92,11 @@ def table_variants() -> list[Variant]:
                      CONSUMER_REGS=bwd.SPLIT_CONSUMER_REGS if d > 64 else bwd.FUSED_CONSUMER_REGS,
                      KV_BUFS=2 if cfg.persistent and d == 64 else 1, PERSISTENT=cfg.persistent,
                      GQA=False, WINDOWED=False, DOCS=False, FULL=False, ACCUMULATE_DKDV=False)  # as the launchers
-            if masks:  # the masked launch (launch_dkdv_dq_masked): a plain grid, GQA, windows and documents
+            if masks:  # the masked launch (launch_dkdv_dq_masked): plain (GQA too) or persistent, windows, documents
                 out.append(Variant(f"dkdvdq masked D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel,
                                    dict(c, GQA=True, WINDOWED=True, DOCS=True)))
+                out.append(Variant(f"dkdvdq masked persistent D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel,  # a window alone
+                                   dict(c, PERSISTENT=True, KV_BUFS=2 if d == 64 else 1, WINDOWED=True)))
             else:
                 out.append(Variant(f"dkdvdq {mode} D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel, c))
         else:  # "dq": the head_dim-128 dQ kernel of the deterministic backward

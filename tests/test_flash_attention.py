@@ -340,6 +340,23 @@ def test_a_one_kv_head_backward_splits_its_group_until_two_waves(B, H, kv, n_kbl
     assert splits == want and H % splits == 0
 
 
+@pytest.mark.parametrize("n, window", [(1000, 1), (1000, 64), (4097, 300), (4096, 1000), (777, 5000)])
+def test_window_costs_count_the_tiles_the_window_leaves(n, window):
+    """The host's work per item of a windowed launch (what the persistent schedule balances): each query tile's key
+    tiles (forward) and each key block's query tiles (backward) that hold a visible pair, against the causal window's
+    mask."""
+    from attention_reference import visible_mask
+    forward = pytest.importorskip("minigpt_kernels.gluon.forward")
+    backward = pytest.importorskip("minigpt_kernels.gluon.backward")
+    vis = visible_mask(n, n, causal=True, window=window)
+    tiles = lambda m, b_rows, b_cols: [[bool(m[r:r + b_rows, c:c + b_cols].any())  # noqa: E731
+                                        for c in range(0, m.shape[1], b_cols)] for r in range(0, m.shape[0], b_rows)]
+    fwd = [float(sum(row)) for row in tiles(vis, 128, 128)]
+    assert list(forward.windowed_query_tile_costs(n, 128, 128, window)) == fwd
+    bwd = [float(sum(row)) for row in tiles(vis.T, 128, 64)]  # key blocks of 128 over query tiles of 64
+    assert list(backward.windowed_key_block_costs(n, 128, 64, window)) == bwd
+
+
 def test_only_consumers_that_end_a_key_tile_early_skip_past_their_diagonal():
     """A consumer skips the key tiles past its own rows only where it can end a tile earlier than its query tile:
     3 consumers (192 rows) over 128-key tiles, or 64-key tiles; never 2 consumers (128 rows) over 128-key tiles,

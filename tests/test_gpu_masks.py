@@ -193,6 +193,31 @@ def test_the_masked_gluon_forward_matches_float32_and_the_triton_path(N, Hq, Hkv
     assert rel_err(o.float(), o_triton.float()) < TOL[torch.bfloat16], (N, window, docs)
 
 
+@pytest.mark.skipif(not HOPPER, reason="the masked Gluon kernels are written for sm_90 (wgmma)")
+@pytest.mark.parametrize("N, Hq, Hkv, D, window", [
+    (32768, 16, 16, 64, 1024), (16384, 8, 8, 128, 1024), (8192, 16, 4, 64, 300), (4097, 4, 4, 64, 1),
+    (6000, 6, 3, 128, 5000), (20000, 8, 8, 128, 4096)])
+def test_persistent_windowed_launches_match_the_plain_grid(N, Hq, Hkv, D, window, monkeypatch):
+    """The windowed forward and backward on one program per SM (gluon/schedule.py MASKED_PERSISTENT_WAVES, a
+    schedule balanced on the host) compute each item as the plain grid does: o, dK and dV bitwise equal, dQ (added by
+    TMA in an order that varies) within bf16's tolerance; windows of one token to wider than N, odd lengths, GQA
+    (its forward persistent, its backward a plain grid)."""
+    qkv, q, k, v = qkv_rows(2, N, Hq, Hkv, D, torch.bfloat16, seed=N + Hq)
+    do = torch.randn(q.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(N)).bfloat16()
+
+    def run(waves):  # 0: every windowed launch persistent; 10**9: none
+        monkeypatch.setattr(launch.gluon_forward, "MASKED_PERSISTENT_WAVES", waves)
+        monkeypatch.setattr(launch.gluon_backward, "MASKED_PERSISTENT_WAVES", waves)
+        o = flash_attention(q, k, v, causal=True, window=window)
+        (g,) = torch.autograd.grad(o, qkv, do)
+        return o, *g.split((Hq, Hkv, Hkv), dim=2)
+
+    o_plain, dq_plain, dk_plain, dv_plain = run(10**9)
+    o, dq, dk, dv = run(0)
+    assert torch.equal(o, o_plain) and torch.equal(dk, dk_plain) and torch.equal(dv, dv_plain), (N, window)
+    assert rel_err(dq.float(), dq_plain.float()) < TOL[torch.bfloat16], (N, window)
+
+
 # (N, Hq, Hkv, D, window, documents, layout, split): odd lengths, windows of 1 to wider than N, documents of one
 # token, ragged or one, GQA groups 1, 2, 4 and one K/V head; "rows": q, k, v head-transposed views of one
 # (B, N, Hq + 2·Hkv, D) leaf (the model's), "heads": contiguous (B, H, N, D) leaves; split: a dQ accumulator cap of

@@ -30,14 +30,14 @@ Two kernels, each splitting its warps by role (`gl.warp_specialize`) like the pi
   issued and dS_j is computed while the dQ matmul runs. Each consumer also writes its rows' delta for the Triton
   dK/dV kernel.
 
-Masks and GQA (`launch_dkdv_dq_masked`, a plain grid; the same kernel with the constexprs GQA, WINDOWED, DOCS, which
-leave the dense code as it was): query i sees key j iff j <= i < end_j, end_j = min(j + window, the end of j's
-document), so each key block [start_n, start_n + 128) is seen by the queries [start_n, end of its last key) and
-visits only those query tiles. The documents' ends come from one binary search per token on the device before the
-launch (torch.searchsorted of the non-decreasing ids: no host sync), so the kernel reads them with one load per key
-instead of searching per item. A tile runs without the elementwise mask where every row of it sees every key of the
-consumer (past its last key and below end_key0). With GQA an item is a K/V head's key block: its roles walk the
-group's query heads in turn through the same ring (counters run on), the producer remaking the Q/dO/LSE/delta
+Masks and GQA (`launch_dkdv_dq_masked`, a plain grid, or persistent for a window alone; the same kernel with the
+constexprs GQA, WINDOWED, DOCS, which leave the dense code as it was): query i sees key j iff j <= i < end_j, end_j =
+min(j + window, the end of j's document), so each key block [start_n, start_n + 128) is seen by the queries [start_n,
+end of its last key) and visits only those query tiles. The documents' ends come from one binary search per token on the
+device before the launch (torch.searchsorted of the non-decreasing ids: no host sync), so the kernel reads them with one
+load per key instead of searching per item. A tile runs without the elementwise mask where every row of it sees every
+key of the consumer (past its last key and below end_key0). With GQA an item is a K/V head's key block: its roles walk
+the group's query heads in turn through the same ring (counters run on), the producer remaking the Q/dO/LSE/delta
 descriptors per query head once the copies through the old ones have landed, so dK and dV sum over the group in
 registers and no per-query-head K/V copy exists. A launch with one K/V head over a grid of under two waves (MQA, or a
 GQA call cut to one K/V head per launch by the dQ accumulator's cap) splits the group instead (`mqa_splits`): the
@@ -81,7 +81,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from minigpt_kernels.device import strides3
 from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, head_rows, mma_layout, program_items,
                                           tma_load)
-from minigpt_kernels.gluon.schedule import device_one_each, device_schedule, sm_count
+from minigpt_kernels.gluon.schedule import MASKED_PERSISTENT_WAVES, device_one_each, device_schedule, sm_count
 
 TILE = gl.constexpr(64)  # keys (dK/dV) or query rows (dQ) per consumer warpgroup: the M of one wgmma
 CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program (the warp_specialize lists below name two)
@@ -1112,28 +1112,53 @@ def launch_dkdv_dq_persistent(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
 
 def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
                           stride_delta: int, dk: Tensor, dv: Tensor, dq_acc: Tensor, sm_scale: float, qk_scale: float,
-                          block_m: int, stages: int, window: int | None, document_ids: Tensor | None) -> None:
+                          block_m: int, stages: int, window: int | None, document_ids: Tensor | None, *,
+                          persistent: bool | None = None) -> None:
     """launch_dkdv_dq's contract with GQA (k, v, dk, dv with H / group heads: dK, dV of a K/V head sum over its
     group's query heads, in one program per key block; with one K/V head and a short grid, in mqa_splits programs
     per key block, each over a part of the group, whose fp32 dK, dV are then summed) and the masks: `window`
-    (query i sees key j only if i − window < j) and `document_ids` ((B, N) int32/int64, non-decreasing, rows with a contiguous last dimension;
-    only keys of the query's document), as a plain grid (the query tiles per key block depend on the ids, so no work
-    list is balanced on the host). Each key block visits only the query tiles that see its keys, found on the
-    device (each token's document end by torch.searchsorted, then one load per key); lse and delta are the query
-    heads' rows."""
+    (query i sees key j only if i − window < j) and `document_ids` ((B, N) int32/int64, non-decreasing, rows with a
+    contiguous last dimension; only keys of the query's document). Each key block visits only the query tiles that
+    see its keys, found on the device (each token's document end by torch.searchsorted, then one load per key); lse
+    and delta are the query heads' rows. A window without document ids, one query head per program (MHA), runs
+    persistent from MASKED_PERSISTENT_WAVES waves of key blocks: one program per SM over a schedule balanced on the
+    host (windowed_key_block_costs); persistent=False keeps the plain grid. Everything else is a plain grid
+    (documents, GQA: persistent measured slower or equal there, kernels/NOTES.md)."""
     B, H, N, D = q.shape
     n_kblocks = -(-N // (CONSUMERS.value * TILE.value))
-    splits = mqa_splits(B, H, k.shape[1], n_kblocks, sm_count(q.device))
+    programs = sm_count(q.device)
+    splits = mqa_splits(B, H, k.shape[1], n_kblocks, programs)
     if splits > 1:  # one K/V head: its group split over `splits` programs per key block, each with partial dK, dV
         k, v = k.expand(B, splits, N, D), v.expand(B, splits, N, D)  # head stride 0: every split reads the one head
         dk_out, dv_out = dk, dv
         dk, dv = (torch.empty((B, splits, N, D), dtype=torch.float32, device=q.device) for _ in range(2))
-    work, work_start = device_one_each(B * k.shape[1], tuple(range(n_kblocks)), q.device)
+    heads = B * k.shape[1]
+    windowed = window is not None and document_ids is None and heads == B * H
+    if persistent is None:
+        persistent = windowed and heads * n_kblocks >= MASKED_PERSISTENT_WAVES * programs
+    elif persistent and not windowed:
+        raise ValueError("the dK/dV/dQ kernel runs a masked launch persistent only for a window alone, one head each")
+    if persistent:
+        costs = windowed_key_block_costs(N, CONSUMERS.value * TILE.value, block_m, window)
+        work, work_start = device_schedule(heads, costs, min(programs, heads * n_kblocks), q.device)
+    else:
+        work, work_start = device_one_each(heads, tuple(range(n_kblocks)), q.device)
     _launch_dkdvdq(do, q, k, v, lse, stride_lse, delta, stride_delta, dk, dv, dq_acc, sm_scale, qk_scale, block_m,
-                   stages, work, work_start, persistent=False, window=window, document_ids=document_ids)
+                   stages, work, work_start, persistent=persistent, window=window, document_ids=document_ids)
     if splits > 1:  # dK = Σ over the splits' query heads, summed in fp32 and rounded once
         dk_out.copy_(dk.sum(1, keepdim=True))
         dv_out.copy_(dv.sum(1, keepdim=True))
+
+
+@functools.lru_cache(maxsize=64)
+def windowed_key_block_costs(n: int, keys: int, block_m: int, window: int) -> tuple[float, ...]:
+    """Each key block's query tiles under a causal window: the queries from its first key to before its last key +
+    window (_query_end)."""
+    out = []
+    for start in range(0, n, keys):
+        last = min(start + keys, n) - 1
+        out.append(float(-(-(min(n, last + window) - start) // block_m)))
+    return tuple(out)
 
 
 def mqa_splits(B: int, H: int, kv_heads: int, n_kblocks: int, sms: int) -> int:

@@ -29,15 +29,15 @@ the Triton forward at head_dim 64, 27% at 128).
 Scope: fp16/bf16, head_dim 64 or 128, TMA-aligned inputs, sm_90 (wgmma); o in the inputs' dtype or fp32 (any
 strides with a contiguous last dimension), LSE rows a fixed distance apart. CAUSAL: one length for queries and keys,
 key j visible to query i iff j <= i (fresh launches write a contiguous LSE). Without CAUSAL (ring attention's blocks of
-other ranks, 2c rows against c keys or c against 2c): Nq query rows against Nk keys, every key visible; each query
-tile visits every key tile, and only a last one that reaches past Nk gets a mask. CONTINUE: o (fp32) and lse hold the
-rows' attention over other keys, which the epilogue folds in (_write_rows): ring attention continues its running
-result this way, block after block. GQA (fewer K/V heads than query heads) goes with either. With WINDOWED / DOCS
-(launch_forward_masked, a plain grid; causal fresh launches only) it also takes a sliding window and document ids:
-each query tile visits only the key tiles its rows see, and only the tiles some row cannot fully see get the
-elementwise mask. Each flag is a constexpr: the causal fresh variants compile to the code they had without them.
-dispatch.py picks the variants by sequence length (and masks); launch.py (gluon_forward_ready) falls back to the
-Triton forward otherwise.
+other ranks, 2c rows against c keys or c against 2c): Nq query rows against Nk keys, every key visible; each query tile
+visits every key tile, and only a last one that reaches past Nk gets a mask. CONTINUE: o (fp32) and lse hold the rows'
+attention over other keys, which the epilogue folds in (_write_rows): ring attention continues its running result this
+way, block after block. GQA (fewer K/V heads than query heads) goes with either. With WINDOWED / DOCS
+(launch_forward_masked, a plain grid, or persistent for a window alone; causal fresh launches only) it also takes a
+sliding window and document ids: each query tile visits only the key tiles its rows see, and only the tiles some row
+cannot fully see get the elementwise mask. Each flag is a constexpr: the causal fresh variants compile to the code they
+had without them. dispatch.py picks the variants by sequence length (and masks); launch.py (gluon_forward_ready) falls
+back to the Triton forward otherwise.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, head_rows, mma_layout, program_items,
                                           tma_load)
-from minigpt_kernels.gluon.schedule import device_one_each, device_schedule, sm_count
+from minigpt_kernels.gluon.schedule import MASKED_PERSISTENT_WAVES, device_one_each, device_schedule, sm_count
 
 ROWS_PER_CONSUMER = gl.constexpr(64)  # query rows per consumer warpgroup: the M of one wgmma
 
@@ -566,16 +566,40 @@ def launch_forward_persistent(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
             accumulate=accumulate, stride_lse=stride_lse)
 
 
+@functools.lru_cache(maxsize=64)
+def windowed_query_tile_costs(n: int, block_m: int, block_n: int, window: int) -> tuple[float, ...]:
+    """Each query tile's key tiles under a causal window: the keys (first row − window, last row]."""
+    out = []
+    for t in range(-(-n // block_m)):
+        first, last = t * block_m, min((t + 1) * block_m, n) - 1
+        out.append(float(last // block_n - max(0, first - window + 1) // block_n + 1))
+    return tuple(out)
+
+
 def launch_forward_masked(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float, consumers: int,
                           block_n: int, stages: int, window: int | None, document_ids: Tensor | None, *,
-                          stride_lse: int | None = None) -> None:
+                          stride_lse: int | None = None, persistent: bool | None = None) -> None:
     """launch_forward_pingpong's causal fresh contract with GQA (k, v with H / group heads) and the masks: `window`
     (keys i − window < j) and `document_ids` ((B, N) int32/int64, non-decreasing, rows with a contiguous last
-    dimension; keys of the row's document), as a plain grid (the key tiles per query tile depend on the ids, so no
-    work list is balanced on the host). Each query tile visits only the key tiles its rows see, found on the device
-    (each token's document bounds by torch.searchsorted, then four loads per item)."""
+    dimension; keys of the row's document). Each query tile visits only the key tiles its rows see, found on the
+    device (each token's document bounds by torch.searchsorted, then four loads per item). A window without document
+    ids (its tiles known on the host) runs persistent from MASKED_PERSISTENT_WAVES waves of query tiles: one program
+    per SM over a schedule balanced on the host (windowed_query_tile_costs); persistent=False keeps the plain grid,
+    as ring attention asks. Everything else is a plain grid: with document ids the key tiles per query tile depend on
+    ids only the device reads, and persistent launches measured slower there (kernels/NOTES.md)."""
     B, H, N, _ = q.shape
-    n_qtiles = -(-N // (consumers * ROWS_PER_CONSUMER.value))
-    work, work_start = device_one_each(B * H, tuple(reversed(range(n_qtiles))), q.device)
-    _launch(q, k, v, o, lse, qk_scale, consumers, block_n, stages, work, work_start, persistent=False, window=window,
-            document_ids=document_ids, stride_lse=stride_lse)
+    rows = consumers * ROWS_PER_CONSUMER.value
+    n_qtiles = -(-N // rows)
+    programs = sm_count(q.device)
+    windowed = window is not None and document_ids is None
+    if persistent is None:
+        persistent = windowed and B * H * n_qtiles >= MASKED_PERSISTENT_WAVES * programs
+    elif persistent and not windowed:
+        raise ValueError("the masked forward runs persistent only for a window without document ids")
+    if persistent:
+        costs = windowed_query_tile_costs(N, rows, block_n, window)
+        work, work_start = device_schedule(B * H, costs, min(programs, B * H * n_qtiles), q.device)
+    else:
+        work, work_start = device_one_each(B * H, tuple(reversed(range(n_qtiles))), q.device)
+    _launch(q, k, v, o, lse, qk_scale, consumers, block_n, stages, work, work_start, persistent=persistent,
+            window=window, document_ids=document_ids, stride_lse=stride_lse)

@@ -82,6 +82,12 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# masked launches with a window alone run persistent where they have at least this many waves of items: their items
+# are short (a 1K window's query tile sees 8-9 key tiles), so a program's set-up (barriers, device-side TMA
+# descriptors, the first loads) weighs on each one where a plain grid starts a program per item
+MASKED_PERSISTENT_WAVES = 4
+
+
 @functools.lru_cache(maxsize=32)
 def device_one_each(heads: int, positions: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
     """A plain grid as a work list: one item per program, head after head, each head's items at `positions` in
