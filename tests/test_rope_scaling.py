@@ -30,6 +30,26 @@ def ramp64(original_len, theta):
     return torch.tensor(out, dtype=torch.float64)
 
 
+@pytest.mark.parametrize("scaling", ["none", "yarn"])
+def test_rope_tables_are_the_float64_angles_rounded_once_far_into_the_sequence(scaling, monkeypatch):
+    """cos and sin at positions up to 8M (given as a context-parallel rank's positions, and as a whole table cut into
+    pieces) are float64's cos(pos·θ) rounded to fp32: an fp32 product pos·θ would be off by ~0.25 rad there."""
+    import minigpt.model as model
+
+    r = Rotary(D) if scaling == "none" else Rotary(D, BASE, "yarn", 4.0, L)
+    positions = torch.tensor([0, 1, 4095, 2**20 - 1, 2**20 + 12345, 3 * 2**21 + 7, 2**23 - 1])
+    cos, sin = r(len(positions), positions)
+    angles = torch.outer(positions.double(), r.inv_freq.double())
+    for got, want in ((cos, angles.cos()), (sin, angles.sin())):
+        assert got.dtype == torch.float32 and got.shape == (len(positions), 1, D // 2)
+        assert (got[:, 0].double() - want * r.attention_factor).abs().max().item() < 1e-7
+    monkeypatch.setattr(model, "ROPE_CHUNK", 300)  # pieces that do not divide the length
+    whole_cos, whole_sin = r(1000)
+    picked = torch.tensor([0, 299, 300, 999])
+    part_cos, part_sin = r(len(picked), picked)
+    assert torch.equal(whole_cos[picked], part_cos) and torch.equal(whole_sin[picked], part_sin)
+
+
 @pytest.mark.parametrize("factor", [2.0, 4.0, 16.0])
 def test_linear_divides_every_frequency_by_the_factor(factor):
     got = rope_inv_freq(D, BASE, "linear", factor).double()
