@@ -68,10 +68,10 @@ def documents(B: int, N: int, seed: int) -> torch.Tensor:
 
 
 def tables(D: int, N: int, rope: str, positions: torch.Tensor) -> tuple[tuple, tuple]:
-    """(cos, sin) as the model makes them (fp32, (N, 1, D/2)) and in float64 from the same (fp32) angles and
+    """(cos, sin) as the model makes them (fp32, (N, 1, D/2)) and in float64 from the same float64 angles and
     temperature: plain RoPE, or YaRN ×4 over an original length of 16 (tests/test_rope_scaling.py)."""
     r = Rotary(D) if rope == "none" else Rotary(D, 10000.0, "yarn", 4.0, 16)
-    angles = torch.outer(positions.float(), r.inv_freq).double()
+    angles = torch.outer(positions.double(), r.inv_freq.double())
     return r(N, positions), (angles.cos() * r.attention_factor, angles.sin() * r.attention_factor)
 
 

@@ -26,7 +26,7 @@ def test_matches_a_float64_rotation_and_its_gradient(B, N, H, D, dtype):
     qkv = torch.randn(B, N, 3, H, D, generator=g).to(dtype).requires_grad_()
     positions = torch.arange(N) * 3 + 1000  # a rank's share of a longer sequence (context parallelism)
     cos, sin = Rotary(D)(N, positions)
-    angles = torch.outer(positions.float(), Rotary(D).inv_freq)
+    angles = torch.outer(positions.double(), Rotary(D).inv_freq.double())  # float64 angles, as the model's tables
     q, k, v = rotary.qkv_rotary(qkv, cos, sin)
     tol = 1e-6 if dtype == torch.float32 else 2e-3
     for got, part in ((q, 0), (k, 1)):
@@ -58,7 +58,7 @@ def test_grouped_heads_match_a_float64_rotation_and_its_gradient(B, N, Hq, Hkv, 
     positions = torch.arange(N) * 2 + 3
     r = Rotary(D) if rope == "none" else Rotary(D, 10000.0, "yarn", 4.0, 16)
     cos, sin = r(N, positions)
-    angles = torch.outer(positions.float(), r.inv_freq).double()  # the model's fp32 angles, then float64
+    angles = torch.outer(positions.double(), r.inv_freq.double())  # float64 angles, as the model's tables
     cos64, sin64 = angles.cos() * r.attention_factor, angles.sin() * r.attention_factor
     q, k, v = rotary.qkv_rotary(qkv, cos, sin, n_kv_head=Hkv)
     assert q.shape == (B, N, Hq, D) and k.shape == v.shape == (B, N, Hkv, D)
