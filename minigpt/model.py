@@ -69,21 +69,19 @@ class Rotary(nn.Module):
         are the tokens' global positions when a rank holds only part of the sequence (context parallelism).
         The angles pos·θ_i are made in float64 and rounded once, in ROPE_CHUNK positions at a time: an fp32 product
         is off by up to pos·2⁻²⁴ radians (0.03 at 1M tokens, measured on an H100), which blurs the relative
-        positions RoPE encodes between far-apart tokens. With YaRN both are multiplied by √t (rope_attention_factor):
-        q and k come out scaled by it."""
+        positions RoPE encodes between far-apart tokens. With YaRN both are multiplied by √t (rope_attention_factor,
+        in float64 too): q and k come out scaled by it."""
         device = self.inv_freq.device
         work = torch.device("cpu") if device.type == "mps" else device  # MPS has no float64
         pos = (torch.arange(seq_len, device=work, dtype=torch.float64) if positions is None
                else positions.to(work, torch.float64))
         theta = self.inv_freq.to(work, torch.float64)
-        cos, sin = (torch.empty(seq_len, theta.numel(), device=work, dtype=torch.float32) for _ in range(2))
-        for s in range(0, seq_len, ROPE_CHUNK):
+        cos, sin = (torch.empty(len(pos), theta.numel(), device=work, dtype=torch.float32) for _ in range(2))
+        for s in range(0, len(pos), ROPE_CHUNK):
             angles = torch.outer(pos[s : s + ROPE_CHUNK], theta)
-            cos[s : s + ROPE_CHUNK], sin[s : s + ROPE_CHUNK] = angles.cos(), angles.sin()
-        cos, sin = cos.to(device), sin.to(device)
-        if self.attention_factor != 1.0:
-            cos, sin = cos * self.attention_factor, sin * self.attention_factor
-        return cos[:, None, :], sin[:, None, :]
+            cos[s : s + ROPE_CHUNK] = angles.cos() * self.attention_factor  # float64 until here: one rounding
+            sin[s : s + ROPE_CHUNK] = angles.sin() * self.attention_factor
+        return cos.to(device)[:, None, :], sin.to(device)[:, None, :]
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

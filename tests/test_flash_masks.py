@@ -260,7 +260,7 @@ def test_a_forward_continued_over_a_second_key_block_is_the_row_slice_of_the_who
 
 def test_masks_and_gqa_run_the_gluon_kernels_on_sm90_where_they_fit_else_triton():
     """On sm_90, a masked call whose inputs fit (launch.gluon_masks_ready) runs the Gluon forward and five-matmul
-    backward (rows sm90-masks, a plain grid) at every length; deterministic mode, unfit inputs and a forced Triton
+    backward (rows sm90-masks) at every length; deterministic mode, unfit inputs and a forced Triton
     path run Triton's; a path forced to via_ds refuses masks, as does a forced gluon path the call does not fit; the
     dense plans are unchanged (tests/test_dispatch.py pins them)."""
     sm90 = dict(capability=(9, 0), gluon_inputs=True, interpret=False)

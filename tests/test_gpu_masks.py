@@ -200,7 +200,7 @@ def test_the_masked_gluon_forward_matches_float32_and_the_triton_path(N, Hq, Hkv
 def test_persistent_windowed_launches_match_the_plain_grid(N, Hq, Hkv, D, window, monkeypatch):
     """The windowed forward and backward on one program per SM (gluon/schedule.py MASKED_PERSISTENT_WAVES, a
     schedule balanced on the host) compute each item as the plain grid does: o, dK and dV bitwise equal, dQ (added by
-    TMA in an order that varies) within bf16's tolerance; windows of one token to wider than N, odd lengths, GQA
+    TMA in an order that varies) within bf16's tolerance; windows of one token to most of N, odd lengths, GQA
     (its forward persistent, its backward a plain grid)."""
     qkv, q, k, v = qkv_rows(2, N, Hq, Hkv, D, torch.bfloat16, seed=N + Hq)
     do = torch.randn(q.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(N)).bfloat16()

@@ -1120,10 +1120,10 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
     (query i sees key j only if i − window < j) and `document_ids` ((B, N) int32/int64, non-decreasing, rows with a
     contiguous last dimension; only keys of the query's document). Each key block visits only the query tiles that
     see its keys, found on the device (each token's document end by torch.searchsorted, then one load per key); lse
-    and delta are the query heads' rows. A window without document ids, one query head per program (MHA), runs
+    and delta are the query heads' rows. A window without document ids, with as many K/V heads as query heads, runs
     persistent from MASKED_PERSISTENT_WAVES waves of key blocks: one program per SM over a schedule balanced on the
     host (windowed_key_block_costs); persistent=False keeps the plain grid. Everything else is a plain grid
-    (documents, GQA: persistent measured slower or equal there, kernels/NOTES.md)."""
+    (documents, GQA, MQA splits: persistent measured slower or equal there, or not measured; kernels/NOTES.md)."""
     B, H, N, D = q.shape
     n_kblocks = -(-N // (CONSUMERS.value * TILE.value))
     programs = sm_count(q.device)
@@ -1133,7 +1133,7 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
         dk_out, dv_out = dk, dv
         dk, dv = (torch.empty((B, splits, N, D), dtype=torch.float32, device=q.device) for _ in range(2))
     heads = B * k.shape[1]
-    windowed = window is not None and document_ids is None and heads == B * H
+    windowed = window is not None and document_ids is None and k.shape[1] == H  # MHA: no GQA walk, no MQA split
     if persistent is None:
         persistent = windowed and heads * n_kblocks >= MASKED_PERSISTENT_WAVES * programs
     elif persistent and not windowed:
