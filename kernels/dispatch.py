@@ -118,12 +118,10 @@ TABLE: tuple[Entry, ...] = (
     # loads need more), not tuned with masks yet
     Entry("fwd", (64, 128), "sm90-masks", _tc(128, 128, 4, 3, **_GLUON),
           "masks/GQA on the ping-pong forward: 2 consumers, a plain grid (persistent for a window alone), only the key "
-          "tiles the rows see (NOTES.md, "
-          "'One kernel per direction')", masks=True),
+          "tiles the rows see (NOTES.md, 'One kernel per direction')", masks=True),
     Entry("dkdvdq", (64,), "sm90-masks", _tc(64, 128, 4, 3, **_GLUON),
           "masks/GQA on the five-matmul backward: a plain grid (persistent for an MHA window alone), each key block's "
-          "query tiles that see it (NOTES.md, "
-          "'Masks and GQA in the Gluon backward')", masks=True),
+          "query tiles that see it (NOTES.md, 'Masks and GQA in the Gluon backward')", masks=True),
     Entry("dkdvdq", (128,), "sm90-masks", _tc(64, 128, 4, 2, **_GLUON),
           "masks/GQA on the five-matmul backward, dQ split, the dense plain grid's 2 stages (NOTES.md, 'Masks and GQA "
           "in the Gluon backward')", masks=True),

@@ -449,10 +449,9 @@ def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
     fp32_dq: return the fp32 accumulator (q's shape and memory order) as dq, without the cast, when it holds
     every head at once (a caller that transforms dQ anyway, e.g. rotates it back, then rounds it only once);
     otherwise dq as usual. Masks and GQA (the module docstring) of a causal sequence against itself
-    (gluon_masks_ready): one program per key block and K/V head (a plain grid; persistent for an MHA window alone) sums
-    dK, dV over the head's group of
-    query heads (a single K/V head over a short grid: split over programs, mqa_splits) and visits only the query
-    tiles that see its keys (gluon/backward.py, launch_dkdv_dq_masked)."""
+    (gluon_masks_ready): one program per key block and K/V head (a plain grid; persistent for an MHA window alone)
+    sums dK, dV over the head's group of query heads (a single K/V head over a short grid: split over programs,
+    mqa_splits) and visits only the query tiles that see its keys (gluon/backward.py, launch_dkdv_dq_masked)."""
     if do.stride(-1) != 1:
         do = do.contiguous()
     B, H, N, D = q.shape

@@ -95,8 +95,8 @@ def table_variants() -> list[Variant]:
             if masks:  # the masked launch (launch_dkdv_dq_masked): plain (GQA too) or persistent, windows, documents
                 out.append(Variant(f"dkdvdq masked D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel,
                                    dict(c, GQA=True, WINDOWED=True, DOCS=True)))
-                out.append(Variant(f"dkdvdq masked persistent D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel,  # a window alone
-                                   dict(c, PERSISTENT=True, KV_BUFS=2 if d == 64 else 1, WINDOWED=True)))
+                out.append(Variant(f"dkdvdq masked persistent D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel,
+                                   dict(c, PERSISTENT=True, KV_BUFS=2 if d == 64 else 1, WINDOWED=True)))  # MHA window
             else:
                 out.append(Variant(f"dkdvdq {mode} D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel, c))
         else:  # "dq": the head_dim-128 dQ kernel of the deterministic backward
