@@ -55,6 +55,13 @@ def get_attention(name: str, **options) -> AttentionBackend:
     return BACKENDS[name](**options)
 
 
+def get_provider(provider: str) -> "AttentionBackend":
+    """A benchmark's provider by name: a registered backend ("flash", "sdpa", ...) or sdpa pinned to one of PyTorch's
+    fused kernels as "sdpa-<kernel>" (sdpa-flash, sdpa-cudnn, sdpa-efficient)."""
+    backend, _, kernel = provider.partition("-")
+    return get_attention(backend, sdpa_backend=kernel) if kernel else get_attention(backend)
+
+
 class AttentionBackend:
     """One way to compute attention (causal or full, optionally windowed, within documents, GQA). Subclasses set
     `name` and implement `__call__`."""

@@ -8,6 +8,8 @@ The same as `minigpt-bench` (logic in minigpt/benchmarks/bench.py). Examples:
     python scripts/bench_attention.py --seq 4096 --head-dim 128 --providers flash sdpa-flash
     python scripts/bench_attention.py --masks               # documents, windows, GQA: ours vs FlexAttention vs ideal
     TRITON_INTERPRET=1 python scripts/bench_attention.py --masks --tiny --out /tmp/masks   # its dry run, on CPU
+    python scripts/bench_attention.py --accuracy            # long rows against float64: a truncating accumulator's bias
+    TRITON_INTERPRET=1 python scripts/bench_attention.py --accuracy --tiny --keys 512 --head-dim 16 --out /tmp/acc
 """
 import sys
 

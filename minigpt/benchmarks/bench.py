@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from minigpt.attention import SDPA_KERNELS, attention_names, get_attention
+from minigpt.attention import SDPA_KERNELS, attention_names, get_provider
 from minigpt.benchmarks.mask_cases import GROUPS
 from minigpt.files import atomic_write_text, markdown_table
 from minigpt.metrics import attention_flops, git_commit, versions
@@ -27,11 +27,6 @@ from minigpt.metrics import attention_flops, git_commit, versions
 # kernels as "sdpa-<kernel>" (sdpa-math is the slow reference, left out).
 PROVIDERS = (*(n for n in attention_names() if n != "sdpa"), *(f"sdpa-{k}" for k in SDPA_KERNELS if k != "math"))
 MODES = ("fwd", "bwd", "fwd+bwd")
-
-
-def attention_fn(provider: str) -> Callable:
-    backend, _, kernel = provider.partition("-")
-    return get_attention(backend, sdpa_backend=kernel) if kernel else get_attention(backend)
 
 
 @dataclass
@@ -80,7 +75,7 @@ def bench_attention(head_dims=(64, 128), seq_lens=(1024, 2048, 4096, 8192, 16384
             for N in seq_lens:
                 B = max(1, tokens // N)
                 for provider in providers:
-                    fn = attention_fn(provider)
+                    fn = get_provider(provider)
                     for mode in MODES:
                         ms, note = None, ""
                         try:
@@ -245,14 +240,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--masks", action="store_true", help="instead of the table: the mask suite (issue 33; documents, "
                    "windows, GQA), ours vs FlexAttention against the ideal -> <out>/masks_<GPU>.{json,md} "
                    "(minigpt/benchmarks/mask_bench.py; --head-dim picks the documents' and windows' head dims)")
-    p.add_argument("--tiny", action="store_true", help="with --masks: the same cases at tiny sizes, fp32, one rep: "
+    p.add_argument("--tiny", action="store_true", help="with --masks or --accuracy: the same cases at tiny sizes, fp32, one rep: "
                    "a dry run of the code (on CPU: TRITON_INTERPRET=1 in the environment)")
     p.add_argument("--mask-groups", nargs="+", choices=GROUPS, default=list(GROUPS), help="with --masks: these "
                    "sections only (with the dense references they need), to run the suite in parts")
     p.add_argument("--time-limit", type=float, default=510.0, help="with --masks: seconds after which the cases "
                    "not yet started are recorded as skipped (the table is still written)")
+    p.add_argument("--accuracy", action="store_true", help="instead of the table: each kernel against float64 over "
+                   "long rows of periodic and random inputs, where a truncating accumulator shows as a bias -> "
+                   "<out>/accuracy_<GPU>.{json,md} (minigpt/benchmarks/accuracy.py; with --tiny: fp32, on CPU too)")
+    p.add_argument("--keys", type=int, nargs="+", default=[65536, 262144, 1048576],
+                   help="with --accuracy: the keys every row sees")
     p.add_argument("--out", type=Path, default=Path("runs/bench"))
     args = p.parse_args(argv)
+    if args.accuracy:
+        if not torch.cuda.is_available() and not (args.tiny and os.environ.get("TRITON_INTERPRET") == "1"):
+            p.error("--accuracy needs a CUDA GPU; to dry-run the code on CPU: TRITON_INTERPRET=1 ... --accuracy "
+                    "--tiny --keys 512")
+        from minigpt.benchmarks.accuracy import run_accuracy
+
+        _, md = run_accuracy(args.keys, head_dim=args.head_dim[0], heads=2 if args.tiny else 2048 // args.head_dim[0],
+                             out=args.out, tiny=args.tiny, progress=lambda line: print(line, flush=True))
+        print(md.read_text())
+        return 0
     if args.masks:
         if not torch.cuda.is_available() and not (args.tiny and os.environ.get("TRITON_INTERPRET") == "1"):
             p.error("--masks needs a CUDA GPU; to dry-run the code on CPU: TRITON_INTERPRET=1 ... --masks --tiny")

@@ -1,0 +1,66 @@
+"""The long-row accuracy suite (minigpt/benchmarks/accuracy.py) on CPU: its measures on made-up errors, and the whole
+suite through the CLI in fp32, our kernel in Triton's interpreter, where every method agrees with float64."""
+import json
+
+import pytest
+import torch
+
+from minigpt.benchmarks import accuracy, bench
+
+
+def test_the_measures_tell_a_shrunk_output_from_noise():
+    """o shrunk by 1e-3 is all bias, toward zero by 1e-3 · mean |mean over rows of o| / RMS; zero-mean noise of the
+    same size has next to no bias over 64 rows."""
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(64, 4, 16, generator=g, dtype=torch.float64) * 0.3 + 0.5
+    rms, bias, toward_zero = accuracy.measure(ref * (1 - 1e-3), ref)
+    expected = -1e-3 * ref.mean(0).abs().mean() / ref.pow(2).mean().sqrt()
+    assert toward_zero == pytest.approx(expected.item(), rel=1e-6) and toward_zero < 0
+    assert bias == pytest.approx(1e-3 * ref.mean(0).pow(2).mean().sqrt().item() / ref.pow(2).mean().sqrt().item())
+    noise = torch.randn(ref.shape, generator=g, dtype=torch.float64) * 1e-3 * ref.abs().mean()
+    n_rms, n_bias, n_toward = accuracy.measure(ref + noise, ref)
+    assert n_rms == pytest.approx(rms, rel=0.3)  # errors of the same size
+    assert n_bias < bias / 3 and abs(n_toward) < abs(toward_zero) / 3  # but no bias to speak of
+
+
+def test_periodic_inputs_repeat_and_random_ones_do_not():
+    q, k, v = accuracy.make_inputs("periodic", 2 * accuracy.PERIOD + 5, 2, 8, torch.device("cpu"), torch.float32)
+    p = accuracy.PERIOD
+    assert torch.equal(k[:, :, :p], k[:, :, p:2 * p]) and torch.equal(v[:, :, 3], v[:, :, p + 3])
+    assert v.mean().item() == pytest.approx(0.5, abs=0.05)
+    q, k, v = accuracy.make_inputs("random", 2 * p, 2, 8, torch.device("cpu"), torch.float32)
+    assert not torch.equal(k[:, :, :p], k[:, :, p:]) and abs(v.mean().item()) < 0.05
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU dry run; on a GPU run the suite itself")
+def test_the_suite_dry_runs_on_cpu_and_agrees_with_float64(tmp_path, capsys):
+    """Through the CLI at tiny sizes: a row per input kind, keys, provider and split; in fp32 every one is within
+    1e-5 of float64 (so a split's merge is right), and the table, printed last, names the machine and commit."""
+    from minigpt.metrics import git_commit
+
+    assert bench.main(["--accuracy", "--tiny", "--keys", "512", "--head-dim", "16", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "accuracy_cpu.json").read_text())
+    rows = data["rows"]
+    assert {(r["inputs"], r["provider"], r["calls"]) for r in rows} == \
+        {(kind, "flash", c) for kind in accuracy.KINDS for c in accuracy.SPLITS} | \
+        {(kind, "sdpa", 1) for kind in accuracy.KINDS}
+    assert all(r["keys"] == 512 and r["rms"] < 1e-5 and abs(r["toward_zero"]) < 1e-6 for r in rows), rows
+    assert data["env"]["dtype"] == "torch.float32" and data["env"]["commit"] == git_commit()
+    table = (tmp_path / "accuracy_cpu.md").read_text()
+    assert capsys.readouterr().out.rstrip().endswith(table.rstrip())
+    assert table.count("\n| ") == len(rows) + 1
+
+
+def test_keys_that_do_not_split_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="multiple of 8"):
+        accuracy.run_accuracy([100], head_dim=16, heads=2, out=tmp_path, tiny=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="cuDNN runs there")
+def test_a_provider_that_cannot_run_is_recorded_with_its_error(tmp_path):
+    rows, md = accuracy.run_accuracy([512], head_dim=16, heads=2, providers=["sdpa-cudnn"], out=tmp_path, tiny=True,
+                                     progress=lambda line: None)
+    failed = [r for r in rows if r.provider == "sdpa-cudnn"]
+    assert len(failed) == 2 and all(r.error and r.rms is None and r.toward_zero is None for r in failed)
+    assert all(not r.error and r.rms < 1e-5 for r in rows if r.provider == "flash")
+    assert failed[0].error in md.read_text() and "NaN" not in (tmp_path / "accuracy_cpu.json").read_text()
