@@ -55,7 +55,7 @@ def get_attention(name: str, **options) -> AttentionBackend:
     return BACKENDS[name](**options)
 
 
-def get_provider(provider: str) -> "AttentionBackend":
+def get_provider(provider: str) -> AttentionBackend:
     """A benchmark's provider by name: a registered backend ("flash", "sdpa", ...) or sdpa pinned to one of PyTorch's
     fused kernels as "sdpa-<kernel>" (sdpa-flash, sdpa-cudnn, sdpa-efficient)."""
     backend, _, kernel = provider.partition("-")

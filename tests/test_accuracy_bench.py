@@ -38,14 +38,14 @@ def test_the_suite_dry_runs_on_cpu_and_agrees_with_float64(tmp_path, capsys):
     1e-5 of float64 (so a split's merge is right), and the table, printed last, names the machine and commit."""
     from minigpt.metrics import git_commit
 
-    assert bench.main(["--accuracy", "--tiny", "--keys", "512", "--head-dim", "16", "--out", str(tmp_path)]) == 0
+    assert bench.main(["--accuracy", "--tiny", "--head-dim", "16", "--out", str(tmp_path)]) == 0  # 512 keys
     data = json.loads((tmp_path / "accuracy_cpu.json").read_text())
     rows = data["rows"]
     assert {(r["inputs"], r["provider"], r["calls"]) for r in rows} == \
         {(kind, "flash", c) for kind in accuracy.KINDS for c in accuracy.SPLITS} | \
         {(kind, "sdpa", 1) for kind in accuracy.KINDS}
     assert all(r["keys"] == 512 and r["rms"] < 1e-5 and abs(r["toward_zero"]) < 1e-6 for r in rows), rows
-    assert data["env"]["dtype"] == "torch.float32" and data["env"]["commit"] == git_commit()
+    assert data["env"]["dtype"] == "float32" and data["env"]["commit"] == git_commit()
     table = (tmp_path / "accuracy_cpu.md").read_text()
     assert capsys.readouterr().out.rstrip().endswith(table.rstrip())
     assert table.count("\n| ") == len(rows) + 1
@@ -54,6 +54,28 @@ def test_the_suite_dry_runs_on_cpu_and_agrees_with_float64(tmp_path, capsys):
 def test_keys_that_do_not_split_are_refused(tmp_path):
     with pytest.raises(ValueError, match="multiple of 8"):
         accuracy.run_accuracy([100], head_dim=16, heads=2, out=tmp_path, tiny=True)
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--accuracy", "--tiny", "--keys", "256", "--out", str(tmp_path)])  # 32 keys a part, under 64
+    assert exit_.value.code == 2 and not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU dry run")
+def test_a_kernel_that_shrinks_its_output_shows_as_a_bias_toward_zero(tmp_path, monkeypatch):
+    """End to end: a provider whose output is SDPA's times (1 − 1e-3) reads as a bias toward zero of about 1e-3 on
+    the periodic inputs (o's mean over rows is far from 0 there), far beyond the fp32 rows of everything else."""
+    real = accuracy.get_provider
+
+    def shrunk(name):
+        fn = real("sdpa")
+        return lambda q, k, v, causal: fn(q, k, v, causal=causal) * (1 - 1e-3)
+
+    monkeypatch.setattr(accuracy, "get_provider", shrunk)
+    rows, _ = accuracy.run_accuracy([512], head_dim=16, heads=2, providers=["shrunk"], out=tmp_path, tiny=True,
+                                    progress=lambda line: None)
+    by = {(r.inputs, r.provider, r.calls): r for r in rows}
+    periodic = by[("periodic", "shrunk", 1)]
+    assert -1.5e-3 < periodic.toward_zero < -3e-4 and periodic.bias > 3e-4
+    assert all(abs(r.toward_zero) < 1e-6 for r in rows if r.provider == "flash")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="cuDNN runs there")

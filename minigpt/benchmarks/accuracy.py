@@ -1,10 +1,10 @@
 """Attention accuracy over long rows: each kernel against float64, where the error is a bias and not noise.
 
 Text repeats itself. Filler, boilerplate and code all do, and at initialisation attention averages nearly every key
-it sees. A row's unnormalised sum Σ_j p_j·v_j then keeps one sign over millions of keys, so an accumulator that
-truncates rather than rounds to nearest (tensor cores add into fp32 that way) loses the same small amount at every
-step. The error grows with the row's number of keys and does not average out over tokens (kernels/NOTES.md,
-"The forward's truncation bias").
+it sees. A row's unnormalised sum Σ_j p_j·v_j then keeps one sign over millions of keys. If the accumulator
+truncates instead of rounding to nearest, it loses the same small amount at every step. The error then grows with
+the row's number of keys and does not average out over tokens. Our kernel on an H100 behaves this way, as tensor
+cores truncating into fp32 would (kernels/NOTES.md, "The forward's truncation bias").
 
 The suite builds non-causal attention of L keys in two input kinds:
 - "periodic": q, k, v repeat every 1009 tokens, with v centred on 0.5, like text;
@@ -14,7 +14,7 @@ Every query row sees the same L keys. Each provider's output on 64 rows is compa
 figures, each over o's RMS:
 - the RMS error;
 - the bias, the mean over rows of the error;
-- the signed bias toward zero, the mean of error·sign(o).
+- the signed bias toward zero: that mean times the sign of o's mean over rows, averaged over heads and dims.
 
 Our kernel also runs over the same keys split into 2, 4 and 8 calls, merged in float64 from each call's output and
 log-sum-exp. If the bias comes from the length of the accumulation, splitting divides it by the number of calls.
@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from minigpt.attention import get_provider
+from minigpt.benchmarks.mask_bench import describe_error
 from minigpt.files import atomic_write_text, markdown_table
 from minigpt.metrics import git_commit, versions
 
@@ -38,6 +39,8 @@ PERIOD = 1009  # tokens after which the "periodic" inputs repeat (a prime, so no
 ROWS = 64  # query rows compared with float64
 SPLITS = (1, 2, 4, 8)  # our kernel's calls over the same keys
 KINDS = ("periodic", "random")
+HIDDEN = 768  # gpt2-small's width: heads = HIDDEN // head_dim, as in the model whose 1M runs showed the bias
+SDPA_PROVIDERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
 
 
 @dataclass
@@ -48,22 +51,30 @@ class AccuracyRow:
     calls: int  # calls the keys were split over (merged in float64); 1 = one call
     rms: float | None  # RMS of the error ÷ RMS of o
     bias: float | None  # RMS over (head, dim) of the mean over rows of the error ÷ RMS of o
-    toward_zero: float | None  # mean of error·sign(o) ÷ RMS of o; < 0: o shrunk toward zero
+    toward_zero: float | None  # that mean · sign of o's mean, averaged ÷ RMS of o; < 0: o shrunk toward zero
     error: str = ""  # why the provider gave no output (the figures are then None)
+
+
+def check_keys(keys: list[int]) -> None:
+    """ValueError unless every L splits into max(SPLITS) parts of at least ROWS keys (the compared rows)."""
+    bad = [L for L in keys if L % max(SPLITS) or L // max(SPLITS) < ROWS]
+    if bad:
+        raise ValueError(f"keys {bad}: each must be a multiple of {max(SPLITS)} with at least {ROWS} keys a part "
+                         f"(>= {ROWS * max(SPLITS)})")
 
 
 def make_inputs(kind: str, keys: int, heads: int, head_dim: int, device: torch.device, dtype: torch.dtype,
                 seed: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v (1, heads, keys, head_dim): q and k at half scale, so attention is spread over many keys as at
     initialisation; "periodic" repeats a PERIOD-token pattern and centres v on 0.5, "random" centres v on 0."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device).manual_seed(seed)  # made where they are used: 1M keys of 12 heads are 3 GB in fp32
     length = PERIOD if kind == "periodic" else keys
-    q, k, v = (torch.randn(1, heads, length, head_dim, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(1, heads, length, head_dim, generator=g, device=device) for _ in range(3))
     q, k = q * 0.5, k * 0.5
     if kind == "periodic":
         v = v + 0.5
         q, k, v = (t.repeat(1, 1, -(-keys // PERIOD), 1)[:, :, :keys] for t in (q, k, v))
-    return tuple(t.to(device, dtype).contiguous() for t in (q, k, v))
+    return tuple(t.to(dtype).contiguous() for t in (q, k, v))
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -92,6 +103,14 @@ def ours_in_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch
     return num / den
 
 
+def sdpa_rows(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """A PyTorch kernel's output on `rows`, over all keys. Its queries are the first L / max(SPLITS) rows (which
+    hold `rows`), not only the compared ones: with few query blocks FlashAttention-2 splits the keys over
+    programs, a shorter accumulation than a long sequence gets."""
+    o = get_provider(name)(q[:, :, : k.shape[2] // max(SPLITS)].contiguous(), k, v, causal=False)
+    return o[0, :, rows].transpose(0, 1).double().cpu()
+
+
 def measure(o: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
     """(RMS error, bias, signed bias toward zero) of o (rows, heads, head_dim) against ref, over ref's RMS."""
     e, rms = o - ref, ref.pow(2).mean().sqrt()
@@ -100,59 +119,65 @@ def measure(o: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
     return (e.pow(2).mean().sqrt() / rms).item(), (bias / rms).item(), (toward_zero / rms).item()
 
 
-def run_accuracy(keys: list[int], head_dim: int = 64, heads: int = 12, providers: list[str] | None = None,
+def run_accuracy(keys: list[int], head_dim: int = 64, heads: int | None = None, providers: list[str] | None = None,
                  out: Path = Path("runs/bench"), tiny: bool = False,
                  progress: Callable[[str], None] = print) -> tuple[list[AccuracyRow], Path]:
-    """The suite: for each input kind and L in `keys`, our kernel in SPLITS calls and each SDPA provider (q of the
-    compared rows only: PyTorch's kernels take fewer queries than keys). Returns the rows and the table written to
-    <out>/accuracy_<GPU>.md (beside its .json).
+    """The suite: for each input kind and L in `keys`, our kernel in SPLITS calls and each of `providers` (default:
+    SDPA's fused kernels; "sdpa" with --tiny). The table is rewritten after every (kind, L), so a run stopped or out
+    of memory keeps what it measured. Returns the rows and <out>/accuracy_<GPU>.md (beside its .json).
     tiny: fp32 on whatever device there is (CPU under TRITON_INTERPRET=1), to check the code."""
+    check_keys(keys)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if tiny else torch.bfloat16
-    providers = providers if providers is not None else (["sdpa"] if tiny else ["sdpa-flash", "sdpa-cudnn",
-                                                                                 "sdpa-efficient"])
-    results = []
+    heads = heads or HIDDEN // head_dim
+    providers = providers if providers is not None else (["sdpa"] if tiny else list(SDPA_PROVIDERS))
+    results: list[AccuracyRow] = []
+    md = None
     for kind in KINDS:
         for L in keys:
-            if L % max(SPLITS) or L // max(SPLITS) < ROWS:
-                raise ValueError(f"keys={L}: needs a multiple of {max(SPLITS)} with at least {ROWS} keys a part")
-            q, k, v = make_inputs(kind, L, heads, head_dim, device, dtype)
-            rows = torch.linspace(0, L // max(SPLITS) - 1, ROWS, device=device).long()
-            ref = reference(q, k, v, rows)
-            found = [("flash", calls, ours_in_calls(q, k, v, rows, calls)) for calls in SPLITS]
-            for name in providers:
-                try:
-                    o = get_provider(name)(q[:, :, rows].contiguous(), k, v, causal=False)
-                    found.append((name, 1, o[0].transpose(0, 1).double().cpu()))
-                except Exception as e:  # noqa: BLE001 - a backend that cannot run this shape: recorded, not fatal
-                    found.append((name, 1, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"))
-            for name, calls, o in found:
-                if isinstance(o, str):
-                    row = AccuracyRow(kind, L, name, calls, None, None, None, error=o)
-                    progress(f"{kind:8s} L={L:8d} {name:15s} {o}")
-                else:
-                    row = AccuracyRow(kind, L, name, calls, *measure(o, ref))
-                    progress(f"{kind:8s} L={L:8d} {name:15s} calls={calls} rms={row.rms:.3e} bias={row.bias:.3e} "
-                             f"toward 0={row.toward_zero:+.3e}")
+            measured: list[tuple[str, int, torch.Tensor | str]] = []
+            try:
+                q, k, v = make_inputs(kind, L, heads, head_dim, device, dtype)
+                rows = torch.linspace(0, L // max(SPLITS) - 1, ROWS, device=device).long()
+                ref = reference(q, k, v, rows)
+            except Exception as e:  # noqa: BLE001 - recorded; the other sizes still run
+                measured = [(name, 1, describe_error(e)) for name in ["flash", *providers]]
+            else:
+                for name, calls in [*(("flash", c) for c in SPLITS), *((p, 1) for p in providers)]:
+                    try:
+                        o = ours_in_calls(q, k, v, rows, calls) if name == "flash" else sdpa_rows(name, q, k, v, rows)
+                        measured.append((name, calls, o))
+                    except Exception as e:  # noqa: BLE001 - a kernel that cannot run this shape: recorded
+                        measured.append((name, calls, describe_error(e)))
+                del q, k, v
+            for name, calls, o in measured:
+                figures = (None,) * 3 if isinstance(o, str) else measure(o, ref)
+                if not isinstance(o, str) and not all(map(math.isfinite, figures)):
+                    o, figures = "non-finite output", (None,) * 3
+                row = AccuracyRow(kind, L, name, calls, *figures, error=o if isinstance(o, str) else "")
                 results.append(row)
-            del q, k, v
+                progress(f"{kind:8s} L={L:8d} {name:15s} calls={calls} " + (row.error or
+                         f"rms={row.rms:.3e} bias={row.bias:.3e} toward 0={row.toward_zero:+.3e}"))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    return results, write_accuracy(results, out, head_dim, heads, dtype)
+            md = write_accuracy(results, out, head_dim, heads, dtype)
+    return results, md
 
 
 def write_accuracy(rows: list[AccuracyRow], out: Path, head_dim: int, heads: int, dtype: torch.dtype) -> Path:
     """<out>/accuracy_<GPU>.{json,md}: the rows, the environment and how they were made."""
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    env = {"gpu": gpu, "commit": git_commit(), "date": dt.date.today().isoformat(), "dtype": str(dtype),
-           "head_dim": head_dim, "heads": heads, "period": PERIOD, "rows": ROWS, **versions()}
+    env = {"gpu": gpu, "commit": git_commit(), "date": dt.date.today().isoformat(),
+           "dtype": str(dtype).removeprefix("torch."), "head_dim": head_dim, "heads": heads, "period": PERIOD,
+           "rows": ROWS, **versions()}
     stem = out / f"accuracy_{gpu.replace(' ', '_')}"
     atomic_write_text(stem.with_suffix(".json"), json.dumps({"env": env, "rows": [asdict(r) for r in rows]},
-                                                           indent=1) + "\n")
+                                                           indent=1, allow_nan=False) + "\n")
     table = markdown_table(["inputs", "keys", "provider", "calls", "error RMS", "bias", "toward zero"],
-                           [[r.inputs, r.keys, r.provider, r.calls, *((f"{r.rms:.2e}", f"{r.bias:.2e}",
-                             f"{r.toward_zero:+.2e}") if not r.error else (r.error, None, None))] for r in rows])
-    head = (f"Attention accuracy over long rows on {gpu}, {env['dtype'].removeprefix('torch.')}, {heads} heads of "
-            f"{head_dim}, non-causal, every row over all L keys; against float64 on {ROWS} rows; figures over o's "
-            f"RMS; commit {env['commit']}, {env['date']}. Command: `python scripts/bench_attention.py --accuracy`.\n\n")
+                           [[r.inputs, r.keys, r.provider, r.calls,
+                             *((r.error, None, None) if r.error else
+                               (f"{r.rms:.2e}", f"{r.bias:.2e}", f"{r.toward_zero:+.2e}"))] for r in rows])
+    head = (f"Attention accuracy over long rows on {gpu}, {env['dtype']}, {heads} heads of {head_dim}, non-causal, "
+            f"every row over all L keys; against float64 on {ROWS} rows; figures over o's RMS; commit "
+            f"{env['commit']}, {env['date']}. Command: `python scripts/bench_attention.py --accuracy`.\n\n")
     return atomic_write_text(stem.with_suffix(".md"), head + table + "\n")

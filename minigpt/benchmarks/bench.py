@@ -240,27 +240,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--masks", action="store_true", help="instead of the table: the mask suite (issue 33; documents, "
                    "windows, GQA), ours vs FlexAttention against the ideal -> <out>/masks_<GPU>.{json,md} "
                    "(minigpt/benchmarks/mask_bench.py; --head-dim picks the documents' and windows' head dims)")
-    p.add_argument("--tiny", action="store_true", help="with --masks or --accuracy: the same cases at tiny sizes, fp32, one rep: "
-                   "a dry run of the code (on CPU: TRITON_INTERPRET=1 in the environment)")
+    p.add_argument("--tiny", action="store_true", help="with --masks or --accuracy: a dry run of the code in fp32 "
+                   "(the mask cases at tiny sizes, one rep; 512 keys of 2 heads), on CPU with TRITON_INTERPRET=1")
     p.add_argument("--mask-groups", nargs="+", choices=GROUPS, default=list(GROUPS), help="with --masks: these "
                    "sections only (with the dense references they need), to run the suite in parts")
     p.add_argument("--time-limit", type=float, default=510.0, help="with --masks: seconds after which the cases "
                    "not yet started are recorded as skipped (the table is still written)")
     p.add_argument("--accuracy", action="store_true", help="instead of the table: each kernel against float64 over "
-                   "long rows of periodic and random inputs, where a truncating accumulator shows as a bias -> "
-                   "<out>/accuracy_<GPU>.{json,md} (minigpt/benchmarks/accuracy.py; with --tiny: fp32, on CPU too)")
-    p.add_argument("--keys", type=int, nargs="+", default=[65536, 262144, 1048576],
-                   help="with --accuracy: the keys every row sees")
+                   "long rows of periodic and random inputs, where a truncating accumulator shows as a bias; "
+                   "gpt2-small's heads at the first --head-dim -> <out>/accuracy_<GPU>.{json,md} "
+                   "(minigpt/benchmarks/accuracy.py)")
+    p.add_argument("--keys", type=int, nargs="+", help="with --accuracy: the keys every row sees (default 65536 "
+                   "262144 1048576; 512 with --tiny)")
     p.add_argument("--out", type=Path, default=Path("runs/bench"))
     args = p.parse_args(argv)
     if args.accuracy:
         if not torch.cuda.is_available() and not (args.tiny and os.environ.get("TRITON_INTERPRET") == "1"):
             p.error("--accuracy needs a CUDA GPU; to dry-run the code on CPU: TRITON_INTERPRET=1 ... --accuracy "
                     "--tiny --keys 512")
-        from minigpt.benchmarks.accuracy import run_accuracy
+        from minigpt.benchmarks.accuracy import check_keys, run_accuracy
 
-        _, md = run_accuracy(args.keys, head_dim=args.head_dim[0], heads=2 if args.tiny else 2048 // args.head_dim[0],
-                             out=args.out, tiny=args.tiny, progress=lambda line: print(line, flush=True))
+        keys = args.keys or ([512] if args.tiny else [65536, 262144, 1048576])
+        try:
+            check_keys(keys)
+        except ValueError as e:
+            p.error(f"--keys: {e}")
+        _, md = run_accuracy(keys, head_dim=args.head_dim[0], heads=2 if args.tiny else None, out=args.out,
+                             tiny=args.tiny, progress=lambda line: print(line, flush=True))
         print(md.read_text())
         return 0
     if args.masks:

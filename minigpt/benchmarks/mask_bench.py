@@ -206,7 +206,8 @@ def peak_extra_bytes(fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     return torch.cuda.max_memory_allocated() - base - _nbytes(o, *grads)
 
 
-def _describe(e: BaseException) -> str:
+def describe_error(e: BaseException) -> str:
+    """One short line for a case that failed: OOM, or the exception's type and first line."""
     if isinstance(e, torch.OutOfMemoryError):
         return "OOM"
     first = (str(e).strip().splitlines() or [""])[0]
@@ -245,12 +246,12 @@ def run_case(case: MaskCase, device: torch.device, dtype: torch.dtype, timing: T
             if device.type == "cuda":
                 row.peak_extra_mib = peak_extra_bytes(fn, q, k, v, do) / MIB
         except NotImplementedError as e:  # flex's backward on CPU: its forward alone still checks the mask
-            row.error = _describe(e)
+            row.error = describe_error(e)
             if fn is not None and ours_out is not None:
                 with torch.no_grad():
                     row.flex_vs_ours = _rel_diff(fn(q.detach(), k.detach(), v.detach()), ours_out)
         except Exception as e:  # noqa: BLE001 - OOM, a compile failure, an unsupported shape: record and go on
-            row.error = _describe(e)
+            row.error = describe_error(e)
         finally:
             fn = out = None
             if device.type == "cuda":
