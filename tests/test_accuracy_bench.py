@@ -86,3 +86,18 @@ def test_a_provider_that_cannot_run_is_recorded_with_its_error(tmp_path):
     assert len(failed) == 2 and all(r.error and r.rms is None and r.toward_zero is None for r in failed)
     assert all(not r.error and r.rms < 1e-5 for r in rows if r.provider == "flash")
     assert failed[0].error in md.read_text() and "NaN" not in (tmp_path / "accuracy_cpu.json").read_text()
+
+
+def test_a_truncating_accumulator_loses_in_proportion_to_its_additions():
+    """The emulation behind kernels/NOTES.md's explanation: truncating each fp32 addition shrinks o by about
+    0.36 · 2⁻²⁴ per addition (each loses 0.72 ulp-fractions on average, over a sum that grows linearly), on top of what
+    rounding to nearest gives; twice the additions (4 keys each instead of 8), twice the loss."""
+    nearest = accuracy.emulate_accumulation(16384, heads=2, step=8, truncate=False)
+    by8 = accuracy.emulate_accumulation(16384, heads=2, step=8) - nearest
+    by4 = accuracy.emulate_accumulation(16384, heads=2, step=4) - nearest
+    expected = -0.36 * 2 ** -24 * 16384 / 8
+    assert expected * 1.6 < by8 < expected * 0.6, (by8, expected)
+    assert by4 / by8 == pytest.approx(2, rel=0.3)
+    x = torch.tensor([1 + 0.75 * 2 ** -23, -(1 + 0.75 * 2 ** -23)], dtype=torch.float64)  # 3/4 of fp32's unit at 1
+    assert x.float().double().tolist() == [1 + 2 ** -23, -(1 + 2 ** -23)]  # nearest rounds away from zero
+    assert accuracy.truncate_to_fp32(x).tolist() == [1.0, -1.0]  # truncation toward it

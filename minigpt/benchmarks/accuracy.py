@@ -119,6 +119,39 @@ def measure(o: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
     return (e.pow(2).mean().sqrt() / rms).item(), (bias / rms).item(), (toward_zero / rms).item()
 
 
+def truncate_to_fp32(x: torch.Tensor) -> torch.Tensor:
+    """float64 x rounded to fp32 toward zero (as an accumulator that truncates), returned in float64."""
+    f = x.float()
+    over = f.double().abs() > x.abs()
+    f[over] = torch.nextafter(f[over], torch.zeros_like(f[over]))
+    return f.double()
+
+
+def emulate_accumulation(keys: int, heads: int = 12, head_dim: int = 64, step: int = 8,
+                         truncate: bool = True) -> float:
+    """The hypothesis for our kernel's bias, emulated on CPU: the signed bias toward zero (as in `measure`) of
+    o = Σ p·v / Σ p over `keys` periodic keys (a multiple of `step`), the unnormalised sum accumulated in fp32
+    `step` keys at a time with each addition truncated (or rounded to nearest), p rounded to bf16 for the product
+    and o to bf16 at the end. Truncating every 8 keys gives the H100's figures (kernels/NOTES.md)."""
+    q, k, v = (t[0].double() for t in make_inputs("periodic", keys, heads, head_dim, torch.device("cpu"),
+                                                   torch.bfloat16))
+    rows = torch.linspace(0, keys // max(SPLITS) - 1, ROWS).long()
+    s = torch.einsum("hrd,hld->rhl", q[:, rows], k) / math.sqrt(head_dim)
+    s = s - s.amax(-1, keepdim=True)
+    p = torch.exp(s).float().double()  # fp32 probabilities; the denominator sums them (round to nearest)
+    p16 = p.to(torch.bfloat16).double()  # the P·V product's operand
+    acc = torch.zeros(ROWS, heads, head_dim, dtype=torch.float64)
+    steps = keys // step
+    p16, v = p16.view(ROWS, heads, steps, step), v.view(heads, steps, step, head_dim)
+    for b in range(0, steps, 512):  # each step's addend Σ_{j in step} p·v exactly, 512 steps at a time
+        adds = torch.einsum("rhsl,hsld->srhd", p16[:, :, b:b + 512], v[:, b:b + 512])
+        for add in adds:
+            acc = truncate_to_fp32(acc + add) if truncate else (acc + add).float().double()
+    o = (acc / p.sum(-1, keepdim=True)).to(torch.bfloat16).double()
+    ref = torch.einsum("rhl,hld->rhd", torch.softmax(s, -1), v.view(heads, keys, head_dim))
+    return measure(o, ref)[2]
+
+
 def run_accuracy(keys: list[int], head_dim: int = 64, heads: int | None = None, providers: list[str] | None = None,
                  out: Path = Path("runs/bench"), tiny: bool = False,
                  progress: Callable[[str], None] = print) -> tuple[list[AccuracyRow], Path]:
