@@ -136,12 +136,13 @@ def test_reps_fill_the_time_budget_within_their_bounds():
     assert len(calls) == 5
 
 
-def test_masks_needs_a_gpu_or_the_tiny_dry_run(monkeypatch):
+@pytest.mark.parametrize("suite", ["--masks", "--accuracy"])
+def test_the_suites_need_a_gpu_or_the_tiny_dry_run(monkeypatch, capsys, suite):
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(SystemExit) as exit_:
-        bench.main(["--masks"])
-    assert exit_.value.code == 2
+        bench.main([suite, "--tiny"])
+    assert exit_.value.code == 2 and f"{suite} needs a CUDA GPU" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU dry run; on a GPU run the suite itself")

@@ -254,10 +254,10 @@ def main(argv: list[str] | None = None) -> int:
                    "262144 1048576; 512 with --tiny)")
     p.add_argument("--out", type=Path, default=Path("runs/bench"))
     args = p.parse_args(argv)
+    suite = "--accuracy" if args.accuracy else "--masks" if args.masks else None
+    if suite and not torch.cuda.is_available() and not (args.tiny and os.environ.get("TRITON_INTERPRET") == "1"):
+        p.error(f"{suite} needs a CUDA GPU; to dry-run the code on CPU: TRITON_INTERPRET=1 ... {suite} --tiny")
     if args.accuracy:
-        if not torch.cuda.is_available() and not (args.tiny and os.environ.get("TRITON_INTERPRET") == "1"):
-            p.error("--accuracy needs a CUDA GPU; to dry-run the code on CPU: TRITON_INTERPRET=1 ... --accuracy "
-                    "--tiny --keys 512")
         from minigpt.benchmarks.accuracy import check_keys, run_accuracy
 
         keys = args.keys or ([512] if args.tiny else [65536, 262144, 1048576])
@@ -270,8 +270,6 @@ def main(argv: list[str] | None = None) -> int:
         print(md.read_text())
         return 0
     if args.masks:
-        if not torch.cuda.is_available() and not (args.tiny and os.environ.get("TRITON_INTERPRET") == "1"):
-            p.error("--masks needs a CUDA GPU; to dry-run the code on CPU: TRITON_INTERPRET=1 ... --masks --tiny")
         from minigpt.benchmarks.mask_bench import run_masks
 
         run_masks(head_dims=args.head_dim, groups=args.mask_groups, out=args.out, tiny=args.tiny,
