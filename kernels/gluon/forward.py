@@ -164,6 +164,16 @@ def _last_pv(v_smem, v_ready, turn, t, turn_phase, ME: gl.constexpr, NEXT: gl.co
 
 
 @gluon.jit
+def _fold(outer, m_fold, acc, m_i, row_o: gl.constexpr):
+    """outer · 2^(m_fold − m) + acc under the row max m, and a fresh acc: the tensor cores truncate as they add into
+    acc, so a chain of many key tiles loses about one fp32 unit per 16 keys, all toward zero (kernels/NOTES.md); this
+    addition rounds to nearest. m_fold = −inf: outer is empty (its scale 0, not NaN where m is −inf too)."""
+    scale = gl.where(m_fold == float("-inf"), 0.0, gl.exp2(m_fold - m_i))
+    outer = outer * gl.expand_dims(gl.convert_layout(scale, row_o), 1) + acc
+    return outer, m_i, gl.zeros_like(acc)
+
+
+@gluon.jit
 def _write_rows(acc, m_i, l_i, O, LSE, b, h, bh, stride_ob, stride_oh, stride_on, stride_lse, N, row0, rows, lse_in,
                 HEAD_DIM: gl.constexpr, row_o: gl.constexpr, CONTINUE: gl.constexpr):
     """o = acc / l (in O's dtype) and LSE = m + log2(l) for this consumer's 64 rows (rows past N are not written);
@@ -281,7 +291,7 @@ def _work_item(WORK, index, n_qtiles, BLOCK_M: gl.constexpr, N, N_K, BLOCK_N: gl
 @gluon.jit
 def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, SKIP: gl.constexpr, PERSISTENT: gl.constexpr, WINDOWED: gl.constexpr,
-              DOCS: gl.constexpr, CAUSAL: gl.constexpr, CONTINUE: gl.constexpr):
+              DOCS: gl.constexpr, CAUSAL: gl.constexpr, CONTINUE: gl.constexpr, FOLD: gl.constexpr):
     """Consumer warpgroup ME: for each of this program's items in turn, attention of query rows start_m + 64·ME ...
     + 63 over key tiles 0 .. num_tiles−1. The turn and ring counters run on across items (item i starts at turn
     kv + i: each item before took one turn per key tile and one more), so no barrier is reset. With SKIP, a consumer
@@ -331,6 +341,9 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
         m_i = gl.full([ROWS_PER_CONSUMER], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([ROWS_PER_CONSUMER], gl.float32, layout=gl.SliceLayout(1, s_layout))
         acc = gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], gl.float32, layout=o_layout)
+        if FOLD:  # the sum of the folded chains, under the row max m_fold (see _fold)
+            outer = gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], gl.float32, layout=o_layout)
+            m_fold = gl.full([ROWS_PER_CONSUMER], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
         if CONTINUE:  # the rows' lse over other keys, folded in when they are written (its load has the item to land)
             lse_in = gl.load(LSE + bh.to(gl.int64) * stride_lse + rows, mask=rows < N, other=float("-inf"))
         else:
@@ -352,6 +365,9 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
                                                 (turns + j) & 1, ME, NEXT, STAGES, no_scores, acc, p16, m_i, l_i, rows,
                                                 cols, key0, masked, qk_scale, p_layout, row_o, PACK_P, row_mask, N_K,
                                                 CAUSAL, WINDOWED, DOCS)
+            if FOLD:
+                if j % FOLD == 0:
+                    outer, m_fold, acc = _fold(outer, m_fold, acc, m_i, row_o)
         mbarrier.arrive(q_empty.index(ME), count=1)  # every S of this item has retired: the producer may reload Q
         acc = _last_pv(v_smem, v_ready, turn, kv + my_tiles - 1, (turns + my_tiles) & 1, ME, NEXT, STAGES, acc, p16)
         mbarrier.arrive(kv_empty.index((kv + my_tiles - 1) % STAGES), count=1)
@@ -361,6 +377,8 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
             mbarrier.arrive(turn.index(NEXT), count=1)
             mbarrier.arrive(kv_empty.index((kv + j - 1) % STAGES), count=1)
         kv += num_tiles
+        if FOLD:  # the last chain folded in: acc is the whole row's Σ p·v under m
+            acc, m_fold, outer = _fold(outer, m_fold, acc, m_i, row_o)
         _write_rows(acc, m_i, l_i, O, LSE, (bh // H).to(gl.int64), (bh % H).to(gl.int64), bh, stride_ob, stride_oh,
                     stride_on, stride_lse, N, row0, rows, lse_in, HEAD_DIM, row_o, CONTINUE)
 
@@ -427,7 +445,7 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
                         N_K, HEAD_DIM: gl.constexpr, NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                         SKIP: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr, WINDOWED: gl.constexpr,
-                        DOCS: gl.constexpr, CAUSAL: gl.constexpr, CONTINUE: gl.constexpr):
+                        DOCS: gl.constexpr, CAUSAL: gl.constexpr, CONTINUE: gl.constexpr, FOLD: gl.constexpr = 0):
     """Program p computes items WORK[WORK_START[p] : WORK_START[p+1]] (item = bh · n_qtiles + query tile): attention
     of one tile of 64·NUM_CONSUMERS of the N query rows of one (batch, head) each over the N_K keys, causal (N_K = N)
     or, without CAUSAL, every key. H: query heads; GQA: K/V head h // group. LSE rows lie stride_lse apart.
@@ -476,20 +494,20 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
     if NUM_CONSUMERS == 2:
         gl.warp_specialize(
             [(_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
-                          WINDOWED, DOCS, CAUSAL, CONTINUE)),
+                          WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD)),
              (_consumer, (shared, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
-                          WINDOWED, DOCS, CAUSAL, CONTINUE)),
+                          WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD)),
              (_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT, GQA, WINDOWED, DOCS,
                           CAUSAL))],
             [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize(
             [(_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
-                          WINDOWED, DOCS, CAUSAL, CONTINUE)),
+                          WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD)),
              (_consumer, (shared, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
-                          WINDOWED, DOCS, CAUSAL, CONTINUE)),
+                          WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD)),
              (_consumer, (shared, gl.constexpr(2), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
-                          WINDOWED, DOCS, CAUSAL, CONTINUE)),
+                          WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD)),
              (_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT, GQA, WINDOWED, DOCS,
                           CAUSAL))],
             [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
