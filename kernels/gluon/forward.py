@@ -169,8 +169,7 @@ def _fold(outer, m_fold, acc, m_i, row_o: gl.constexpr):
     acc, so a chain of many key tiles loses about one fp32 unit per 16 keys, all toward zero (kernels/NOTES.md); this
     addition rounds to nearest. m_fold = −inf: outer is empty (its scale 0, not NaN where m is −inf too)."""
     scale = gl.where(m_fold == float("-inf"), 0.0, gl.exp2(m_fold - m_i))
-    outer = outer * gl.expand_dims(gl.convert_layout(scale, row_o), 1) + acc
-    return outer, m_i, gl.zeros_like(acc)
+    return outer * gl.expand_dims(gl.convert_layout(scale, row_o), 1) + acc
 
 
 @gluon.jit
@@ -300,7 +299,7 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
     all of its keys. Without CAUSAL every key tile, the mask only on a last one that reaches past N_K. CONTINUE:
     the (o, lse) that O and LSE hold over other keys is folded into the rows as they are written (_write_rows)."""
     (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, O, LSE, H, stride_ob, stride_oh,
-     stride_on, stride_lse, N, N_K, qk_scale, WORK, WORK_START, n_qtiles, mask, stride_ids) = shared
+     stride_on, stride_lse, N, N_K, qk_scale, WORK, WORK_START, n_qtiles, mask, stride_ids, fold_smem) = shared
     first, count = program_items(WORK_START, PERSISTENT)
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * ROWS_PER_CONSUMER
     s_layout: gl.constexpr = mma_layout(BLOCK_N, 4)
@@ -341,8 +340,9 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
         m_i = gl.full([ROWS_PER_CONSUMER], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([ROWS_PER_CONSUMER], gl.float32, layout=gl.SliceLayout(1, s_layout))
         acc = gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], gl.float32, layout=o_layout)
-        if FOLD:  # the sum of the folded chains, under the row max m_fold (see _fold)
-            outer = gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], gl.float32, layout=o_layout)
+        if FOLD:  # the sum of the folded chains, in shared memory, under the row max m_fold (see _fold)
+            outer = fold_smem.index(ME)
+            outer.store(gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], gl.float32, layout=o_layout))
             m_fold = gl.full([ROWS_PER_CONSUMER], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
         if CONTINUE:  # the rows' lse over other keys, folded in when they are written (its load has the item to land)
             lse_in = gl.load(LSE + bh.to(gl.int64) * stride_lse + rows, mask=rows < N, other=float("-inf"))
@@ -367,7 +367,9 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
                                                 CAUSAL, WINDOWED, DOCS)
             if FOLD:
                 if j % FOLD == 0:
-                    outer, m_fold, acc = _fold(outer, m_fold, acc, m_i, row_o)
+                    outer.store(_fold(outer.load(o_layout), m_fold, acc, m_i, row_o))
+                    m_fold = m_i
+                    acc = gl.zeros_like(acc)
         mbarrier.arrive(q_empty.index(ME), count=1)  # every S of this item has retired: the producer may reload Q
         acc = _last_pv(v_smem, v_ready, turn, kv + my_tiles - 1, (turns + my_tiles) & 1, ME, NEXT, STAGES, acc, p16)
         mbarrier.arrive(kv_empty.index((kv + my_tiles - 1) % STAGES), count=1)
@@ -378,7 +380,7 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
             mbarrier.arrive(kv_empty.index((kv + j - 1) % STAGES), count=1)
         kv += num_tiles
         if FOLD:  # the last chain folded in: acc is the whole row's Σ p·v under m
-            acc, m_fold, outer = _fold(outer, m_fold, acc, m_i, row_o)
+            acc = _fold(outer.load(o_layout), m_fold, acc, m_i, row_o)
         _write_rows(acc, m_i, l_i, O, LSE, (bh // H).to(gl.int64), (bh % H).to(gl.int64), bh, stride_ob, stride_oh,
                     stride_on, stride_lse, N, row0, rows, lse_in, HEAD_DIM, row_o, CONTINUE)
 
@@ -486,8 +488,14 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
     # the rows' own document ids (the 0) are filled in per item by the consumers
     mask = (window, 0, IDS, DOC_STARTS, DOC_ENDS, N)
 
+    if FOLD:  # each consumer's folded sum (kernels/NOTES.md): in shared memory, so the loop holds no more registers
+        fold_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        fold_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, ROWS_PER_CONSUMER, HEAD_DIM], fold_layout)
+    else:
+        fold_smem = q_smem  # unused
     shared = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, O, LSE, H, stride_ob,
-              stride_oh, stride_on, stride_lse, N, N_K, qk_scale, WORK, WORK_START, n_qtiles, mask, stride_ids)
+              stride_oh, stride_on, stride_lse, N, N_K, qk_scale, WORK, WORK_START, n_qtiles, mask, stride_ids,
+              fold_smem)
     loads = (Q, K, V, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
              q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, H, N, N_K, WORK, WORK_START,
              n_qtiles, mask, stride_ids, group)
