@@ -68,7 +68,9 @@ def table_variants() -> list[Variant]:
                      CONSUMER_REGS=common.CONSUMER_REGS[consumers], PRODUCER_REGS=common.PRODUCER_REGS,
                      SKIP=causal and cfg.persistent and fwd.consumers_can_stop_early(consumers, cfg.block_n),
                      PERSISTENT=cfg.persistent, GQA=False, WINDOWED=False, DOCS=False, CAUSAL=causal,
-                     CONTINUE=False)
+                     CONTINUE=False, FOLD=0)
+            # long rows fold their accumulator (gluon/forward.py FOLD_TILES), with two stages at head_dim 128
+            folded = dict(c, FOLD=fwd.FOLD_TILES, STAGES=min(cfg.num_stages, 2) if d == 128 else cfg.num_stages)
             kernel = fwd.pingpong_fwd_kernel  # one kernel; plain and persistent differ in their work lists
             if masks:  # the masked launch (launch_forward_masked): a plain grid or persistent, GQA, windows, documents
                 masked = dict(c, SKIP=False, PERSISTENT=False, GQA=True, WINDOWED=True, DOCS=True)
@@ -79,6 +81,8 @@ def table_variants() -> list[Variant]:
                 continue
             name = f"fwd {mode} D{d} C{consumers}" if causal else f"fwd non-causal {mode} D{d} C{consumers}"
             out.append(Variant(name, kernel, c))
+            out.append(Variant(f"{name} fold", kernel, folded))
+            out.append(Variant(f"{name} continue fold", kernel, dict(folded, CONTINUE=True), fp32=("O",)))
             if consumers == 3 and causal:
                 out.append(Variant(f"{name} fp16", kernel, c, "fp16"))
             if causal:

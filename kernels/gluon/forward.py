@@ -55,6 +55,11 @@ from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, head_row
 from minigpt_kernels.gluon.schedule import MASKED_PERSISTENT_WAVES, device_one_each, device_schedule, sm_count
 
 ROWS_PER_CONSUMER = gl.constexpr(64)  # query rows per consumer warpgroup: the M of one wgmma
+# The tensor cores truncate as they add P·V into the fp32 accumulator: over a row of L keys o shrinks by about
+# L/16 fp32 units (3e-3 at 1M keys, kernels/NOTES.md). From FOLD_FROM_KEYS keys on, the accumulator is folded into a
+# round-to-nearest fp32 sum in shared memory every FOLD_TILES key tiles (chains of 2K keys: under 1e-5).
+FOLD_TILES = 16
+FOLD_FROM_KEYS = 32768
 
 
 @gluon.jit
@@ -161,6 +166,28 @@ def _last_pv(v_smem, v_ready, turn, t, turn_phase, ME: gl.constexpr, NEXT: gl.co
     mbarrier.arrive(turn.index(NEXT), count=1)
     acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
     return acc
+
+
+@gluon.jit
+def _key_tiles(j0, j1, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, kv, turns, ME: gl.constexpr,
+               NEXT: gl.constexpr, STAGES: gl.constexpr, no_scores, acc, p16, m_i, l_i, rows, cols, first_tile, full_lo,
+               full_hi, full_tiles, qk_scale, p_layout: gl.constexpr, row_o: gl.constexpr, PACK_P: gl.constexpr,
+               row_mask, N_K, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOWED: gl.constexpr,
+               DOCS: gl.constexpr):
+    """Key tiles j0 .. j1 − 1 of an item (ring positions kv + j): one _pingpong_step each."""
+    for j in range(j0, j1):
+        key0 = (first_tile + j) * BLOCK_N
+        if WINDOWED or DOCS:
+            masked = _needs_mask(key0, full_lo, full_hi, BLOCK_N)
+        elif CAUSAL:
+            masked = j >= full_tiles
+        else:
+            masked = key0 + BLOCK_N > N_K
+        acc, p16, m_i, l_i = _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, kv + j,
+                                            (turns + j) & 1, ME, NEXT, STAGES, no_scores, acc, p16, m_i, l_i, rows,
+                                            cols, key0, masked, qk_scale, p_layout, row_o, PACK_P, row_mask, N_K,
+                                            CAUSAL, WINDOWED, DOCS)
+    return acc, p16, m_i, l_i
 
 
 @gluon.jit
@@ -353,23 +380,24 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
         p16, m_i, l_i = _first_scores(q, k_smem, k_ready, turn, kv, turns & 1, ME, NEXT, STAGES, no_scores, m_i, l_i,
                                       rows, cols, first_tile * BLOCK_N, masked0, qk_scale, p_layout, PACK_P, row_mask,
                                       N_K, CAUSAL, WINDOWED, DOCS)
-        for j in range(1, my_tiles):  # this consumer's own key tiles
-            key0 = (first_tile + j) * BLOCK_N
-            if WINDOWED or DOCS:
-                masked = _needs_mask(key0, full_lo, full_hi, BLOCK_N)
-            elif CAUSAL:
-                masked = j >= full_tiles
-            else:
-                masked = key0 + BLOCK_N > N_K
-            acc, p16, m_i, l_i = _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, kv + j,
-                                                (turns + j) & 1, ME, NEXT, STAGES, no_scores, acc, p16, m_i, l_i, rows,
-                                                cols, key0, masked, qk_scale, p_layout, row_o, PACK_P, row_mask, N_K,
-                                                CAUSAL, WINDOWED, DOCS)
-            if FOLD:
-                if j % FOLD == 0:
-                    outer.store(_fold(outer.load(o_layout), m_fold, acc, m_i, row_o))
-                    m_fold = m_i
-                    acc = gl.zeros_like(acc)
+        if not (WINDOWED or DOCS):  # only the masked spans read these
+            full_lo = full_tiles
+            full_hi = full_tiles
+        if FOLD:  # chains of FOLD key tiles, each folded into `outer` (kernels/NOTES.md), the loop itself unchanged
+            for j0 in range(1, my_tiles, FOLD):
+                acc, p16, m_i, l_i = _key_tiles(j0, gl.minimum(j0 + FOLD, my_tiles), q, k_smem, v_smem, k_ready,
+                                                v_ready, kv_empty, turn, kv, turns, ME, NEXT, STAGES, no_scores, acc,
+                                                p16, m_i, l_i, rows, cols, first_tile, full_lo, full_hi, full_tiles,
+                                                qk_scale, p_layout, row_o, PACK_P, row_mask, N_K, BLOCK_N, CAUSAL,
+                                                WINDOWED, DOCS)
+                outer.store(_fold(outer.load(o_layout), m_fold, acc, m_i, row_o))
+                m_fold = m_i
+                acc = gl.zeros_like(acc)
+        else:
+            acc, p16, m_i, l_i = _key_tiles(1, my_tiles, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, kv,
+                                            turns, ME, NEXT, STAGES, no_scores, acc, p16, m_i, l_i, rows, cols,
+                                            first_tile, full_lo, full_hi, full_tiles, qk_scale, p_layout, row_o,
+                                            PACK_P, row_mask, N_K, BLOCK_N, CAUSAL, WINDOWED, DOCS)
         mbarrier.arrive(q_empty.index(ME), count=1)  # every S of this item has retired: the producer may reload Q
         acc = _last_pv(v_smem, v_ready, turn, kv + my_tiles - 1, (turns + my_tiles) & 1, ME, NEXT, STAGES, acc, p16)
         mbarrier.arrive(kv_empty.index((kv + my_tiles - 1) % STAGES), count=1)
@@ -538,6 +566,9 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: f
     masks = window is not None or document_ids is not None
     if masks and not (causal and not accumulate):
         raise ValueError("the Gluon forward takes windows and document ids in causal fresh launches only")
+    fold = FOLD_TILES if k.shape[2] >= FOLD_FROM_KEYS else 0
+    if fold and D == 128:  # the folded sums (2 × 32 KB) fit beside two K/V stages, not three
+        stages = min(stages, 2)
     skip = persistent and causal and not masks and consumers_can_stop_early(consumers, block_n)
     if skip and stages < 2:  # a consumer past its diagonal releases a ring buffer the others finished two tiles before
         raise ValueError(f"the persistent forward with {consumers} consumers needs at least 2 stages, got {stages}")
@@ -558,7 +589,8 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: f
         N if stride_lse is None else stride_lse, k.shape[2],
         HEAD_DIM=D, NUM_CONSUMERS=consumers, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
         PRODUCER_REGS=PRODUCER_REGS, SKIP=skip, PERSISTENT=persistent, GQA=k.shape[1] != H,
-        WINDOWED=window is not None, DOCS=document_ids is not None, CAUSAL=causal, CONTINUE=accumulate, num_warps=4)
+        WINDOWED=window is not None, DOCS=document_ids is not None, CAUSAL=causal, CONTINUE=accumulate, FOLD=fold,
+        num_warps=4)
 
 
 def launch_forward_pingpong(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float, consumers: int,
