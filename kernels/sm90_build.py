@@ -29,7 +29,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from minigpt_kernels.dispatch import TABLE
+from minigpt_kernels.dispatch import FOLD_FROM_KEYS, TABLE, fold_tiles
 from minigpt_kernels.gluon import backward as bwd
 from minigpt_kernels.gluon import common
 from minigpt_kernels.gluon import forward as fwd
@@ -69,8 +69,8 @@ def table_variants() -> list[Variant]:
                      SKIP=causal and cfg.persistent and fwd.consumers_can_stop_early(consumers, cfg.block_n),
                      PERSISTENT=cfg.persistent, GQA=False, WINDOWED=False, DOCS=False, CAUSAL=causal,
                      CONTINUE=False, FOLD=0)
-            # long rows fold their accumulator (gluon/forward.py FOLD_TILES), with two stages at head_dim 128
-            folded = dict(c, FOLD=fwd.FOLD_TILES, STAGES=min(cfg.num_stages, 2) if d == 128 else cfg.num_stages)
+            # long rows fold their accumulator (dispatch.fold_tiles), with two stages at head_dim 128
+            folded = dict(c, FOLD=fold_tiles(FOLD_FROM_KEYS, cfg.block_n), STAGES=min(cfg.num_stages, 2) if d == 128 else cfg.num_stages)
             kernel = fwd.pingpong_fwd_kernel  # one kernel; plain and persistent differ in their work lists
             if masks:  # the masked launch (launch_forward_masked): a plain grid or persistent, GQA, windows, documents
                 masked = dict(c, SKIP=False, PERSISTENT=False, GQA=True, WINDOWED=True, DOCS=True)

@@ -52,14 +52,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, head_rows, mma_layout, program_items,
                                           tma_load)
+from minigpt_kernels.dispatch import fold_tiles
 from minigpt_kernels.gluon.schedule import MASKED_PERSISTENT_WAVES, device_one_each, device_schedule, sm_count
 
 ROWS_PER_CONSUMER = gl.constexpr(64)  # query rows per consumer warpgroup: the M of one wgmma
-# The tensor cores truncate as they add P·V into the fp32 accumulator: over a row of L keys o shrinks by about
-# L/16 fp32 units (3e-3 at 1M keys, kernels/NOTES.md). From FOLD_FROM_KEYS keys on, the accumulator is folded into a
-# round-to-nearest fp32 sum in shared memory every FOLD_TILES key tiles (chains of 2K keys: under 1e-5).
-FOLD_TILES = 16
-FOLD_FROM_KEYS = 32768
 
 
 @gluon.jit
@@ -566,7 +562,7 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: f
     masks = window is not None or document_ids is not None
     if masks and not (causal and not accumulate):
         raise ValueError("the Gluon forward takes windows and document ids in causal fresh launches only")
-    fold = FOLD_TILES if k.shape[2] >= FOLD_FROM_KEYS else 0
+    fold = fold_tiles(k.shape[2], block_n)  # the accumulator folded in shared memory (dispatch.FOLD_KEYS)
     if fold and D == 128:  # the folded sums (2 × 32 KB) fit beside two K/V stages, not three
         stages = min(stages, 2)
     skip = persistent and causal and not masks and consumers_can_stop_early(consumers, block_n)
