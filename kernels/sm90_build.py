@@ -70,7 +70,8 @@ def table_variants() -> list[Variant]:
                      PERSISTENT=cfg.persistent, GQA=False, WINDOWED=False, DOCS=False, CAUSAL=causal,
                      CONTINUE=False, FOLD=0)
             # long rows fold their accumulator (dispatch.fold_tiles), with two stages at head_dim 128
-            folded = dict(c, FOLD=fold_tiles(FOLD_FROM_KEYS, cfg.block_n), STAGES=min(cfg.num_stages, 2) if d == 128 else cfg.num_stages)
+            folded = dict(c, FOLD=fold_tiles(FOLD_FROM_KEYS, cfg.block_n),
+                          STAGES=min(cfg.num_stages, 2) if d == 128 else cfg.num_stages)
             kernel = fwd.pingpong_fwd_kernel  # one kernel; plain and persistent differ in their work lists
             if masks:  # the masked launch (launch_forward_masked): a plain grid or persistent, GQA, windows, documents
                 masked = dict(c, SKIP=False, PERSISTENT=False, GQA=True, WINDOWED=True, DOCS=True)
@@ -78,6 +79,10 @@ def table_variants() -> list[Variant]:
                 out.append(Variant(f"fwd masked D{d} C{consumers} fp32 o", kernel, masked, fp32=("O",)))
                 out.append(Variant(f"fwd masked persistent D{d} C{consumers}", kernel,  # a window alone
                                    dict(masked, PERSISTENT=True, DOCS=False)))
+                masked_folded = dict(masked, FOLD=folded["FOLD"], STAGES=folded["STAGES"])
+                out.append(Variant(f"fwd masked D{d} C{consumers} fold", kernel, masked_folded))
+                out.append(Variant(f"fwd masked persistent D{d} C{consumers} fold", kernel,
+                                   dict(masked_folded, PERSISTENT=True, DOCS=False)))
                 continue
             name = f"fwd {mode} D{d} C{consumers}" if causal else f"fwd non-causal {mode} D{d} C{consumers}"
             out.append(Variant(name, kernel, c))

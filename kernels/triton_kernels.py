@@ -391,18 +391,19 @@ def fwd_kernel(Q, K, V, O, LSE,
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s − m)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # running unnormalized output
 
-    if MASKS:  # masked tiles at both ends of the span, full ones between
+    if MASKS:  # masked tiles at both ends of the span, full ones between; each part in chains (a document's head
+        # span can be long: a query tile that straddles a boundary sees its whole earlier document there)
         first, full_lo, full_hi, hi = _key_span(start_m, N_Q, N_K, shift, window, q_ids, k_ids, steps, CAUSAL,
                                                 WINDOWED, DOCS, BLOCK_M, BLOCK_N)
-        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, first, full_lo,
-                                   N_K, qk_scale, q_doc, k_ids, shift, window, counts, True, CAUSAL, BLOCK_M, BLOCK_N,
-                                   INT64_OFFSETS, TMA, MASKS, WINDOWED, DOCS, COUNT)
+        acc, l_i, m_i = _fwd_chains(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, first, full_lo,
+                                    N_K, qk_scale, q_doc, k_ids, shift, window, counts, True, CAUSAL, BLOCK_M,
+                                    BLOCK_N, INT64_OFFSETS, TMA, MASKS, WINDOWED, DOCS, COUNT, FOLD)
         acc, l_i, m_i = _fwd_chains(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, full_lo, full_hi,
                                     N_K, qk_scale, q_doc, k_ids, shift, window, counts, False, CAUSAL, BLOCK_M,
                                     BLOCK_N, INT64_OFFSETS, TMA, MASKS, WINDOWED, DOCS, COUNT, FOLD)
-        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, full_hi, hi,
-                                   N_K, qk_scale, q_doc, k_ids, shift, window, counts, True, CAUSAL, BLOCK_M, BLOCK_N,
-                                   INT64_OFFSETS, TMA, MASKS, WINDOWED, DOCS, COUNT)
+        acc, l_i, m_i = _fwd_chains(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, full_hi, hi,
+                                    N_K, qk_scale, q_doc, k_ids, shift, window, counts, True, CAUSAL, BLOCK_M,
+                                    BLOCK_N, INT64_OFFSETS, TMA, MASKS, WINDOWED, DOCS, COUNT, FOLD)
         l_i = tl.where(l_i == 0.0, 1.0, l_i)  # a row that saw no key: o = 0, lse = m = −inf
     else:
         if CAUSAL:  # key tiles wholly before the query tile are fully visible; the rest, to the diagonal, get the mask
@@ -711,7 +712,8 @@ def bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, O,
     counts = COUNTS + (bh * tl.cdiv(N_Q, BLOCK_M) + pid_m) * tl.cdiv(N_K, BLOCK_N)
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if MASKS:  # masked tiles at both ends of the span, full ones between
+    if MASKS:  # masked tiles at both ends of the span, full ones between; each part in chains (a document's head
+        # span can be long: a query tile that straddles a boundary sees its whole earlier document there)
         first, full_lo, full_hi, hi = _key_span(start_m, N_Q, N_K, shift, window, q_ids, k_ids, steps, CAUSAL,
                                                 WINDOWED, DOCS, BLOCK_M, BLOCK_N)
         dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, first, full_lo, N_K,
