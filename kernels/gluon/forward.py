@@ -8,7 +8,8 @@ waiting on its own matmuls. Here one program owns 64·NUM_CONSUMERS query rows a
 (`gl.warp_specialize`):
 
 - one producer warp streams the key/value tiles K_j, V_j through a ring of STAGES shared-memory buffers with TMA
-  (k_ready[s] / v_ready[s]: the copy landed; kv_empty[s]: every consumer is done with the buffer);
+  (k_ready[s] / v_ready[s]: the copy landed; k_empty[s] / v_empty[s]: every consumer is done with it; K_j is
+  released as soon as S_j retires, a step before V_j, so the next K copies start a step earlier);
 - NUM_CONSUMERS consumer warpgroups own 64 query rows each and take turns at the tensor cores, ordered by one
   mbarrier per consumer (turn[c] completes when consumer c may issue its matmuls). At its turn a consumer issues
   S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} together and hands the turn on; it then computes the softmax of S_j while
@@ -111,9 +112,9 @@ def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, PACK_BY_HAND: gl.
 
 
 @gluon.jit
-def _first_scores(q, k_smem, k_ready, turn, t, turn_phase, ME: gl.constexpr, NEXT: gl.constexpr, STAGES: gl.constexpr,
-                  no_scores, m_i, l_i, rows, cols, key0, masked, qk_scale, p_layout: gl.constexpr, PACK_P: gl.constexpr,
-                  mask, n_keys, CAUSAL: gl.constexpr, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
+def _first_scores(q, k_smem, k_ready, k_empty, turn, t, turn_phase, ME: gl.constexpr, NEXT: gl.constexpr,
+                  STAGES: gl.constexpr, no_scores, m_i, l_i, rows, cols, key0, masked, qk_scale, p_layout: gl.constexpr,
+                  PACK_P: gl.constexpr, mask, n_keys, CAUSAL: gl.constexpr, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """A query tile's first key tile (ring position t), at this consumer's turn: S_0 = Q K_0ᵀ alone (there is no P V
     yet), then its softmax. Returns (P_0 in the input dtype as the next matmul's operand, m, l)."""
     mbarrier.wait(turn.index(ME), turn_phase)
@@ -121,13 +122,14 @@ def _first_scores(q, k_smem, k_ready, turn, t, turn_phase, ME: gl.constexpr, NEX
     s = warpgroup_mma(q, k_smem.index(t % STAGES).permute((1, 0)), no_scores, use_acc=False, is_async=True)
     mbarrier.arrive(turn.index(NEXT), count=1)
     s = warpgroup_mma_wait(0, deps=(s,))
+    mbarrier.arrive(k_empty.index(t % STAGES), count=1)  # K_0 no longer read by this consumer
     p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale, mask, n_keys, CAUSAL,
                                          WINDOWED, DOCS)
     return _p_operand(p, q.dtype, p_layout, PACK_P), m_i, l_i
 
 
 @gluon.jit
-def _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, t, turn_phase, ME: gl.constexpr,
+def _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, t, turn_phase, ME: gl.constexpr,
                    NEXT: gl.constexpr, STAGES: gl.constexpr, no_scores, acc, p16, m_i, l_i, rows, cols, key0, masked,
                    qk_scale, p_layout: gl.constexpr, row_o: gl.constexpr, PACK_P: gl.constexpr, mask, n_keys,
                    CAUSAL: gl.constexpr, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
@@ -143,10 +145,11 @@ def _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, t, turn_
     acc = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
     mbarrier.arrive(turn.index(NEXT), count=1)
     s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
+    mbarrier.arrive(k_empty.index(stage), count=1)  # K_j no longer read by this consumer
     p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale, mask, n_keys, CAUSAL,
                                          WINDOWED, DOCS)
     acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
-    mbarrier.arrive(kv_empty.index(prev), count=1)  # K_{j-1} and V_{j-1} no longer read by this consumer
+    mbarrier.arrive(v_empty.index(prev), count=1)  # nor V_{j-1}
     # acc = α·acc: what P_{j-1} V_{j-1} added was under the old max, as was the rest
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
     return acc, _p_operand(p, q.dtype, p_layout, PACK_P), m_i, l_i
@@ -165,7 +168,7 @@ def _last_pv(v_smem, v_ready, turn, t, turn_phase, ME: gl.constexpr, NEXT: gl.co
 
 
 @gluon.jit
-def _key_tiles(j0, j1, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, kv, turns, ME: gl.constexpr,
+def _key_tiles(j0, j1, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, kv, turns, ME: gl.constexpr,
                NEXT: gl.constexpr, STAGES: gl.constexpr, no_scores, acc, p16, m_i, l_i, rows, cols, first_tile, full_lo,
                full_hi, full_tiles, qk_scale, p_layout: gl.constexpr, row_o: gl.constexpr, PACK_P: gl.constexpr,
                row_mask, N_K, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOWED: gl.constexpr,
@@ -179,7 +182,7 @@ def _key_tiles(j0, j1, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, kv, 
             masked = j >= full_tiles
         else:
             masked = key0 + BLOCK_N > N_K
-        acc, p16, m_i, l_i = _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, kv + j,
+        acc, p16, m_i, l_i = _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, kv + j,
                                             (turns + j) & 1, ME, NEXT, STAGES, no_scores, acc, p16, m_i, l_i, rows,
                                             cols, key0, masked, qk_scale, p_layout, row_o, PACK_P, row_mask, N_K,
                                             CAUSAL, WINDOWED, DOCS)
@@ -321,8 +324,9 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
     tiles run from the item's first one (_work_item) and each gets the mask unless all of this consumer's rows see
     all of its keys. Without CAUSAL every key tile, the mask only on a last one that reaches past N_K. CONTINUE:
     the (o, lse) that O and LSE hold over other keys is folded into the rows as they are written (_write_rows)."""
-    (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, O, LSE, H, stride_ob, stride_oh,
-     stride_on, stride_lse, N, N_K, qk_scale, WORK, WORK_START, n_qtiles, mask, stride_ids, fold_smem) = shared
+    (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, O, LSE, H, stride_ob,
+     stride_oh, stride_on, stride_lse, N, N_K, qk_scale, WORK, WORK_START, n_qtiles, mask, stride_ids,
+     fold_smem) = shared
     first, count = program_items(WORK_START, PERSISTENT)
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * ROWS_PER_CONSUMER
     s_layout: gl.constexpr = mma_layout(BLOCK_N, 4)
@@ -373,16 +377,17 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
             lse_in = m_i
         mbarrier.wait(q_ready.index(ME), i & 1)
 
-        p16, m_i, l_i = _first_scores(q, k_smem, k_ready, turn, kv, turns & 1, ME, NEXT, STAGES, no_scores, m_i, l_i,
-                                      rows, cols, first_tile * BLOCK_N, masked0, qk_scale, p_layout, PACK_P, row_mask,
-                                      N_K, CAUSAL, WINDOWED, DOCS)
+        p16, m_i, l_i = _first_scores(q, k_smem, k_ready, k_empty, turn, kv, turns & 1, ME, NEXT, STAGES, no_scores,
+                                      m_i, l_i, rows, cols, first_tile * BLOCK_N, masked0, qk_scale, p_layout, PACK_P,
+                                      row_mask, N_K, CAUSAL, WINDOWED, DOCS)
         if not (WINDOWED or DOCS):  # only the masked spans read these
             full_lo = full_tiles
             full_hi = full_tiles
         if FOLD:  # chains of FOLD key tiles, each folded into `outer` (kernels/NOTES.md), the loop itself unchanged
             for j0 in range(1, my_tiles, FOLD):
                 acc, p16, m_i, l_i = _key_tiles(j0, gl.minimum(j0 + FOLD, my_tiles), q, k_smem, v_smem, k_ready,
-                                                v_ready, kv_empty, turn, kv, turns, ME, NEXT, STAGES, no_scores, acc,
+                                                v_ready, k_empty, v_empty, turn, kv, turns, ME, NEXT, STAGES,
+                                                no_scores, acc,
                                                 p16, m_i, l_i, rows, cols, first_tile, full_lo, full_hi, full_tiles,
                                                 qk_scale, p_layout, row_o, PACK_P, row_mask, N_K, BLOCK_N, CAUSAL,
                                                 WINDOWED, DOCS)
@@ -390,18 +395,19 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
                 m_fold = m_i
                 acc = gl.zeros_like(acc)
         else:
-            acc, p16, m_i, l_i = _key_tiles(1, my_tiles, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, kv,
-                                            turns, ME, NEXT, STAGES, no_scores, acc, p16, m_i, l_i, rows, cols,
+            acc, p16, m_i, l_i = _key_tiles(1, my_tiles, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
+                                            kv, turns, ME, NEXT, STAGES, no_scores, acc, p16, m_i, l_i, rows, cols,
                                             first_tile, full_lo, full_hi, full_tiles, qk_scale, p_layout, row_o,
                                             PACK_P, row_mask, N_K, BLOCK_N, CAUSAL, WINDOWED, DOCS)
         mbarrier.arrive(q_empty.index(ME), count=1)  # every S of this item has retired: the producer may reload Q
         acc = _last_pv(v_smem, v_ready, turn, kv + my_tiles - 1, (turns + my_tiles) & 1, ME, NEXT, STAGES, acc, p16)
-        mbarrier.arrive(kv_empty.index((kv + my_tiles - 1) % STAGES), count=1)
+        mbarrier.arrive(v_empty.index((kv + my_tiles - 1) % STAGES), count=1)
         # key tiles past this consumer's rows: its turns and buffer releases only, so the others stay in step
         for j in range(my_tiles + 1, num_tiles + 1):
             mbarrier.wait(turn.index(ME), (turns + j) & 1)
             mbarrier.arrive(turn.index(NEXT), count=1)
-            mbarrier.arrive(kv_empty.index((kv + j - 1) % STAGES), count=1)
+            mbarrier.arrive(k_empty.index((kv + j - 1) % STAGES), count=1)
+            mbarrier.arrive(v_empty.index((kv + j - 1) % STAGES), count=1)
         kv += num_tiles
         if FOLD:  # the last chain folded in: acc is the whole row's Σ p·v under m
             acc = _fold(outer.load(o_layout), m_fold, acc, m_i, row_o)
@@ -419,8 +425,8 @@ def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_
     loads each consumer's Q once that consumer's last S of the previous item has retired (q_empty), so the next
     item's loads run while the consumers finish the last. GQA: query head h reads K/V head h // group."""
     (Q, K, V, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, H, N, N_K, WORK, WORK_START, n_qtiles,
-     mask, stride_ids, group) = loads
+     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, H, N, N_K, WORK, WORK_START,
+     n_qtiles, mask, stride_ids, group) = loads
     first, count = program_items(WORK_START, PERSISTENT)
     dtype: gl.constexpr = q_smem.dtype
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * ROWS_PER_CONSUMER
@@ -455,9 +461,10 @@ def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_
         for j in range(num_tiles):
             t = kv + j
             stage = t % STAGES
-            mbarrier.wait(kv_empty.index(stage), ((t // STAGES) & 1) ^ 1)
+            mbarrier.wait(k_empty.index(stage), ((t // STAGES) & 1) ^ 1)
             mbarrier.expect(k_ready.index(stage), kv_bytes)
             tma_load(k_desc, [(first_tile + j) * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+            mbarrier.wait(v_empty.index(stage), ((t // STAGES) & 1) ^ 1)
             mbarrier.expect(v_ready.index(stage), kv_bytes)
             tma_load(v_desc, [(first_tile + j) * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
         kv += num_tiles
@@ -499,7 +506,8 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
     turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
@@ -507,7 +515,8 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=NUM_CONSUMERS)
+        mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
     fence_async_shared()
     # the rows' own document ids (the 0) are filled in per item by the consumers
     mask = (window, 0, IDS, DOC_STARTS, DOC_ENDS, N)
@@ -517,12 +526,12 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
         fold_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, ROWS_PER_CONSUMER, HEAD_DIM], fold_layout)
     else:
         fold_smem = q_smem  # unused
-    shared = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, O, LSE, H, stride_ob,
+    shared = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, O, LSE, H, stride_ob,
               stride_oh, stride_on, stride_lse, N, N_K, qk_scale, WORK, WORK_START, n_qtiles, mask, stride_ids,
               fold_smem)
     loads = (Q, K, V, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-             q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, H, N, N_K, WORK, WORK_START,
-             n_qtiles, mask, stride_ids, group)
+             q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, H, N, N_K, WORK,
+             WORK_START, n_qtiles, mask, stride_ids, group)
     if NUM_CONSUMERS == 2:
         gl.warp_specialize(
             [(_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
