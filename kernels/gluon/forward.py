@@ -387,13 +387,16 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
             for j0 in range(1, my_tiles, FOLD):
                 acc, p16, m_i, l_i = _key_tiles(j0, gl.minimum(j0 + FOLD, my_tiles), q, k_smem, v_smem, k_ready,
                                                 v_ready, k_empty, v_empty, turn, kv, turns, ME, NEXT, STAGES,
-                                                no_scores, acc,
-                                                p16, m_i, l_i, rows, cols, first_tile, full_lo, full_hi, full_tiles,
-                                                qk_scale, p_layout, row_o, PACK_P, row_mask, N_K, BLOCK_N, CAUSAL,
-                                                WINDOWED, DOCS)
-                outer.store(_fold(outer.load(o_layout), m_fold, acc, m_i, row_o))
-                m_fold = m_i
-                acc = gl.zeros_like(acc)
+                                                no_scores, acc, p16, m_i, l_i, rows, cols, first_tile, full_lo,
+                                                full_hi, full_tiles, qk_scale, p_layout, row_o, PACK_P, row_mask, N_K,
+                                                BLOCK_N, CAUSAL, WINDOWED, DOCS)
+                # whole chains only: a last, shorter one is folded below with the last P V. Chains then end at fixed
+                # tile indices, so a consumer that stops at its diagonal (SKIP) folds the same sums as one that runs
+                # on over masked tiles (adding zeros): the persistent kernel equals the plain one bitwise
+                if j0 + FOLD <= my_tiles:
+                    outer.store(_fold(outer.load(o_layout), m_fold, acc, m_i, row_o))
+                    m_fold = m_i
+                    acc = gl.zeros_like(acc)
         else:
             acc, p16, m_i, l_i = _key_tiles(1, my_tiles, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
                                             kv, turns, ME, NEXT, STAGES, no_scores, acc, p16, m_i, l_i, rows, cols,
