@@ -33,6 +33,19 @@ import torch
 
 from minigpt_kernels.device import INTERPRET
 
+# The tensor cores truncate as they add P·V into the fp32 accumulator: over a row of L keys o shrinks by about
+# L/8 · 0.36 · 2⁻²⁴ (3e-3 at 1M keys, kernels/NOTES.md). From FOLD_FROM_KEYS keys on, the forwards fold their
+# accumulator into a round-to-nearest fp32 sum every FOLD_KEYS keys (a bias under 1e-5); MINIGPT_FOLD_FROM and
+# MINIGPT_FOLD_KEYS override both (tests run the folds on short rows).
+FOLD_KEYS = int(os.environ.get("MINIGPT_FOLD_KEYS", 2048))
+FOLD_FROM_KEYS = int(os.environ.get("MINIGPT_FOLD_FROM", 32768))
+
+
+def fold_tiles(n_keys: int, block_n: int) -> int:
+    """Key tiles per accumulator chain of a forward over n_keys keys: FOLD_KEYS' worth from FOLD_FROM_KEYS keys on,
+    0 (one chain) below."""
+    return max(1, FOLD_KEYS // block_n) if n_keys >= FOLD_FROM_KEYS else 0
+
 PATH_ENV = "MINIGPT_FLASH_PATH"
 PATHS = ("auto", "triton", "via_ds", "gluon")  # the values PATH_ENV takes
 # The dS path's buffer (B·H·ds_head_elements(N, tile) elements) is at most this many bytes: beyond, the table's row

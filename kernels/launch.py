@@ -39,7 +39,7 @@ import triton
 from torch import Tensor
 
 from minigpt_kernels.device import INTERPRET, capability, strides3, tma_ready, tma_scratch
-from minigpt_kernels.dispatch import PATH_ENV, TileConfig, ds_head_elements, plan
+from minigpt_kernels.dispatch import PATH_ENV, TileConfig, ds_head_elements, fold_tiles, plan
 from minigpt_kernels.triton_kernels import (
     LOG2E, bwd_delta_kernel, bwd_dkdv_kernel, bwd_dq_from_ds_kernel, bwd_dq_kernel, fwd_kernel)
 
@@ -375,8 +375,8 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
     fwd_kernel[grid](q, k, v, o, lse, *strides3(q), *strides3(k), *strides3(v), *strides3(o), _row_stride(lse),
                       H, N_Q, N_K, sm_scale * LOG2E, *margs, CAUSAL=causal, CONTINUE=accumulate, HEAD_DIM=D,
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v),
-                      TMA=_use_tma(cfg, k, v), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                      **mflags, **_reg_cap(cfg))
+                      TMA=_use_tma(cfg, k, v), FOLD=fold_tiles(N_K, cfg.block_n), num_warps=cfg.num_warps,
+                      num_stages=cfg.num_stages, **mflags, **_reg_cap(cfg))
     return o, lse
 
 

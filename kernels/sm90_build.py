@@ -29,7 +29,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from minigpt_kernels.dispatch import TABLE
+from minigpt_kernels.dispatch import FOLD_FROM_KEYS, TABLE, fold_tiles
 from minigpt_kernels.gluon import backward as bwd
 from minigpt_kernels.gluon import common
 from minigpt_kernels.gluon import forward as fwd
@@ -68,7 +68,10 @@ def table_variants() -> list[Variant]:
                      CONSUMER_REGS=common.CONSUMER_REGS[consumers], PRODUCER_REGS=common.PRODUCER_REGS,
                      SKIP=causal and cfg.persistent and fwd.consumers_can_stop_early(consumers, cfg.block_n),
                      PERSISTENT=cfg.persistent, GQA=False, WINDOWED=False, DOCS=False, CAUSAL=causal,
-                     CONTINUE=False)
+                     CONTINUE=False, FOLD=0)
+            # long rows fold their accumulator (dispatch.fold_tiles), with two stages at head_dim 128
+            folded = dict(c, FOLD=fold_tiles(FOLD_FROM_KEYS, cfg.block_n),
+                          STAGES=min(cfg.num_stages, 2) if d == 128 else cfg.num_stages)
             kernel = fwd.pingpong_fwd_kernel  # one kernel; plain and persistent differ in their work lists
             if masks:  # the masked launch (launch_forward_masked): a plain grid or persistent, GQA, windows, documents
                 masked = dict(c, SKIP=False, PERSISTENT=False, GQA=True, WINDOWED=True, DOCS=True)
@@ -76,9 +79,15 @@ def table_variants() -> list[Variant]:
                 out.append(Variant(f"fwd masked D{d} C{consumers} fp32 o", kernel, masked, fp32=("O",)))
                 out.append(Variant(f"fwd masked persistent D{d} C{consumers}", kernel,  # a window alone
                                    dict(masked, PERSISTENT=True, DOCS=False)))
+                masked_folded = dict(masked, FOLD=folded["FOLD"], STAGES=folded["STAGES"])
+                out.append(Variant(f"fwd masked D{d} C{consumers} fold", kernel, masked_folded))
+                out.append(Variant(f"fwd masked persistent D{d} C{consumers} fold", kernel,
+                                   dict(masked_folded, PERSISTENT=True, DOCS=False)))
                 continue
             name = f"fwd {mode} D{d} C{consumers}" if causal else f"fwd non-causal {mode} D{d} C{consumers}"
             out.append(Variant(name, kernel, c))
+            out.append(Variant(f"{name} fold", kernel, folded))
+            out.append(Variant(f"{name} continue fold", kernel, dict(folded, CONTINUE=True), fp32=("O",)))
             if consumers == 3 and causal:
                 out.append(Variant(f"{name} fp16", kernel, c, "fp16"))
             if causal:

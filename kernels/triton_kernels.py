@@ -309,6 +309,32 @@ def _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, lo
 
 
 @triton.jit
+def _fwd_chains(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, lo, hi, N_K, qk_scale,
+                q_doc, k_ids, shift, window, counts,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr, MASKS: tl.constexpr, WINDOWED: tl.constexpr,
+                DOCS: tl.constexpr, COUNT: tl.constexpr, FOLD: tl.constexpr):
+    """_fwd_tiles over [lo, hi), in chains of FOLD key tiles: each chain starts from a zero accumulator, and its sum
+    is added to the running one on the CUDA cores, rounding to nearest. The tensor cores' accumulator truncates, so
+    one long chain shrinks o in proportion to its keys (kernels/NOTES.md); FOLD = 0: one chain."""
+    if FOLD == 0:
+        return _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, lo, hi, N_K, qk_scale,
+                          q_doc, k_ids, shift, window, counts, MASKED, CAUSAL, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA,
+                          MASKS, WINDOWED, DOCS, COUNT)
+    outer, m_fold = acc, m_i  # the sum so far, under the row max m_fold
+    for c0 in range(lo, hi, FOLD * BLOCK_N):
+        chain, l_i, m_i = _fwd_tiles(tl.zeros_like(acc), l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m,
+                                     c0, tl.minimum(c0 + FOLD * BLOCK_N, hi), N_K, qk_scale, q_doc, k_ids, shift,
+                                     window, counts, MASKED, CAUSAL, BLOCK_M, BLOCK_N, INT64_OFFSETS, TMA, MASKS,
+                                     WINDOWED, DOCS, COUNT)
+        # outer · 2^(m_fold − m) + chain under the new max (0 where nothing was seen before: no exp2(−inf + inf))
+        scale = tl.where(m_fold == float("-inf"), 0.0, tl.math.exp2(m_fold - m_i))
+        outer = outer * scale[:, None] + chain
+        m_fold = m_i
+    return outer, l_i, m_i
+
+
+@triton.jit
 def fwd_kernel(Q, K, V, O, LSE,
                 stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                 stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on, stride_lse,
@@ -316,7 +342,8 @@ def fwd_kernel(Q, K, V, O, LSE,
                 Q_IDS, K_IDS, stride_qids, stride_kids, shift, window, steps, COUNTS,
                 CAUSAL: tl.constexpr, CONTINUE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, INT64_OFFSETS: tl.constexpr, TMA: tl.constexpr, GROUP: tl.constexpr,
-                MASKS: tl.constexpr, WINDOWED: tl.constexpr, DOCS: tl.constexpr, COUNT: tl.constexpr):
+                MASKS: tl.constexpr, WINDOWED: tl.constexpr, DOCS: tl.constexpr, COUNT: tl.constexpr,
+                FOLD: tl.constexpr = 0):
     """One query tile of N_Q rows against N_K keys (N_Q == N_K when CAUSAL without MASKS). LSE rows are stride_lse
     apart. CONTINUE: (O, LSE) hold an fp32 partial result over other keys, continued here and overwritten.
     GROUP: query heads per K/V head (GQA; head h reads K/V head h // GROUP). MASKS: the key span comes from
@@ -364,18 +391,19 @@ def fwd_kernel(Q, K, V, O, LSE,
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s − m)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # running unnormalized output
 
-    if MASKS:  # masked tiles at both ends of the span, full ones between
+    if MASKS:  # masked tiles at both ends of the span, full ones between; each part in chains (a document's head
+        # span can be long: a query tile that straddles a boundary sees its whole earlier document there)
         first, full_lo, full_hi, hi = _key_span(start_m, N_Q, N_K, shift, window, q_ids, k_ids, steps, CAUSAL,
                                                 WINDOWED, DOCS, BLOCK_M, BLOCK_N)
-        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, first, full_lo,
-                                   N_K, qk_scale, q_doc, k_ids, shift, window, counts, True, CAUSAL, BLOCK_M, BLOCK_N,
-                                   INT64_OFFSETS, TMA, MASKS, WINDOWED, DOCS, COUNT)
-        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, full_lo, full_hi,
-                                   N_K, qk_scale, q_doc, k_ids, shift, window, counts, False, CAUSAL, BLOCK_M,
-                                   BLOCK_N, INT64_OFFSETS, TMA, MASKS, WINDOWED, DOCS, COUNT)
-        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, full_hi, hi,
-                                   N_K, qk_scale, q_doc, k_ids, shift, window, counts, True, CAUSAL, BLOCK_M, BLOCK_N,
-                                   INT64_OFFSETS, TMA, MASKS, WINDOWED, DOCS, COUNT)
+        acc, l_i, m_i = _fwd_chains(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, first, full_lo,
+                                    N_K, qk_scale, q_doc, k_ids, shift, window, counts, True, CAUSAL, BLOCK_M,
+                                    BLOCK_N, INT64_OFFSETS, TMA, MASKS, WINDOWED, DOCS, COUNT, FOLD)
+        acc, l_i, m_i = _fwd_chains(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, full_lo, full_hi,
+                                    N_K, qk_scale, q_doc, k_ids, shift, window, counts, False, CAUSAL, BLOCK_M,
+                                    BLOCK_N, INT64_OFFSETS, TMA, MASKS, WINDOWED, DOCS, COUNT, FOLD)
+        acc, l_i, m_i = _fwd_chains(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, full_hi, hi,
+                                    N_K, qk_scale, q_doc, k_ids, shift, window, counts, True, CAUSAL, BLOCK_M,
+                                    BLOCK_N, INT64_OFFSETS, TMA, MASKS, WINDOWED, DOCS, COUNT, FOLD)
         l_i = tl.where(l_i == 0.0, 1.0, l_i)  # a row that saw no key: o = 0, lse = m = −inf
     else:
         if CAUSAL:  # key tiles wholly before the query tile are fully visible; the rest, to the diagonal, get the mask
@@ -384,9 +412,9 @@ def fwd_kernel(Q, K, V, O, LSE,
         else:  # all keys visible; only the ragged last tile is masked
             full_hi = (N_K // BLOCK_N) * BLOCK_N
             diag_hi = N_K
-        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, 0, full_hi, N_K,
-                                   qk_scale, q_doc, k_ids, 0, 0, counts, False, CAUSAL, BLOCK_M, BLOCK_N,
-                                   INT64_OFFSETS, TMA, MASKS, WINDOWED, DOCS, COUNT)
+        acc, l_i, m_i = _fwd_chains(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, 0, full_hi, N_K,
+                                    qk_scale, q_doc, k_ids, 0, 0, counts, False, CAUSAL, BLOCK_M, BLOCK_N,
+                                    INT64_OFFSETS, TMA, MASKS, WINDOWED, DOCS, COUNT, FOLD)
         acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, start_m, full_hi, diag_hi,
                                    N_K, qk_scale, q_doc, k_ids, 0, 0, counts, True, CAUSAL, BLOCK_M, BLOCK_N,
                                    INT64_OFFSETS, TMA, MASKS, WINDOWED, DOCS, COUNT)
@@ -684,7 +712,8 @@ def bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, O,
     counts = COUNTS + (bh * tl.cdiv(N_Q, BLOCK_M) + pid_m) * tl.cdiv(N_K, BLOCK_N)
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if MASKS:  # masked tiles at both ends of the span, full ones between
+    if MASKS:  # masked tiles at both ends of the span, full ones between; each part in chains (a document's head
+        # span can be long: a query tile that straddles a boundary sees its whole earlier document there)
         first, full_lo, full_hi, hi = _key_span(start_m, N_Q, N_K, shift, window, q_ids, k_ids, steps, CAUSAL,
                                                 WINDOWED, DOCS, BLOCK_M, BLOCK_N)
         dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, first, full_lo, N_K,

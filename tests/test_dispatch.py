@@ -240,3 +240,12 @@ def test_the_non_causal_forward_takes_the_causal_rows_gluon_tiles_on_sm90():
             p = ask(kernel, d, n, causal=False)
             assert not p.tiles.specialized and (p.dq_tiles is None or not p.dq_tiles.specialized), (kernel, d, n)
     assert ask("fwd", 64, 1023, causal=False).path == "triton"  # below the Gluon rows' lengths
+
+
+def test_forwards_fold_their_accumulator_from_long_rows_on():
+    """Chains of FOLD_KEYS keys from FOLD_FROM_KEYS keys on, one chain below (kernels/NOTES.md, the truncation bias)."""
+    from minigpt_kernels.dispatch import FOLD_FROM_KEYS, FOLD_KEYS, fold_tiles
+
+    assert fold_tiles(FOLD_FROM_KEYS - 1, 128) == 0
+    assert fold_tiles(FOLD_FROM_KEYS, 128) * 128 == FOLD_KEYS == fold_tiles(1 << 20, 64) * 64
+    assert fold_tiles(FOLD_FROM_KEYS, 4096) == 1  # a tile longer than a chain: a fold after every tile

@@ -8,7 +8,8 @@ waiting on its own matmuls. Here one program owns 64·NUM_CONSUMERS query rows a
 (`gl.warp_specialize`):
 
 - one producer warp streams the key/value tiles K_j, V_j through a ring of STAGES shared-memory buffers with TMA
-  (k_ready[s] / v_ready[s]: the copy landed; kv_empty[s]: every consumer is done with the buffer);
+  (k_ready[s] / v_ready[s]: the copy landed; k_empty[s] / v_empty[s]: every consumer is done with it; K_j is
+  released as soon as S_j retires, a step before V_j, so the next K copies start a step earlier);
 - NUM_CONSUMERS consumer warpgroups own 64 query rows each and take turns at the tensor cores, ordered by one
   mbarrier per consumer (turn[c] completes when consumer c may issue its matmuls). At its turn a consumer issues
   S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} together and hands the turn on; it then computes the softmax of S_j while
@@ -52,6 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, head_rows, mma_layout, program_items,
                                           tma_load)
+from minigpt_kernels.dispatch import fold_tiles
 from minigpt_kernels.gluon.schedule import MASKED_PERSISTENT_WAVES, device_one_each, device_schedule, sm_count
 
 ROWS_PER_CONSUMER = gl.constexpr(64)  # query rows per consumer warpgroup: the M of one wgmma
@@ -110,9 +112,9 @@ def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, PACK_BY_HAND: gl.
 
 
 @gluon.jit
-def _first_scores(q, k_smem, k_ready, turn, t, turn_phase, ME: gl.constexpr, NEXT: gl.constexpr, STAGES: gl.constexpr,
-                  no_scores, m_i, l_i, rows, cols, key0, masked, qk_scale, p_layout: gl.constexpr, PACK_P: gl.constexpr,
-                  mask, n_keys, CAUSAL: gl.constexpr, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
+def _first_scores(q, k_smem, k_ready, k_empty, turn, t, turn_phase, ME: gl.constexpr, NEXT: gl.constexpr,
+                  STAGES: gl.constexpr, no_scores, m_i, l_i, rows, cols, key0, masked, qk_scale, p_layout: gl.constexpr,
+                  PACK_P: gl.constexpr, mask, n_keys, CAUSAL: gl.constexpr, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """A query tile's first key tile (ring position t), at this consumer's turn: S_0 = Q K_0ᵀ alone (there is no P V
     yet), then its softmax. Returns (P_0 in the input dtype as the next matmul's operand, m, l)."""
     mbarrier.wait(turn.index(ME), turn_phase)
@@ -120,13 +122,14 @@ def _first_scores(q, k_smem, k_ready, turn, t, turn_phase, ME: gl.constexpr, NEX
     s = warpgroup_mma(q, k_smem.index(t % STAGES).permute((1, 0)), no_scores, use_acc=False, is_async=True)
     mbarrier.arrive(turn.index(NEXT), count=1)
     s = warpgroup_mma_wait(0, deps=(s,))
+    mbarrier.arrive(k_empty.index(t % STAGES), count=1)  # K_0 no longer read by this consumer
     p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale, mask, n_keys, CAUSAL,
                                          WINDOWED, DOCS)
     return _p_operand(p, q.dtype, p_layout, PACK_P), m_i, l_i
 
 
 @gluon.jit
-def _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, t, turn_phase, ME: gl.constexpr,
+def _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, t, turn_phase, ME: gl.constexpr,
                    NEXT: gl.constexpr, STAGES: gl.constexpr, no_scores, acc, p16, m_i, l_i, rows, cols, key0, masked,
                    qk_scale, p_layout: gl.constexpr, row_o: gl.constexpr, PACK_P: gl.constexpr, mask, n_keys,
                    CAUSAL: gl.constexpr, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
@@ -142,10 +145,11 @@ def _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, t, turn_
     acc = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
     mbarrier.arrive(turn.index(NEXT), count=1)
     s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
+    mbarrier.arrive(k_empty.index(stage), count=1)  # K_j no longer read by this consumer
     p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale, mask, n_keys, CAUSAL,
                                          WINDOWED, DOCS)
     acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
-    mbarrier.arrive(kv_empty.index(prev), count=1)  # K_{j-1} and V_{j-1} no longer read by this consumer
+    mbarrier.arrive(v_empty.index(prev), count=1)  # nor V_{j-1}
     # acc = α·acc: what P_{j-1} V_{j-1} added was under the old max, as was the rest
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
     return acc, _p_operand(p, q.dtype, p_layout, PACK_P), m_i, l_i
@@ -161,6 +165,37 @@ def _last_pv(v_smem, v_ready, turn, t, turn_phase, ME: gl.constexpr, NEXT: gl.co
     mbarrier.arrive(turn.index(NEXT), count=1)
     acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
     return acc
+
+
+@gluon.jit
+def _key_tiles(j0, j1, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, kv, turns, ME: gl.constexpr,
+               NEXT: gl.constexpr, STAGES: gl.constexpr, no_scores, acc, p16, m_i, l_i, rows, cols, first_tile, full_lo,
+               full_hi, full_tiles, qk_scale, p_layout: gl.constexpr, row_o: gl.constexpr, PACK_P: gl.constexpr,
+               row_mask, N_K, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOWED: gl.constexpr,
+               DOCS: gl.constexpr):
+    """Key tiles j0 .. j1 − 1 of an item (ring positions kv + j): one _pingpong_step each."""
+    for j in range(j0, j1):
+        key0 = (first_tile + j) * BLOCK_N
+        if WINDOWED or DOCS:
+            masked = _needs_mask(key0, full_lo, full_hi, BLOCK_N)
+        elif CAUSAL:
+            masked = j >= full_tiles
+        else:
+            masked = key0 + BLOCK_N > N_K
+        acc, p16, m_i, l_i = _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, kv + j,
+                                            (turns + j) & 1, ME, NEXT, STAGES, no_scores, acc, p16, m_i, l_i, rows,
+                                            cols, key0, masked, qk_scale, p_layout, row_o, PACK_P, row_mask, N_K,
+                                            CAUSAL, WINDOWED, DOCS)
+    return acc, p16, m_i, l_i
+
+
+@gluon.jit
+def _fold(outer, m_fold, acc, m_i, row_o: gl.constexpr):
+    """outer · 2^(m_fold − m) + acc under the row max m, and a fresh acc: the tensor cores truncate as they add into
+    acc, so a chain of many key tiles loses about one fp32 unit per 16 keys, all toward zero (kernels/NOTES.md); this
+    addition rounds to nearest. m_fold = −inf: outer is empty (its scale 0, not NaN where m is −inf too)."""
+    scale = gl.where(m_fold == float("-inf"), 0.0, gl.exp2(m_fold - m_i))
+    return outer * gl.expand_dims(gl.convert_layout(scale, row_o), 1) + acc
 
 
 @gluon.jit
@@ -281,7 +316,7 @@ def _work_item(WORK, index, n_qtiles, BLOCK_M: gl.constexpr, N, N_K, BLOCK_N: gl
 @gluon.jit
 def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, SKIP: gl.constexpr, PERSISTENT: gl.constexpr, WINDOWED: gl.constexpr,
-              DOCS: gl.constexpr, CAUSAL: gl.constexpr, CONTINUE: gl.constexpr):
+              DOCS: gl.constexpr, CAUSAL: gl.constexpr, CONTINUE: gl.constexpr, FOLD: gl.constexpr):
     """Consumer warpgroup ME: for each of this program's items in turn, attention of query rows start_m + 64·ME ...
     + 63 over key tiles 0 .. num_tiles−1. The turn and ring counters run on across items (item i starts at turn
     kv + i: each item before took one turn per key tile and one more), so no barrier is reset. With SKIP, a consumer
@@ -289,8 +324,9 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
     tiles run from the item's first one (_work_item) and each gets the mask unless all of this consumer's rows see
     all of its keys. Without CAUSAL every key tile, the mask only on a last one that reaches past N_K. CONTINUE:
     the (o, lse) that O and LSE hold over other keys is folded into the rows as they are written (_write_rows)."""
-    (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, O, LSE, H, stride_ob, stride_oh,
-     stride_on, stride_lse, N, N_K, qk_scale, WORK, WORK_START, n_qtiles, mask, stride_ids) = shared
+    (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, O, LSE, H, stride_ob,
+     stride_oh, stride_on, stride_lse, N, N_K, qk_scale, WORK, WORK_START, n_qtiles, mask, stride_ids,
+     fold_smem) = shared
     first, count = program_items(WORK_START, PERSISTENT)
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * ROWS_PER_CONSUMER
     s_layout: gl.constexpr = mma_layout(BLOCK_N, 4)
@@ -331,36 +367,53 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
         m_i = gl.full([ROWS_PER_CONSUMER], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([ROWS_PER_CONSUMER], gl.float32, layout=gl.SliceLayout(1, s_layout))
         acc = gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], gl.float32, layout=o_layout)
+        if FOLD:  # the sum of the folded chains, in shared memory, under the row max m_fold (see _fold)
+            outer = fold_smem.index(ME)
+            outer.store(gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], gl.float32, layout=o_layout))
+            m_fold = gl.full([ROWS_PER_CONSUMER], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
         if CONTINUE:  # the rows' lse over other keys, folded in when they are written (its load has the item to land)
             lse_in = gl.load(LSE + bh.to(gl.int64) * stride_lse + rows, mask=rows < N, other=float("-inf"))
         else:
             lse_in = m_i
         mbarrier.wait(q_ready.index(ME), i & 1)
 
-        p16, m_i, l_i = _first_scores(q, k_smem, k_ready, turn, kv, turns & 1, ME, NEXT, STAGES, no_scores, m_i, l_i,
-                                      rows, cols, first_tile * BLOCK_N, masked0, qk_scale, p_layout, PACK_P, row_mask,
-                                      N_K, CAUSAL, WINDOWED, DOCS)
-        for j in range(1, my_tiles):  # this consumer's own key tiles
-            key0 = (first_tile + j) * BLOCK_N
-            if WINDOWED or DOCS:
-                masked = _needs_mask(key0, full_lo, full_hi, BLOCK_N)
-            elif CAUSAL:
-                masked = j >= full_tiles
-            else:
-                masked = key0 + BLOCK_N > N_K
-            acc, p16, m_i, l_i = _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, kv + j,
-                                                (turns + j) & 1, ME, NEXT, STAGES, no_scores, acc, p16, m_i, l_i, rows,
-                                                cols, key0, masked, qk_scale, p_layout, row_o, PACK_P, row_mask, N_K,
-                                                CAUSAL, WINDOWED, DOCS)
+        p16, m_i, l_i = _first_scores(q, k_smem, k_ready, k_empty, turn, kv, turns & 1, ME, NEXT, STAGES, no_scores,
+                                      m_i, l_i, rows, cols, first_tile * BLOCK_N, masked0, qk_scale, p_layout, PACK_P,
+                                      row_mask, N_K, CAUSAL, WINDOWED, DOCS)
+        if not (WINDOWED or DOCS):  # only the masked spans read these
+            full_lo = full_tiles
+            full_hi = full_tiles
+        if FOLD:  # chains of FOLD key tiles, each folded into `outer` (kernels/NOTES.md), the loop itself unchanged
+            for j0 in range(1, my_tiles, FOLD):
+                acc, p16, m_i, l_i = _key_tiles(j0, gl.minimum(j0 + FOLD, my_tiles), q, k_smem, v_smem, k_ready,
+                                                v_ready, k_empty, v_empty, turn, kv, turns, ME, NEXT, STAGES,
+                                                no_scores, acc, p16, m_i, l_i, rows, cols, first_tile, full_lo,
+                                                full_hi, full_tiles, qk_scale, p_layout, row_o, PACK_P, row_mask, N_K,
+                                                BLOCK_N, CAUSAL, WINDOWED, DOCS)
+                # whole chains only: a last, shorter one is folded below with the last P V. Chains then end at fixed
+                # tile indices, so a consumer that stops at its diagonal (SKIP) folds the same sums as one that runs
+                # on over masked tiles (adding zeros): the persistent kernel equals the plain one bitwise
+                if j0 + FOLD <= my_tiles:
+                    outer.store(_fold(outer.load(o_layout), m_fold, acc, m_i, row_o))
+                    m_fold = m_i
+                    acc = gl.zeros_like(acc)
+        else:
+            acc, p16, m_i, l_i = _key_tiles(1, my_tiles, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
+                                            kv, turns, ME, NEXT, STAGES, no_scores, acc, p16, m_i, l_i, rows, cols,
+                                            first_tile, full_lo, full_hi, full_tiles, qk_scale, p_layout, row_o,
+                                            PACK_P, row_mask, N_K, BLOCK_N, CAUSAL, WINDOWED, DOCS)
         mbarrier.arrive(q_empty.index(ME), count=1)  # every S of this item has retired: the producer may reload Q
         acc = _last_pv(v_smem, v_ready, turn, kv + my_tiles - 1, (turns + my_tiles) & 1, ME, NEXT, STAGES, acc, p16)
-        mbarrier.arrive(kv_empty.index((kv + my_tiles - 1) % STAGES), count=1)
+        mbarrier.arrive(v_empty.index((kv + my_tiles - 1) % STAGES), count=1)
         # key tiles past this consumer's rows: its turns and buffer releases only, so the others stay in step
         for j in range(my_tiles + 1, num_tiles + 1):
             mbarrier.wait(turn.index(ME), (turns + j) & 1)
             mbarrier.arrive(turn.index(NEXT), count=1)
-            mbarrier.arrive(kv_empty.index((kv + j - 1) % STAGES), count=1)
+            mbarrier.arrive(k_empty.index((kv + j - 1) % STAGES), count=1)
+            mbarrier.arrive(v_empty.index((kv + j - 1) % STAGES), count=1)
         kv += num_tiles
+        if FOLD:  # the last chain folded in: acc is the whole row's Σ p·v under m
+            acc = _fold(outer.load(o_layout), m_fold, acc, m_i, row_o)
         _write_rows(acc, m_i, l_i, O, LSE, (bh // H).to(gl.int64), (bh % H).to(gl.int64), bh, stride_ob, stride_oh,
                     stride_on, stride_lse, N, row0, rows, lse_in, HEAD_DIM, row_o, CONTINUE)
 
@@ -375,8 +428,8 @@ def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_
     loads each consumer's Q once that consumer's last S of the previous item has retired (q_empty), so the next
     item's loads run while the consumers finish the last. GQA: query head h reads K/V head h // group."""
     (Q, K, V, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, H, N, N_K, WORK, WORK_START, n_qtiles,
-     mask, stride_ids, group) = loads
+     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, H, N, N_K, WORK, WORK_START,
+     n_qtiles, mask, stride_ids, group) = loads
     first, count = program_items(WORK_START, PERSISTENT)
     dtype: gl.constexpr = q_smem.dtype
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * ROWS_PER_CONSUMER
@@ -411,9 +464,10 @@ def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_
         for j in range(num_tiles):
             t = kv + j
             stage = t % STAGES
-            mbarrier.wait(kv_empty.index(stage), ((t // STAGES) & 1) ^ 1)
+            mbarrier.wait(k_empty.index(stage), ((t // STAGES) & 1) ^ 1)
             mbarrier.expect(k_ready.index(stage), kv_bytes)
             tma_load(k_desc, [(first_tile + j) * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+            mbarrier.wait(v_empty.index(stage), ((t // STAGES) & 1) ^ 1)
             mbarrier.expect(v_ready.index(stage), kv_bytes)
             tma_load(v_desc, [(first_tile + j) * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
         kv += num_tiles
@@ -427,7 +481,7 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
                         N_K, HEAD_DIM: gl.constexpr, NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                         SKIP: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr, WINDOWED: gl.constexpr,
-                        DOCS: gl.constexpr, CAUSAL: gl.constexpr, CONTINUE: gl.constexpr):
+                        DOCS: gl.constexpr, CAUSAL: gl.constexpr, CONTINUE: gl.constexpr, FOLD: gl.constexpr = 0):
     """Program p computes items WORK[WORK_START[p] : WORK_START[p+1]] (item = bh · n_qtiles + query tile): attention
     of one tile of 64·NUM_CONSUMERS of the N query rows of one (batch, head) each over the N_K keys, causal (N_K = N)
     or, without CAUSAL, every key. H: query heads; GQA: K/V head h // group. LSE rows lie stride_lse apart.
@@ -455,7 +509,8 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
     turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
@@ -463,33 +518,40 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=NUM_CONSUMERS)
+        mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
     fence_async_shared()
     # the rows' own document ids (the 0) are filled in per item by the consumers
     mask = (window, 0, IDS, DOC_STARTS, DOC_ENDS, N)
 
-    shared = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, O, LSE, H, stride_ob,
-              stride_oh, stride_on, stride_lse, N, N_K, qk_scale, WORK, WORK_START, n_qtiles, mask, stride_ids)
+    if FOLD:  # each consumer's folded sum (kernels/NOTES.md): in shared memory, so the loop holds no more registers
+        fold_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        fold_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, ROWS_PER_CONSUMER, HEAD_DIM], fold_layout)
+    else:
+        fold_smem = q_smem  # unused
+    shared = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, O, LSE, H, stride_ob,
+              stride_oh, stride_on, stride_lse, N, N_K, qk_scale, WORK, WORK_START, n_qtiles, mask, stride_ids,
+              fold_smem)
     loads = (Q, K, V, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-             q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, H, N, N_K, WORK, WORK_START,
-             n_qtiles, mask, stride_ids, group)
+             q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, H, N, N_K, WORK,
+             WORK_START, n_qtiles, mask, stride_ids, group)
     if NUM_CONSUMERS == 2:
         gl.warp_specialize(
             [(_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
-                          WINDOWED, DOCS, CAUSAL, CONTINUE)),
+                          WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD)),
              (_consumer, (shared, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
-                          WINDOWED, DOCS, CAUSAL, CONTINUE)),
+                          WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD)),
              (_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT, GQA, WINDOWED, DOCS,
                           CAUSAL))],
             [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize(
             [(_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
-                          WINDOWED, DOCS, CAUSAL, CONTINUE)),
+                          WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD)),
              (_consumer, (shared, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
-                          WINDOWED, DOCS, CAUSAL, CONTINUE)),
+                          WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD)),
              (_consumer, (shared, gl.constexpr(2), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
-                          WINDOWED, DOCS, CAUSAL, CONTINUE)),
+                          WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD)),
              (_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT, GQA, WINDOWED, DOCS,
                           CAUSAL))],
             [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
@@ -512,6 +574,9 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: f
     masks = window is not None or document_ids is not None
     if masks and not (causal and not accumulate):
         raise ValueError("the Gluon forward takes windows and document ids in causal fresh launches only")
+    fold = fold_tiles(k.shape[2], block_n)  # the accumulator folded in shared memory (dispatch.FOLD_KEYS)
+    if fold and D == 128:  # the folded sums (2 × 32 KB) fit beside two K/V stages, not three
+        stages = min(stages, 2)
     skip = persistent and causal and not masks and consumers_can_stop_early(consumers, block_n)
     if skip and stages < 2:  # a consumer past its diagonal releases a ring buffer the others finished two tiles before
         raise ValueError(f"the persistent forward with {consumers} consumers needs at least 2 stages, got {stages}")
@@ -532,7 +597,8 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: f
         N if stride_lse is None else stride_lse, k.shape[2],
         HEAD_DIM=D, NUM_CONSUMERS=consumers, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
         PRODUCER_REGS=PRODUCER_REGS, SKIP=skip, PERSISTENT=persistent, GQA=k.shape[1] != H,
-        WINDOWED=window is not None, DOCS=document_ids is not None, CAUSAL=causal, CONTINUE=accumulate, num_warps=4)
+        WINDOWED=window is not None, DOCS=document_ids is not None, CAUSAL=causal, CONTINUE=accumulate, FOLD=fold,
+        num_warps=4)
 
 
 def launch_forward_pingpong(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float, consumers: int,
