@@ -9,6 +9,7 @@ The same as `minigpt-bench` (logic in minigpt/benchmarks/bench.py). Examples:
     python scripts/bench_attention.py --masks               # documents, windows, GQA: ours vs FlexAttention vs ideal
     TRITON_INTERPRET=1 python scripts/bench_attention.py --masks --tiny --out /tmp/masks   # its dry run, on CPU
     python scripts/bench_attention.py --accuracy            # long rows against float64: a truncating accumulator's bias
+    python scripts/bench_attention.py --accuracy --grads    # the same for the backward's dQ, dK, dV
     TRITON_INTERPRET=1 python scripts/bench_attention.py --accuracy --tiny --keys 512 --head-dim 16 --out /tmp/acc
 """
 import sys

@@ -250,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
                    "long rows of periodic and random inputs, where a truncating accumulator shows as a bias; "
                    "gpt2-small's heads at the first --head-dim -> <out>/accuracy_<GPU>.{json,md} "
                    "(minigpt/benchmarks/accuracy.py)")
+    p.add_argument("--grads", action="store_true", help="with --accuracy: the backward's dQ, dK, dV instead of o, "
+                   "L queries over L keys of periodic inputs against an exact float64 reference -> "
+                   "<out>/grad_accuracy_<GPU>.{json,md} (minigpt/benchmarks/grad_accuracy.py)")
     p.add_argument("--keys", type=int, nargs="+", help="with --accuracy: the keys every row sees (default 65536 "
                    "262144 1048576; 512 with --tiny)")
     p.add_argument("--out", type=Path, default=Path("runs/bench"))
@@ -257,16 +260,20 @@ def main(argv: list[str] | None = None) -> int:
     suite = "--accuracy" if args.accuracy else "--masks" if args.masks else None
     if suite and not torch.cuda.is_available() and not (args.tiny and os.environ.get("TRITON_INTERPRET") == "1"):
         p.error(f"{suite} needs a CUDA GPU; to dry-run the code on CPU: TRITON_INTERPRET=1 ... {suite} --tiny")
+    if args.grads and not args.accuracy:
+        p.error("--grads goes with --accuracy: python scripts/bench_attention.py --accuracy --grads")
     if args.accuracy:
         from minigpt.benchmarks.accuracy import check_keys, run_accuracy
+        from minigpt.benchmarks.grad_accuracy import run_grad_accuracy
 
         keys = args.keys or ([512] if args.tiny else [65536, 262144, 1048576])
         try:
             check_keys(keys)
         except ValueError as e:
             p.error(f"--keys: {e}")
-        _, md = run_accuracy(keys, head_dim=args.head_dim[0], heads=2 if args.tiny else None, out=args.out,
-                             tiny=args.tiny, progress=lambda line: print(line, flush=True))
+        run = run_grad_accuracy if args.grads else run_accuracy
+        _, md = run(keys, head_dim=args.head_dim[0], heads=2 if args.tiny else None, out=args.out, tiny=args.tiny,
+                    progress=lambda line: print(line, flush=True))
         print(md.read_text())
         return 0
     if args.masks:

@@ -1,0 +1,163 @@
+"""Gradient accuracy over long columns: does the backward's accumulation shrink dK, dV and dQ as the forward's did?
+
+The forward's P·V accumulator truncates (accuracy.py, kernels/NOTES.md); the fold removed that bias from o. The
+backward has the same kind of chain, in the other direction: every query row adds into a key's
+dV_j = Σ_i P_ij dO_i and dK_j = scale · Σ_i dS_ij q_i, and every key into dQ_i = scale · Σ_j dS_ij k_j. Over L query
+rows that is a chain of L additions per key, so the question is the forward's: does it keep a sign, and does it
+truncate?
+
+The inputs are accuracy.py's periodic q, k, v (period 1009), and a periodic dO in two kinds:
+- "dO centred": dO centred on 0.5, as where the loss pushes o one way over the whole sequence: Σ_i P_ij dO_i then
+  keeps one sign, the worst case for a truncating chain;
+- "dO zero-mean": the control.
+
+Every query sees every key (non-causal, L queries and L keys). Because everything repeats every 1009 tokens, the
+float64 reference needs only the 1009 × 1009 scores of one period, each weighted by how often its residue occurs
+among the L rows, not L × L: exact, and cheap at a million tokens. The kernels' dQ, dK and dV on 64 rows spread over
+the sequence are compared with it, as accuracy.measure does for o, for our kernel and SDPA's.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from minigpt.attention import get_provider
+from minigpt.benchmarks.accuracy import HIDDEN, PERIOD, ROWS, SDPA_PROVIDERS, check_keys, make_inputs, measure
+from minigpt.benchmarks.mask_bench import describe_error
+from minigpt.files import atomic_write_text, markdown_table
+from minigpt.metrics import git_commit, versions
+
+GRAD_KINDS = ("dO centred", "dO zero-mean")
+GRADS = ("dq", "dk", "dv")
+
+
+@dataclass
+class GradAccuracyRow:
+    grads: str  # "dO centred" or "dO zero-mean"
+    keys: int  # L: the queries and keys (every query sees every key)
+    provider: str
+    tensor: str  # "dq", "dk" or "dv"
+    rms: float | None  # as accuracy.AccuracyRow: RMS of the error ÷ RMS of the reference
+    bias: float | None
+    toward_zero: float | None  # < 0: shrunk toward zero
+    error: str = ""
+
+
+def make_grad_inputs(kind: str, keys: int, heads: int, head_dim: int, device: torch.device, dtype: torch.dtype,
+                     seed: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """accuracy.make_inputs' periodic q, k, v and a periodic dO (1, heads, keys, head_dim), centred on 0.5 for
+    "dO centred" and on 0 for "dO zero-mean"."""
+    q, k, v = make_inputs("periodic", keys, heads, head_dim, device, dtype, seed)
+    g = torch.Generator(device).manual_seed(seed + 1)
+    do = torch.randn(1, heads, PERIOD, head_dim, generator=g, device=device) + (0.5 if kind == "dO centred" else 0.0)
+    do = do.repeat(1, 1, -(-keys // PERIOD), 1)[:, :, :keys]
+    return q, k, v, do.to(dtype).contiguous()
+
+
+def periodic_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+                       rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """float64 dq, dk, dv of non-causal attention of all L queries over all L keys, on `rows`
+    ((len(rows), heads, head_dim) each), from one period of the inputs (which must repeat every PERIOD tokens):
+    residue r of the L rows occurs count[r] times, so each sum over rows is a sum over residues weighted by count."""
+    L, D = q.shape[2], q.shape[3]
+    period = min(PERIOD, L)
+    q0, k0, v0, do0 = (t[0, :, :period].double().cpu() for t in (q, k, v, do))  # (heads, period, D)
+    count = torch.bincount(torch.arange(L) % period, minlength=period).double()  # rows of each residue
+    scale = 1 / math.sqrt(D)
+    s = q0 @ k0.transpose(1, 2) * scale  # (heads, query residue a, key residue b)
+    lse = torch.logsumexp(s + count.log(), dim=2, keepdim=True)  # over all L keys of each residue
+    p = torch.exp(s - lse)  # the probability of one key of residue b for a query of residue a
+    o = (p * count) @ v0  # (heads, a, D)
+    dp = do0 @ v0.transpose(1, 2)  # dO_a · v_b
+    delta = (do0 * o).sum(-1, keepdim=True)  # D_a = dO_a · o_a
+    ds = p * (dp - delta)
+    dq = (ds * count) @ k0 * scale  # Σ over keys: count[b] keys of residue b
+    dk = (ds * count[None, :, None]).transpose(1, 2) @ q0 * scale  # Σ over queries: count[a] of residue a
+    dv = (p * count[None, :, None]).transpose(1, 2) @ do0
+    residues = (rows.cpu() % period).long()
+    return {name: t[:, residues].transpose(0, 1) for name, t in (("dq", dq), ("dk", dk), ("dv", dv))}
+
+
+def grads_of(provider: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+             rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A provider's dq, dk, dv on `rows` ((len(rows), heads, head_dim) each, float64) for non-causal attention of all
+    queries over all keys."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    get_provider(provider)(q, k, v, causal=False).backward(do)
+    return {name: t.grad[0, :, rows].transpose(0, 1).double().cpu() for name, t in (("dq", q), ("dk", k), ("dv", v))}
+
+
+def run_grad_accuracy(keys: list[int], head_dim: int = 64, heads: int | None = None,
+                      providers: list[str] | None = None, out: Path = Path("runs/bench"), tiny: bool = False,
+                      progress: Callable[[str], None] = print) -> tuple[list[GradAccuracyRow], Path]:
+    """The suite: for each dO kind and L in `keys`, our kernel and each of `providers` (default: SDPA's fused
+    kernels; "sdpa" with --tiny), against the periodic float64 reference. The
+    table is rewritten after every (kind, L). Returns the rows and <out>/grad_accuracy_<GPU>.md.
+    tiny: fp32 on whatever device there is (CPU under TRITON_INTERPRET=1), to check the code."""
+    check_keys(keys)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.float32 if tiny else torch.bfloat16
+    heads = heads or HIDDEN // head_dim
+    providers = providers if providers is not None else (["sdpa"] if tiny else list(SDPA_PROVIDERS))
+    results: list[GradAccuracyRow] = []
+    md = None
+    for kind in GRAD_KINDS:
+        for L in keys:
+            runs = ["flash", *providers]
+            try:
+                q, k, v, do = make_grad_inputs(kind, L, heads, head_dim, device, dtype)
+                rows = torch.linspace(0, L - 1, ROWS, device=device).long()
+                ref = periodic_reference(q, k, v, do, rows)
+            except Exception as e:  # noqa: BLE001 - recorded; the other sizes still run
+                measured = [(name, describe_error(e)) for name in runs]
+            else:
+                measured = []
+                for name in runs:
+                    try:
+                        measured.append((name, grads_of(name, q, k, v, do, rows)))
+                    except Exception as e:  # noqa: BLE001 - a kernel that cannot run this shape: recorded
+                        measured.append((name, describe_error(e)))
+                del q, k, v, do
+            for name, grads in measured:
+                for tensor in GRADS:
+                    if isinstance(grads, str):
+                        figures, error = (None,) * 3, grads
+                    else:
+                        figures, error = measure(grads[tensor], ref[tensor]), ""
+                        if not all(map(math.isfinite, figures)):
+                            figures, error = (None,) * 3, "non-finite output"
+                    row = GradAccuracyRow(kind, L, name, tensor, *figures, error=error)
+                    results.append(row)
+                    progress(f"{kind:13s} L={L:8d} {name:15s} {tensor} " + (row.error or
+                             f"rms={row.rms:.3e} bias={row.bias:.3e} toward 0={row.toward_zero:+.3e}"))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            md = write_grad_accuracy(results, out, head_dim, heads, dtype)
+    return results, md
+
+
+def write_grad_accuracy(rows: list[GradAccuracyRow], out: Path, head_dim: int, heads: int,
+                        dtype: torch.dtype) -> Path:
+    """<out>/grad_accuracy_<GPU>.{json,md}: the rows, the environment and how they were made."""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    env = {"gpu": gpu, "commit": git_commit(), "date": dt.date.today().isoformat(),
+           "dtype": str(dtype).removeprefix("torch."), "head_dim": head_dim, "heads": heads, "period": PERIOD,
+           "rows": ROWS, **versions()}
+    stem = out / f"grad_accuracy_{gpu.replace(' ', '_')}"
+    atomic_write_text(stem.with_suffix(".json"), json.dumps({"env": env, "rows": [asdict(r) for r in rows]},
+                                                           indent=1, allow_nan=False) + "\n")
+    table = markdown_table(["dO", "keys", "provider", "gradient", "error RMS", "bias", "toward zero"],
+                           [[r.grads, r.keys, r.provider, r.tensor,
+                             *((r.error, None, None) if r.error else
+                               (f"{r.rms:.2e}", f"{r.bias:.2e}", f"{r.toward_zero:+.2e}"))] for r in rows])
+    head = (f"Gradient accuracy over long columns on {gpu}, {env['dtype']}, {heads} heads of {head_dim}, "
+            f"non-causal, L queries over L keys of periodic inputs (period {PERIOD}); against float64 on {ROWS} rows; "
+            f"figures over each gradient's RMS; commit {env['commit']}, {env['date']}. Command: "
+            f"`python scripts/bench_attention.py --accuracy --grads`.\n\n")
+    return atomic_write_text(stem.with_suffix(".md"), head + table + "\n")
