@@ -39,7 +39,8 @@ def test_the_grad_suite_dry_runs_on_cpu_and_agrees_with_float64(tmp_path, capsys
     float64, the table printed last."""
     assert bench.main(["--accuracy", "--grads", "--tiny", "--head-dim", "16", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "grad_accuracy_cpu.json").read_text())["rows"]
-    expected = [(kind, p, t) for kind in grad_accuracy.GRAD_KINDS for p in ("flash", "sdpa") for t in grad_accuracy.GRADS]
+    kinds, grads = grad_accuracy.GRAD_KINDS, grad_accuracy.GRADS
+    expected = [(kind, p, t) for kind in kinds for p in ("flash", "sdpa") for t in grads]
     assert sorted((r["grads"], r["provider"], r["tensor"]) for r in rows) == sorted(expected)
     assert all(not r["error"] and r["rms"] < 1e-5 and abs(r["toward_zero"]) < 1e-6 for r in rows), rows
     table = (tmp_path / "grad_accuracy_cpu.md").read_text()
