@@ -36,9 +36,12 @@ attention over other keys, which the epilogue folds in (_write_rows): ring atten
 way, block after block. GQA (fewer K/V heads than query heads) goes with either. With WINDOWED / DOCS
 (launch_forward_masked, a plain grid, or persistent for a window alone; causal fresh launches only) it also takes a
 sliding window and document ids: each query tile visits only the key tiles its rows see, and only the tiles some row
-cannot fully see get the elementwise mask. Each flag is a constexpr: the causal fresh variants compile to the code they
-had without them. dispatch.py picks the variants by sequence length (and masks); launch.py (gluon_forward_ready) falls
-back to the Triton forward otherwise.
+cannot fully see get the elementwise mask. FOLD (from 32K keys, dispatch.fold_tiles): the tensor cores truncate as
+they add P·V into acc, which over a million keys shrinks o by 3e-3; every FOLD key tiles each consumer folds acc into
+a round-to-nearest fp32 sum in shared memory (_fold), so no chain is longer than 2048 keys (kernels/NOTES.md, the
+last sections). Each flag is a constexpr: the causal fresh variants compile to the code they had without them.
+dispatch.py picks the variants by sequence length (and masks); launch.py (gluon_forward_ready) falls back to the
+Triton forward otherwise.
 """
 from __future__ import annotations
 
