@@ -41,10 +41,11 @@ FOLD_KEYS = int(os.environ.get("MINIGPT_FOLD_KEYS", 2048))
 FOLD_FROM_KEYS = int(os.environ.get("MINIGPT_FOLD_FROM", 32768))
 
 
-def fold_tiles(n_keys: int, block_n: int) -> int:
-    """Key tiles per accumulator chain of a forward over n_keys keys: FOLD_KEYS' worth from FOLD_FROM_KEYS keys on,
-    0 (one chain) below."""
-    return max(1, FOLD_KEYS // block_n) if n_keys >= FOLD_FROM_KEYS else 0
+def fold_tiles(n_keys: int, block_n: int, window: int | None = None) -> int:
+    """Key tiles per accumulator chain of a forward over n_keys keys: FOLD_KEYS' worth where a row may see
+    FOLD_FROM_KEYS keys or more, 0 (one chain) below. Under a window a row sees at most 2·window − 1 of them."""
+    seen = n_keys if window is None else min(n_keys, 2 * window - 1)
+    return max(1, FOLD_KEYS // block_n) if seen >= FOLD_FROM_KEYS else 0
 
 PATH_ENV = "MINIGPT_FLASH_PATH"
 PATHS = ("auto", "triton", "via_ds", "gluon")  # the values PATH_ENV takes

@@ -375,7 +375,9 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
     fwd_kernel[grid](q, k, v, o, lse, *strides3(q), *strides3(k), *strides3(v), *strides3(o), _row_stride(lse),
                       H, N_Q, N_K, sm_scale * LOG2E, *margs, CAUSAL=causal, CONTINUE=accumulate, HEAD_DIM=D,
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INT64_OFFSETS=_needs_int64(max(N_Q, N_K), q, k, v),
-                      TMA=_use_tma(cfg, k, v), FOLD=fold_tiles(N_K, cfg.block_n), num_warps=cfg.num_warps,
+                      TMA=_use_tma(cfg, k, v),
+                      FOLD=fold_tiles(N_K, cfg.block_n, margs[5] if mflags["WINDOWED"] else None),  # margs[5]: window
+                      num_warps=cfg.num_warps,
                       num_stages=cfg.num_stages, **mflags, **_reg_cap(cfg))
     return o, lse
 

@@ -712,8 +712,7 @@ def bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, O,
     counts = COUNTS + (bh * tl.cdiv(N_Q, BLOCK_M) + pid_m) * tl.cdiv(N_K, BLOCK_N)
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if MASKS:  # masked tiles at both ends of the span, full ones between; each part in chains (a document's head
-        # span can be long: a query tile that straddles a boundary sees its whole earlier document there)
+    if MASKS:  # masked tiles at both ends of the span, full ones between
         first, full_lo, full_hi, hi = _key_span(start_m, N_Q, N_K, shift, window, q_ids, k_ids, steps, CAUSAL,
                                                 WINDOWED, DOCS, BLOCK_M, BLOCK_N)
         dq = _bwd_dq_tiles(dq, q, do, lse, delta, k_src, v_src, stride_kn, stride_vn, start_m, first, full_lo, N_K,

@@ -243,9 +243,12 @@ def test_the_non_causal_forward_takes_the_causal_rows_gluon_tiles_on_sm90():
 
 
 def test_forwards_fold_their_accumulator_from_long_rows_on():
-    """Chains of FOLD_KEYS keys from FOLD_FROM_KEYS keys on, one chain below (kernels/NOTES.md, the truncation bias)."""
+    """Chains of FOLD_KEYS keys from FOLD_FROM_KEYS keys on, one chain below (kernels/NOTES.md, the truncation bias);
+    under a window, from the keys a row sees (at most 2·window − 1). Holds for the MINIGPT_FOLD_* overrides too."""
     from minigpt_kernels.dispatch import FOLD_FROM_KEYS, FOLD_KEYS, fold_tiles
 
     assert fold_tiles(FOLD_FROM_KEYS - 1, 128) == 0
-    assert fold_tiles(FOLD_FROM_KEYS, 128) * 128 == FOLD_KEYS == fold_tiles(1 << 20, 64) * 64
-    assert fold_tiles(FOLD_FROM_KEYS, 4096) == 1  # a tile longer than a chain: a fold after every tile
+    assert fold_tiles(FOLD_FROM_KEYS, 128) == max(1, FOLD_KEYS // 128)
+    assert fold_tiles(1 << 22, 64) == max(1, FOLD_KEYS // 64) and fold_tiles(FOLD_FROM_KEYS, 4 * FOLD_KEYS) == 1
+    assert fold_tiles(1 << 22, 128, window=FOLD_FROM_KEYS // 2) == 0  # 2·window − 1 keys a row: under the threshold
+    assert fold_tiles(1 << 22, 128, window=FOLD_FROM_KEYS // 2 + 1) == max(1, FOLD_KEYS // 128)

@@ -47,33 +47,49 @@ def test_the_grad_suite_dry_runs_on_cpu_and_agrees_with_float64(tmp_path, capsys
     assert capsys.readouterr().out.rstrip().endswith(table.rstrip())
 
 
+def test_the_gradient_measure_reads_a_shrink_whatever_the_signs():
+    """Rows of either sign (as dK's): a gradient shrunk by 1e-3 reads −1e-3 · mean|ref| / RMS toward zero, noise of
+    the same size next to nothing."""
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(64, 4, 16, generator=g, dtype=torch.float64)
+    rms, _, toward_zero = grad_accuracy.measure_grad(ref * (1 - 1e-3), ref)
+    assert toward_zero == pytest.approx(-1e-3 * (ref.abs().mean() / ref.pow(2).mean().sqrt()).item(), rel=1e-6)
+    noise = torch.randn(ref.shape, generator=g, dtype=torch.float64) * 1e-3 * ref.abs().mean()
+    n_rms, _, n_toward = grad_accuracy.measure_grad(ref + noise, ref)
+    assert n_rms == pytest.approx(rms, rel=0.3) and abs(n_toward) < abs(toward_zero) / 3
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU dry run")
-def test_a_backward_that_shrinks_dv_shows_as_a_bias_toward_zero(tmp_path, monkeypatch):
-    """A provider whose dV comes out (1 − 1e-3) too small (its dO scaled on the way back into the P·dO product only)
-    reads as a dv bias toward zero of about 1e-3 with dO centred, while dq and dk of the same provider keep none."""
+@pytest.mark.parametrize("shrunk", ["dk", "dv"])
+def test_a_backward_that_shrinks_a_gradient_shows_as_a_bias_toward_zero(tmp_path, monkeypatch, shrunk):
+    """A provider whose dK or dV comes out (1 − 1e-3) too small (the gradient scaled on its way back to k or v only)
+    reads as a bias toward zero of about 1e-3 in that gradient, with dO centred and zero-mean alike, while the
+    provider's other gradients keep none."""
     real = grad_accuracy.get_provider
 
-    class ShrinkDV(torch.autograd.Function):
+    class Shrink(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, v):
-            return v.view_as(v)
+        def forward(ctx, x):
+            return x.view_as(x)
 
         @staticmethod
         def backward(ctx, grad):
             return grad * (1 - 1e-3)
 
-    def shrunk(name):
+    def wrapped(name):
         fn = real("sdpa")
-        return lambda q, k, v, causal: fn(q, k, ShrinkDV.apply(v), causal=causal)
+        if shrunk == "dk":
+            return lambda q, k, v, causal: fn(q, Shrink.apply(k), v, causal=causal)
+        return lambda q, k, v, causal: fn(q, k, Shrink.apply(v), causal=causal)
 
-    monkeypatch.setattr(grad_accuracy, "get_provider", shrunk)
+    monkeypatch.setattr(grad_accuracy, "get_provider", wrapped)
     rows, _ = grad_accuracy.run_grad_accuracy([512], head_dim=16, heads=2, providers=["shrunk"], out=tmp_path,
                                               tiny=True, progress=lambda line: None)
     by = {(r.grads, r.provider, r.tensor): r for r in rows}
-    dv = by[("dO centred", "shrunk", "dv")]
-    assert -1.5e-3 < dv.toward_zero < -3e-4 and dv.bias > 3e-4
-    assert abs(by[("dO centred", "shrunk", "dq")].toward_zero) < 1e-6
-    assert abs(by[("dO centred", "shrunk", "dk")].toward_zero) < 1e-6
+    for kind in grad_accuracy.GRAD_KINDS:
+        assert -1.5e-3 < by[(kind, "shrunk", shrunk)].toward_zero < -3e-4, (kind, shrunk)
+        for other in set(grad_accuracy.GRADS) - {shrunk}:
+            assert abs(by[(kind, "shrunk", other)].toward_zero) < 1e-6, (kind, other)
 
 
 def test_grads_without_accuracy_are_refused(tmp_path):

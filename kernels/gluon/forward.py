@@ -577,7 +577,7 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: f
     masks = window is not None or document_ids is not None
     if masks and not (causal and not accumulate):
         raise ValueError("the Gluon forward takes windows and document ids in causal fresh launches only")
-    fold = fold_tiles(k.shape[2], block_n)  # the accumulator folded in shared memory (dispatch.FOLD_KEYS)
+    fold = fold_tiles(k.shape[2], block_n, window)  # the accumulator folded in shared memory (dispatch.FOLD_KEYS)
     if fold and D == 128:  # the folded sums (2 × 32 KB) fit beside two K/V stages, not three
         stages = min(stages, 2)
     skip = persistent and causal and not masks and consumers_can_stop_early(consumers, block_n)

@@ -14,7 +14,12 @@ The inputs are accuracy.py's periodic q, k, v (period 1009), and a periodic dO i
 Every query sees every key (non-causal, L queries and L keys). Because everything repeats every 1009 tokens, the
 float64 reference needs only the 1009 × 1009 scores of one period, each weighted by how often its residue occurs
 among the L rows, not L × L: exact, and cheap at a million tokens. The kernels' dQ, dK and dV on 64 rows spread over
-the sequence are compared with it, as accuracy.measure does for o, for our kernel and SDPA's.
+the sequence are compared with it, for our kernel and SDPA's (`measure_grad`: the bias toward zero is taken element
+by element, since dQ and dK change sign from row to row where o does not).
+
+dV depends on the forward only through P; dQ and dK also through D_i = dO_i · o_i, which each kernel takes from its
+own o: a forward that shrinks o shows in its dQ and dK even where its backward adds exactly (SDPA's o at 1M keys is
+3e-3 small). Read dV for the backward's own accumulation, dQ and dK for the pair.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ from typing import Callable
 import torch
 
 from minigpt.attention import get_provider
-from minigpt.benchmarks.accuracy import HIDDEN, PERIOD, ROWS, SDPA_PROVIDERS, check_keys, make_inputs, measure
+from minigpt.benchmarks.accuracy import HIDDEN, PERIOD, ROWS, SDPA_PROVIDERS, check_keys, make_inputs
 from minigpt.benchmarks.mask_bench import describe_error
 from minigpt.files import atomic_write_text, markdown_table
 from minigpt.metrics import git_commit, versions
@@ -43,9 +48,9 @@ class GradAccuracyRow:
     keys: int  # L: the queries and keys (every query sees every key)
     provider: str
     tensor: str  # "dq", "dk" or "dv"
-    rms: float | None  # as accuracy.AccuracyRow: RMS of the error ÷ RMS of the reference
-    bias: float | None
-    toward_zero: float | None  # < 0: shrunk toward zero
+    rms: float | None  # RMS of the error ÷ RMS of the reference (measure_grad)
+    bias: float | None  # RMS over (head, dim) of the mean over rows of the error ÷ RMS of the reference
+    toward_zero: float | None  # mean of error · sign(reference) ÷ RMS of the reference; < 0: shrunk toward zero
     error: str = ""
 
 
@@ -82,6 +87,15 @@ def periodic_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: to
     dv = (p * count[None, :, None]).transpose(1, 2) @ do0
     residues = (rows.cpu() % period).long()
     return {name: t[:, residues].transpose(0, 1) for name, t in (("dq", dq), ("dk", dk), ("dv", dv))}
+
+
+def measure_grad(g: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
+    """(RMS error, bias, signed bias toward zero) of g (rows, heads, head_dim) against ref, over ref's RMS. Unlike
+    accuracy.measure (o keeps its sign over rows), the sign is each element's: g = (1 − ε)·ref reads −ε·mean|ref|/RMS
+    whatever the signs, and zero-mean noise reads about 0."""
+    e, rms = g - ref, ref.pow(2).mean().sqrt()
+    bias = e.mean(0).pow(2).mean().sqrt()
+    return (e.pow(2).mean().sqrt() / rms).item(), (bias / rms).item(), ((e * ref.sign()).mean() / rms).item()
 
 
 def grads_of(provider: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
@@ -129,7 +143,7 @@ def run_grad_accuracy(keys: list[int], head_dim: int = 64, heads: int | None = N
                     if isinstance(grads, str):
                         figures, error = (None,) * 3, grads
                     else:
-                        figures, error = measure(grads[tensor], ref[tensor]), ""
+                        figures, error = measure_grad(grads[tensor], ref[tensor]), ""
                         if not all(map(math.isfinite, figures)):
                             figures, error = (None,) * 3, "non-finite output"
                     row = GradAccuracyRow(kind, L, name, tensor, *figures, error=error)
