@@ -269,6 +269,8 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | Non
         incoming = post(i + 1)
         kv, k_ids = held[direction]
         _block_forward(q, *unstack_kv(kv), ids, k_ids, launches, sm_scale, o, lse)
+    held.clear()  # the other ranks' blocks: freed before o's cast, the call's last allocation
+    kv = k_ids = None
     if q.is_cuda:
         FENCE.leave(lag)
     return o.to(q.dtype), lse
@@ -332,11 +334,12 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     dtype = k.dtype if one_launch else torch.float32
     dk, dv = empty_in_layout_of(k, dtype), empty_in_layout_of(v, dtype)
     _block_backward(do, q, k, v, ids, ids, lse, delta, plan.local, sm_scale, dq, dk, dv)
-    dq = dq.to(q.dtype)
     for home in homes:  # dK = mine + the other ranks' shares (in k's dtype), each added into mine; where a window
         # has two, mine is fp32 and holds their sum (cast in one pass below)
         theirs_k, theirs_v = unstack_kv(home())
         dk, dv = dk.add_(theirs_k), dv.add_(theirs_v)
+    theirs_k = theirs_v = None  # the landed shares: freed before dq's cast allocates (not beside it at the peak)
+    dq = dq.to(q.dtype)
     if q.is_cuda:
         FENCE.leave(lag)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
