@@ -152,6 +152,18 @@ def emulate_accumulation(keys: int, heads: int = 12, head_dim: int = 64, step: i
     return measure(o, ref)[2]
 
 
+def suite_setup(keys: list[int], head_dim: int, heads: int | None, providers: list[str] | None,
+                tiny: bool) -> tuple[torch.device, torch.dtype, int, list[str]]:
+    """An accuracy suite's settings, the keys checked: the device (CUDA if there is one), bf16 (fp32 when tiny),
+    gpt2-small's heads at head_dim unless given, and the providers (SDPA's fused kernels; "sdpa" when tiny)."""
+    check_keys(keys)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.float32 if tiny else torch.bfloat16
+    heads = heads or HIDDEN // head_dim
+    providers = providers if providers is not None else (["sdpa"] if tiny else list(SDPA_PROVIDERS))
+    return device, dtype, heads, providers
+
+
 def run_accuracy(keys: list[int], head_dim: int = 64, heads: int | None = None, providers: list[str] | None = None,
                  out: Path = Path("runs/bench"), tiny: bool = False,
                  progress: Callable[[str], None] = print) -> tuple[list[AccuracyRow], Path]:
@@ -159,11 +171,7 @@ def run_accuracy(keys: list[int], head_dim: int = 64, heads: int | None = None, 
     SDPA's fused kernels; "sdpa" with --tiny). The table is rewritten after every (kind, L), so a run stopped or out
     of memory keeps what it measured. Returns the rows and <out>/accuracy_<GPU>.md (beside its .json).
     tiny: fp32 on whatever device there is (CPU under TRITON_INTERPRET=1), to check the code."""
-    check_keys(keys)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.float32 if tiny else torch.bfloat16
-    heads = heads or HIDDEN // head_dim
-    providers = providers if providers is not None else (["sdpa"] if tiny else list(SDPA_PROVIDERS))
+    device, dtype, heads, providers = suite_setup(keys, head_dim, heads, providers, tiny)
     results: list[AccuracyRow] = []
     md = None
     for kind in KINDS:
@@ -197,20 +205,32 @@ def run_accuracy(keys: list[int], head_dim: int = 64, heads: int | None = None, 
     return results, md
 
 
+def accuracy_env(head_dim: int, heads: int, dtype: torch.dtype) -> dict:
+    """The environment an accuracy table records: GPU, commit, date, dtype, shapes, versions."""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"gpu": gpu, "commit": git_commit(), "date": dt.date.today().isoformat(),
+            "dtype": str(dtype).removeprefix("torch."), "head_dim": head_dim, "heads": heads, "period": PERIOD,
+            "rows": ROWS, **versions()}
+
+
+def write_table(stem: str, rows: list, env: dict, columns: list[str], keys: Callable[[object], list],
+                head: str, out: Path) -> Path:
+    """<out>/<stem>_<GPU>.{json,md}: the rows (dataclasses with rms, bias, toward_zero and error) with `env`, and
+    the markdown table of `columns`: keys(row), then the three figures (or the error), under `head`."""
+    path = out / f"{stem}_{env['gpu'].replace(' ', '_')}"
+    atomic_write_text(path.with_suffix(".json"), json.dumps({"env": env, "rows": [asdict(r) for r in rows]},
+                                                           indent=1, allow_nan=False) + "\n")
+    table = markdown_table([*columns, "error RMS", "bias", "toward zero"],
+                           [[*keys(r), *((r.error, None, None) if r.error else
+                                         (f"{r.rms:.2e}", f"{r.bias:.2e}", f"{r.toward_zero:+.2e}"))] for r in rows])
+    return atomic_write_text(path.with_suffix(".md"), head + "\n\n" + table + "\n")
+
+
 def write_accuracy(rows: list[AccuracyRow], out: Path, head_dim: int, heads: int, dtype: torch.dtype) -> Path:
     """<out>/accuracy_<GPU>.{json,md}: the rows, the environment and how they were made."""
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    env = {"gpu": gpu, "commit": git_commit(), "date": dt.date.today().isoformat(),
-           "dtype": str(dtype).removeprefix("torch."), "head_dim": head_dim, "heads": heads, "period": PERIOD,
-           "rows": ROWS, **versions()}
-    stem = out / f"accuracy_{gpu.replace(' ', '_')}"
-    atomic_write_text(stem.with_suffix(".json"), json.dumps({"env": env, "rows": [asdict(r) for r in rows]},
-                                                           indent=1, allow_nan=False) + "\n")
-    table = markdown_table(["inputs", "keys", "provider", "calls", "error RMS", "bias", "toward zero"],
-                           [[r.inputs, r.keys, r.provider, r.calls,
-                             *((r.error, None, None) if r.error else
-                               (f"{r.rms:.2e}", f"{r.bias:.2e}", f"{r.toward_zero:+.2e}"))] for r in rows])
-    head = (f"Attention accuracy over long rows on {gpu}, {env['dtype']}, {heads} heads of {head_dim}, non-causal, "
-            f"every row over all L keys; against float64 on {ROWS} rows; figures over o's RMS; commit "
-            f"{env['commit']}, {env['date']}. Command: `python scripts/bench_attention.py --accuracy`.\n\n")
-    return atomic_write_text(stem.with_suffix(".md"), head + table + "\n")
+    env = accuracy_env(head_dim, heads, dtype)
+    head = (f"Attention accuracy over long rows on {env['gpu']}, {env['dtype']}, {heads} heads of {head_dim}, "
+            f"non-causal, every row over all L keys; against float64 on {ROWS} rows; figures over o's RMS; commit "
+            f"{env['commit']}, {env['date']}. Command: `python scripts/bench_attention.py --accuracy`.")
+    return write_table("accuracy", rows, env, ["inputs", "keys", "provider", "calls"],
+                       lambda r: [r.inputs, r.keys, r.provider, r.calls], head, out)

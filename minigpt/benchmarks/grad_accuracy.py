@@ -23,20 +23,16 @@ own o: a forward that shrinks o shows in its dQ and dK even where its backward a
 """
 from __future__ import annotations
 
-import datetime as dt
-import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from minigpt.attention import get_provider
-from minigpt.benchmarks.accuracy import HIDDEN, PERIOD, ROWS, SDPA_PROVIDERS, check_keys, make_inputs
+from minigpt.benchmarks.accuracy import PERIOD, ROWS, accuracy_env, make_inputs, suite_setup, write_table
 from minigpt.benchmarks.mask_bench import describe_error
-from minigpt.files import atomic_write_text, markdown_table
-from minigpt.metrics import git_commit, versions
 
 GRAD_KINDS = ("dO centred", "dO zero-mean")
 GRADS = ("dq", "dk", "dv")
@@ -111,14 +107,10 @@ def run_grad_accuracy(keys: list[int], head_dim: int = 64, heads: int | None = N
                       providers: list[str] | None = None, out: Path = Path("runs/bench"), tiny: bool = False,
                       progress: Callable[[str], None] = print) -> tuple[list[GradAccuracyRow], Path]:
     """The suite: for each dO kind and L in `keys`, our kernel and each of `providers` (default: SDPA's fused
-    kernels; "sdpa" with --tiny), against the periodic float64 reference. The
-    table is rewritten after every (kind, L). Returns the rows and <out>/grad_accuracy_<GPU>.md.
+    kernels; "sdpa" with --tiny), against the periodic float64 reference. The table is rewritten after every
+    (kind, L). Returns the rows and <out>/grad_accuracy_<GPU>.md.
     tiny: fp32 on whatever device there is (CPU under TRITON_INTERPRET=1), to check the code."""
-    check_keys(keys)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.float32 if tiny else torch.bfloat16
-    heads = heads or HIDDEN // head_dim
-    providers = providers if providers is not None else (["sdpa"] if tiny else list(SDPA_PROVIDERS))
+    device, dtype, heads, providers = suite_setup(keys, head_dim, heads, providers, tiny)
     results: list[GradAccuracyRow] = []
     md = None
     for kind in GRAD_KINDS:
@@ -159,19 +151,10 @@ def run_grad_accuracy(keys: list[int], head_dim: int = 64, heads: int | None = N
 def write_grad_accuracy(rows: list[GradAccuracyRow], out: Path, head_dim: int, heads: int,
                         dtype: torch.dtype) -> Path:
     """<out>/grad_accuracy_<GPU>.{json,md}: the rows, the environment and how they were made."""
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    env = {"gpu": gpu, "commit": git_commit(), "date": dt.date.today().isoformat(),
-           "dtype": str(dtype).removeprefix("torch."), "head_dim": head_dim, "heads": heads, "period": PERIOD,
-           "rows": ROWS, **versions()}
-    stem = out / f"grad_accuracy_{gpu.replace(' ', '_')}"
-    atomic_write_text(stem.with_suffix(".json"), json.dumps({"env": env, "rows": [asdict(r) for r in rows]},
-                                                           indent=1, allow_nan=False) + "\n")
-    table = markdown_table(["dO", "keys", "provider", "gradient", "error RMS", "bias", "toward zero"],
-                           [[r.grads, r.keys, r.provider, r.tensor,
-                             *((r.error, None, None) if r.error else
-                               (f"{r.rms:.2e}", f"{r.bias:.2e}", f"{r.toward_zero:+.2e}"))] for r in rows])
-    head = (f"Gradient accuracy over long columns on {gpu}, {env['dtype']}, {heads} heads of {head_dim}, "
+    env = accuracy_env(head_dim, heads, dtype)
+    head = (f"Gradient accuracy over long columns on {env['gpu']}, {env['dtype']}, {heads} heads of {head_dim}, "
             f"non-causal, L queries over L keys of periodic inputs (period {PERIOD}); against float64 on {ROWS} rows; "
             f"figures over each gradient's RMS; commit {env['commit']}, {env['date']}. Command: "
-            f"`python scripts/bench_attention.py --accuracy --grads`.\n\n")
-    return atomic_write_text(stem.with_suffix(".md"), head + table + "\n")
+            f"`python scripts/bench_attention.py --accuracy --grads`.")
+    return write_table("grad_accuracy", rows, env, ["dO", "keys", "provider", "gradient"],
+                       lambda r: [r.grads, r.keys, r.provider, r.tensor], head, out)
