@@ -192,17 +192,28 @@ def run_accuracy(keys: list[int], head_dim: int = 64, heads: int | None = None, 
                         measured.append((name, calls, describe_error(e)))
                 del q, k, v
             for name, calls, o in measured:
-                figures = (None,) * 3 if isinstance(o, str) else measure(o, ref)
-                if not isinstance(o, str) and not all(map(math.isfinite, figures)):
-                    o, figures = "non-finite output", (None,) * 3
-                row = AccuracyRow(kind, L, name, calls, *figures, error=o if isinstance(o, str) else "")
+                row = AccuracyRow(kind, L, name, calls, *score(o, ref, measure))
                 results.append(row)
-                progress(f"{kind:8s} L={L:8d} {name:15s} calls={calls} " + (row.error or
-                         f"rms={row.rms:.3e} bias={row.bias:.3e} toward 0={row.toward_zero:+.3e}"))
+                progress(f"{kind:8s} L={L:8d} {name:15s} calls={calls} " + figures_text(row))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             md = write_accuracy(results, out, head_dim, heads, dtype)
     return results, md
+
+
+def score(out: torch.Tensor | str, ref: torch.Tensor,
+          measure_fn: Callable[[torch.Tensor, torch.Tensor], tuple[float, float, float]]) -> tuple:
+    """(rms, bias, toward_zero, error) of a provider's output against ref, or of the error it gave instead (a str):
+    None figures, and "non-finite output" where the figures are not finite."""
+    if isinstance(out, str):
+        return None, None, None, out
+    figures = measure_fn(out, ref)
+    return (*figures, "") if all(map(math.isfinite, figures)) else (None, None, None, "non-finite output")
+
+
+def figures_text(row) -> str:
+    """A measured row's figures (or its error) for the progress line."""
+    return row.error or f"rms={row.rms:.3e} bias={row.bias:.3e} toward 0={row.toward_zero:+.3e}"
 
 
 def accuracy_env(head_dim: int, heads: int, dtype: torch.dtype) -> dict:

@@ -31,7 +31,8 @@ from typing import Callable
 import torch
 
 from minigpt.attention import get_provider
-from minigpt.benchmarks.accuracy import PERIOD, ROWS, accuracy_env, make_inputs, suite_setup, write_table
+from minigpt.benchmarks.accuracy import (PERIOD, ROWS, accuracy_env, figures_text, make_inputs, score, suite_setup,
+                                         write_table)
 from minigpt.benchmarks.mask_bench import describe_error
 
 GRAD_KINDS = ("dO centred", "dO zero-mean")
@@ -132,16 +133,10 @@ def run_grad_accuracy(keys: list[int], head_dim: int = 64, heads: int | None = N
                 del q, k, v, do
             for name, grads in measured:
                 for tensor in GRADS:
-                    if isinstance(grads, str):
-                        figures, error = (None,) * 3, grads
-                    else:
-                        figures, error = measure_grad(grads[tensor], ref[tensor]), ""
-                        if not all(map(math.isfinite, figures)):
-                            figures, error = (None,) * 3, "non-finite output"
-                    row = GradAccuracyRow(kind, L, name, tensor, *figures, error=error)
+                    got = grads if isinstance(grads, str) else grads[tensor]
+                    row = GradAccuracyRow(kind, L, name, tensor, *score(got, ref[tensor], measure_grad))
                     results.append(row)
-                    progress(f"{kind:13s} L={L:8d} {name:15s} {tensor} " + (row.error or
-                             f"rms={row.rms:.3e} bias={row.bias:.3e} toward 0={row.toward_zero:+.3e}"))
+                    progress(f"{kind:13s} L={L:8d} {name:15s} {tensor} " + figures_text(row))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             md = write_grad_accuracy(results, out, head_dim, heads, dtype)
