@@ -3,8 +3,9 @@ builds for sm_90 on a machine without a GPU, with no elementwise mask and no mor
 made from (minigpt_kernels.sm90_build). Compiled, not run: tests/test_gpu_ring_backward.py runs it.
 
 Each variant is built three ways, in one process without TRITON_INTERPRET (which the test session sets, and under
-which Gluon cannot compile for a GPU): as the ring launches it; without ACCUMULATE_DKDV (what the accumulating
-epilogue costs); and with neither flag (the causal kernel of the same tiles, the code the ring's diagonal block and
+which Gluon cannot compile for a GPU): as the ring launches it; without ACCUMULATE_DKDV, writing dK, dV in the
+inputs' dtype (what the accumulating epilogue costs, and the form two ranks launch to write the other rank's share
+straight into its message home); and with neither flag (the causal kernel of the same tiles, the code the ring's diagonal block and
 the single-GPU backward run). tests/test_sm90_build.py's fixture compiles every table variant at once, more than
 needed here, so this file has its own (12 builds, ~2.5 minutes on two cores with a cold triton cache).
 """
@@ -28,9 +29,9 @@ from minigpt_kernels import sm90_build as s
 forms = json.loads(sys.argv[1])
 out = {}
 for v in s.block_variants():
-    for form, flags in forms.items():  # the causal form writes dK, dV in the inputs' dtype, as the kernel it is
+    for form, flags in forms.items():  # dK, dV in the inputs' dtype where they are written, not accumulated
         w = dataclasses.replace(v, constexprs=dict(v.constexprs, **flags),
-                                fp32=() if form == "causal" else v.fp32)
+                                fp32=v.fp32 if flags.get("ACCUMULATE_DKDV", True) else ())
         try:
             listing = s.sass(s.compile_sm90(w))
         except Exception as e:  # reported per form, so one broken build does not hide the others

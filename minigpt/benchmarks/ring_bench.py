@@ -12,6 +12,11 @@ Times are medians over --reps after --warmup, each rep started together on all r
 rank's median reported. TFLOP/s use the causal attention FLOPs of the whole sequence (fwd = 4·N²·H·D/2,
 bwd = 2.5·fwd), per GPU for the ring. `efficiency` = ring per-GPU TFLOP/s ÷ single-GPU TFLOP/s at N, `speedup` =
 single-GPU time at N ÷ ring time (ideal: K). Results: a table on stdout and <out>/ring_<GPU>_x<K>.{json,md}.
+
+Each rep times one call alone (the GPU idle until the host issues it, as after a synchronization), and, in the
+"queued" columns, --queued calls issued one after another, as a model's layers issue them: the host prepares a
+call while the GPU runs the one before, so its launch and posting time (about 4 ms of Python a ring forward+backward
+at 8K tokens per GPU, H100) is hidden where the GPU's work is longer. The single-GPU kernel is timed both ways too.
 `--cpu` runs a tiny version on CPU (gloo, Triton's interpreter, fp32) to check the script itself.
 """
 from __future__ import annotations
@@ -31,25 +36,29 @@ import torch.distributed as dist
 
 from minigpt.files import atomic_write_text, markdown_table
 from minigpt.metrics import attention_flops, git_commit, versions
+from minigpt.distributed.process import NCCL_ENV, use_nccl_settings
 from minigpt.distributed.ring_attention import Ring, ring_attention, stack_kv
 
 
-def _timer(device: torch.device, fn: Callable[[], object], warmup: int, reps: int) -> float:
-    """Median milliseconds of fn on this rank, every rep started together on all ranks; the slowest rank's median."""
+def _timer(device: torch.device, fn: Callable[[], object], warmup: int, reps: int, queued: int = 1) -> float:
+    """Median milliseconds of fn on this rank, every rep started together on all ranks; the slowest rank's median.
+    queued > 1: each rep issues fn that many times in a row and counts the time per call."""
     times = []
     for i in range(warmup + reps):
         dist.barrier()
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(queued):
+                fn()
             end.record()
             end.synchronize()
-            ms = start.elapsed_time(end)
+            ms = start.elapsed_time(end) / queued
         else:
             t0 = time.perf_counter()
-            fn()
-            ms = (time.perf_counter() - t0) * 1e3
+            for _ in range(queued):
+                fn()
+            ms = (time.perf_counter() - t0) * 1e3 / queued
         if i >= warmup:
             times.append(ms)
     t = torch.tensor([statistics.median(times)], dtype=torch.float64)
@@ -63,7 +72,8 @@ def _local(B: int, S: int, H: int, D: int, device: torch.device, dtype: torch.dt
             for _ in range(3)]
 
 
-def bench_one(D: int, S: int, hidden: int, device: torch.device, dtype: torch.dtype, warmup: int, reps: int) -> dict:
+def bench_one(D: int, S: int, hidden: int, device: torch.device, dtype: torch.dtype, warmup: int, reps: int,
+              queued: int = 4) -> dict:
     from minigpt_kernels.flash_attention import flash_attention
 
     K, H, B = dist.get_world_size(), hidden // D, 1
@@ -73,8 +83,9 @@ def bench_one(D: int, S: int, hidden: int, device: torch.device, dtype: torch.dt
     q, k, v = _local(B, S, H, D, device, dtype)
     do = torch.randn_like(q)
     row["ring_fwd_ms"] = _timer(device, lambda: ring_attention(q.detach(), k.detach(), v.detach(), None), warmup, reps)
-    row["ring_fwd_bwd_ms"] = _timer(
-        device, lambda: torch.autograd.grad(ring_attention(q, k, v, None), (q, k, v), do), warmup, reps)
+    ring_fwd_bwd = lambda: torch.autograd.grad(ring_attention(q, k, v, None), (q, k, v), do)  # noqa: E731
+    row["ring_fwd_bwd_ms"] = _timer(device, ring_fwd_bwd, warmup, reps)
+    row["ring_fwd_bwd_queued_ms"] = _timer(device, ring_fwd_bwd, warmup, reps, queued)
     ring = Ring(None)
     kv = stack_kv(k.detach(), v.detach())
 
@@ -89,9 +100,11 @@ def bench_one(D: int, S: int, hidden: int, device: torch.device, dtype: torch.dt
         q, k, v = _local(B, n, H, D, device, dtype)
         do = torch.randn_like(q)
         row[f"{key}_fwd_ms"] = _timer(device, lambda: flash_attention(q.detach(), k.detach(), v.detach()), warmup, reps)
-        row[f"{key}_fwd_bwd_ms"] = _timer(
-            device, lambda: torch.autograd.grad(flash_attention(q, k, v), (q, k, v), do), warmup, reps)
-        del q, k, v, do
+        fwd_bwd = lambda: torch.autograd.grad(flash_attention(q, k, v), (q, k, v), do)  # noqa: E731
+        row[f"{key}_fwd_bwd_ms"] = _timer(device, fwd_bwd, warmup, reps)
+        if key == "single_N":
+            row["single_N_fwd_bwd_queued_ms"] = _timer(device, fwd_bwd, warmup, reps, queued)
+        del q, k, v, do, fwd_bwd
 
     total = attention_flops(B, H, N, D, causal=True, pass_="fwd+bwd")
     row["ring_tflops_per_gpu"] = total / K / (row["ring_fwd_bwd_ms"] * 1e-3) / 1e12
@@ -99,6 +112,8 @@ def bench_one(D: int, S: int, hidden: int, device: torch.device, dtype: torch.dt
     row["single_S_tflops"] = attention_flops(B, H, S, D, True, "fwd+bwd") / (row["single_S_fwd_bwd_ms"] * 1e-3) / 1e12
     row["efficiency"] = row["ring_tflops_per_gpu"] / row["single_N_tflops"]
     row["speedup"] = row["single_N_fwd_bwd_ms"] / row["ring_fwd_bwd_ms"]
+    row["queued"] = queued
+    row["efficiency_queued"] = row["single_N_fwd_bwd_queued_ms"] / row["ring_fwd_bwd_queued_ms"] / K
     return row
 
 
@@ -127,22 +142,27 @@ def check(device: torch.device, dtype: torch.dtype) -> float:
 
 def environment(device: torch.device) -> dict:
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    return {"gpu": gpu, "gpus": dist.get_world_size(), "backend": dist.get_backend(), **versions(),
+    nccl = {key: os.environ.get(key) for key in NCCL_ENV} if device.type == "cuda" else {}
+    return {"gpu": gpu, "gpus": dist.get_world_size(), "backend": dist.get_backend(), "nccl_env": nccl, **versions(),
             "python": platform.python_version(), "date": dt.date.today().isoformat(), "commit": git_commit()}
 
 
 def results_table(rows: list[dict], env: dict, dtype: str) -> str:
     header = ["head_dim", "tokens/GPU", "seq", "ring fwd+bwd ms", "ring TFLOP/s/GPU", "single-GPU at seq ms",
               "single-GPU at seq TFLOP/s", "single-GPU at tokens/GPU TFLOP/s", "efficiency", "speedup",
-              "ring fwd ms", "comm fwd ms"]
+              "ring fwd ms", "comm fwd ms", "queued: ring fwd+bwd ms", "queued: single-GPU at seq ms",
+              "queued: efficiency"]
     body = [[r["head_dim"], r["tokens_per_gpu"], r["seq_len"], f"{r['ring_fwd_bwd_ms']:.2f}",
              f"{r['ring_tflops_per_gpu']:.0f}", f"{r['single_N_fwd_bwd_ms']:.2f}", f"{r['single_N_tflops']:.0f}",
              f"{r['single_S_tflops']:.0f}", f"{r['efficiency']:.2f}", f"{r['speedup']:.2f}",
-             f"{r['ring_fwd_ms']:.2f}", f"{r['comm_fwd_ms']:.2f}"] for r in rows]
+             f"{r['ring_fwd_ms']:.2f}", f"{r['comm_fwd_ms']:.2f}", f"{r['ring_fwd_bwd_queued_ms']:.2f}",
+             f"{r['single_N_fwd_bwd_queued_ms']:.2f}", f"{r['efficiency_queued']:.2f}"] for r in rows]
     return (f"Ring attention over {env['gpus']} × {env['gpu']} ({env['backend']}), causal {dtype}, batch 1, hidden "
             f"{rows[0]['heads'] * rows[0]['head_dim'] if rows else '?'}; TFLOP/s of the whole sequence's attention "
             f"(fwd = 4·N²·H·D/2, bwd = 2.5·fwd), per GPU for the ring; torch {env['torch']}, triton {env['triton']}, "
-            f"{env['date']}, commit {env['commit']}.\n\n" + markdown_table(header, body))
+            f"{env['date']}, commit {env['commit']}"
+            + "".join(f", {key}={value}" for key, value in env.get("nccl_env", {}).items()) + ".\n\n"
+            + markdown_table(header, body))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=2048, help="heads = hidden / head_dim")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--queued", type=int, default=4, metavar="R",
+                   help="calls issued in a row for the queued columns (default 4: a model's layers in a row)")
     p.add_argument("--out", type=Path, default=Path("runs/ring_bench"),
                    help="output directory (default: runs/ring_bench, git-ignored; publish with --out results/...)")
     p.add_argument("--cpu", action="store_true", help="a tiny run on CPU (gloo, Triton's interpreter, fp32)")
@@ -169,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error("needs CUDA GPUs (or --cpu)")
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         device, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
+        use_nccl_settings()  # as the trainer's processes run
         dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
     main_rank = dist.get_rank() == 0
     try:
@@ -178,12 +201,13 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for D in args.head_dim:
             for S in args.seq_per_gpu:
-                row = bench_one(D, S, args.hidden, device, dtype, args.warmup, args.reps)
+                row = bench_one(D, S, args.hidden, device, dtype, args.warmup, args.reps, args.queued)
                 rows.append(row)
                 if main_rank:
                     print(f"D={D} S={S}: ring {row['ring_fwd_bwd_ms']:.2f} ms ({row['ring_tflops_per_gpu']:.0f} "
                           f"TFLOP/s/GPU), single at N {row['single_N_fwd_bwd_ms']:.2f} ms, efficiency "
-                          f"{row['efficiency']:.2f}, comm {row['comm_fwd_ms']:.2f} ms", flush=True)
+                          f"{row['efficiency']:.2f}, comm {row['comm_fwd_ms']:.2f} ms; queued: ring {row['ring_fwd_bwd_queued_ms']:.2f} "
+                          f"ms, efficiency {row['efficiency_queued']:.2f}", flush=True)
         if main_rank:
             env = environment(device)
             stem = f"ring_{env['gpu'].replace(' ', '_')}_x{env['gpus']}"

@@ -29,15 +29,32 @@ def local_gpu() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+# NCCL's kernels on a high-priority stream: the GPU's scheduler gives a transfer's few programs the first SMs that free
+# up, so the ring's hops overlap the attention kernel running beside them instead of waiting for its last wave
+# (2 x H100, ring attention at 16K tokens per GPU: efficiency 0.86 -> 0.89 at head_dim 64, 0.85 -> 0.90 at 128).
+NCCL_ENV = {"TORCH_NCCL_HIGH_PRIORITY": "1"}
+
+
+def use_nccl_settings() -> dict[str, str]:
+    """Set NCCL_ENV where the environment does not say otherwise (before NCCL's process groups are made); returns the
+    settings in effect. The trainer and the ring benchmark call it, so both run with the same settings."""
+    for key, value in NCCL_ENV.items():
+        os.environ.setdefault(key, value)
+    return {key: os.environ[key] for key in NCCL_ENV}
+
+
 def start_distributed() -> bool:
     """Join torchrun's process group (its env: MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK), if launched by
     torchrun with more than one process and not joined yet. Returns True when this call joined it (the caller
-    then leaves it with stop_distributed). With GPUs: NCCL for CUDA tensors and gloo for CPU ones (small control
-    messages); gloo alone without. NCCL/NVLink env variables are left as they are. CUDA does not start here (no
-    device_id: NCCL starts lazily, and the mesh's groups get both backends): the run sets the CUDA allocator up
-    first (minigpt/cuda_allocator.py), then takes its GPU (use_local_gpu, from Mesh.setup)."""
+    then leaves it with stop_distributed). With GPUs: NCCL for CUDA tensors (its settings: use_nccl_settings) and
+    gloo for CPU ones (small control messages); gloo alone without. NCCL/NVLink env variables are otherwise left as
+    they are. CUDA does not start here (no device_id: NCCL starts lazily, and the mesh's groups get both backends):
+    the run sets the CUDA allocator up first (minigpt/cuda_allocator.py), then takes its GPU (use_local_gpu, from
+    Mesh.setup)."""
     if launched_world_size() == 1 or dist.is_initialized():
         return False
+    if torch.cuda.is_available():
+        use_nccl_settings()
     dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     return True
 

@@ -47,6 +47,7 @@ short ones in flight (CallFence), or each layer's messages would take fresh memo
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from typing import Callable
@@ -309,16 +310,26 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
         held[direction] = incoming()
         incoming = post(i + 1)
         kv, k_ids = held[direction]
-        # the first rank after a block's owner starts its accumulator: fp32 zeros laid out as kv
-        dkv = (arriving[direction] or _ready(torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)))()
-        _block_backward(do, q, *unstack_kv(kv), ids, k_ids, lse, delta, launches, sm_scale, dq, *unstack_kv(dkv))
-        # hand the accumulator on with its block (fp32: the next holders add into it); after the block's last hop,
-        # straight home to its owner in k's dtype: half the bytes to send and to land, and this last fp32 copy is
-        # not handed to NCCL, so it is free at once. The share is rounded to k's dtype before the owner adds it (and
-        # the sum once more after): one rounding more than an fp32 hop, within the tests' tolerance
         last = depth == plan.depth(direction)
-        hop = dkv.to(kv.dtype) if last else dkv
-        del dkv
+        if last and arriving[direction] is None and len(launches) == 1:
+            # this rank is the block's only holder (two ranks) and one launch writes its share: straight into the
+            # message home, in k's dtype, the keys it does not reach zero; no fp32 accumulator, no cast (the same
+            # rounding: the kernel rounds its fp32 sums as the cast did)
+            hop = torch.empty_like(kv)
+            for keys in _other_rows(launches[0].keys, kv.shape[2]):
+                hop[:, :, keys] = 0
+            launches = [dataclasses.replace(launches[0], fresh_keys=True)]
+            _block_backward(do, q, *unstack_kv(kv), ids, k_ids, lse, delta, launches, sm_scale, dq, *unstack_kv(hop))
+        else:
+            # the first rank after a block's owner starts its accumulator: fp32 zeros laid out as kv
+            dkv = (arriving[direction] or _ready(torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)))()
+            _block_backward(do, q, *unstack_kv(kv), ids, k_ids, lse, delta, launches, sm_scale, dq, *unstack_kv(dkv))
+            # hand the accumulator on with its block (fp32: the next holders add into it); after the block's last
+            # hop, straight home to its owner in k's dtype: half the bytes to send and to land, and this last fp32
+            # copy is not handed to NCCL, so it is free at once. The share is rounded to k's dtype before the owner
+            # adds it (and the sum once more after): one rounding more than an fp32 hop, within the tests' tolerance
+            hop = dkv.to(kv.dtype) if last else dkv
+            del dkv
         wait = plan.ring.send((hop,), -direction * depth if last else direction)
         arriving[direction] = lambda wait=wait: wait()[0]
         if hop.numel() * hop.element_size() >= SERIAL_HOP_BYTES:
@@ -343,6 +354,11 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     if q.is_cuda:
         FENCE.leave(lag)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _other_rows(keys: slice, n: int) -> list[slice]:
+    """The rows of 0 .. n − 1 outside `keys` (a slice with start and stop), as at most two slices."""
+    return [r for r in (slice(0, keys.start or 0), slice(keys.stop, n)) if r.stop > r.start]
 
 
 # An accumulator hop of at least this size is waited for at once instead of during the next block's dQ kernel: two
