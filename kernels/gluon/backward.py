@@ -41,8 +41,10 @@ the group's query heads in turn through the same ring (counters run on), the pro
 descriptors per query head once the copies through the old ones have landed, so dK and dV sum over the group in
 registers and no per-query-head K/V copy exists. A launch with one K/V head over a grid of under two waves (MQA, or a
 GQA call cut to one K/V head per launch by the dQ accumulator's cap) splits the group instead (`mqa_splits`): the
-one head is passed S times with head stride 0, each virtual head walks H/S query heads into its own fp32 dK, dV, and
-those are summed after the launch.
+one head is passed S times with head stride 0, each virtual head walks H/S query heads, and all S add their dK, dV
+into one fp32 dK, dV by atomic adds (ACCUMULATE_DKDV = DKDV_ATOMIC_ADD; S partial copies of dK, dV took 2.02× the
+MHA kernel's memory at 8K tokens), rounded into the caller's dtype after the launch. The order of the S additions
+varies from run to run, as dQ's reduce-adds do: this backward is not the deterministic one.
 
 Ring attention's blocks (`launch_dkdv_dq_block`, for launch.launch_backward_block; the same kernel with the
 constexprs FULL and ACCUMULATE_DKDV, which leave the code compiled without them as it was): a block off the
@@ -85,6 +87,10 @@ from minigpt_kernels.gluon.schedule import MASKED_PERSISTENT_WAVES, device_one_e
 
 TILE = gl.constexpr(64)  # keys (dK/dV) or query rows (dQ) per consumer warpgroup: the M of one wgmma
 CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program (the warp_specialize lists below name two)
+# How a program's dK, dV reach memory (the constexpr ACCUMULATE_DKDV): written; added by a load, an add and a store
+# (ring attention's travelling fp32 accumulator: one program owns the rows); added atomically (fp32: mqa_splits'
+# programs share the rows of the one K/V head)
+DKDV_WRITE, DKDV_ADD, DKDV_ATOMIC_ADD = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
 # registers per thread in the dK/dV/dQ kernel: 2 consumer warpgroups + the dQ warpgroup + the producer warp share the
 # 64K register file (2·128·208 + 128·88 + 32·24 ≤ 65536); below 208 the consumers' wgmmas serialize (ptxas C7512)
 FUSED_CONSUMER_REGS = 208
@@ -203,9 +209,9 @@ def _dkdv_last(q_smem, do_smem, t, STAGES: gl.constexpr, dv, dk, pT16, dsT16):
 def _write_dkdv(dk, dv, DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0,
                 sm_scale, HEAD_DIM: gl.constexpr, ACCUMULATE: gl.constexpr):
     """dK (scaled: dS was taken w.r.t. the scaled scores) and dV of this consumer's 64 keys; keys past N not written.
-    ACCUMULATE: added to what DK, DV (fp32) hold instead (ring attention's travelling accumulator); a load, an add
-    and a store, no atomics: one program owns a key block's rows (with GQA its K/V head's, the group summed; split
-    by mqa_splits, a virtual head's own fp32 rows)."""
+    ACCUMULATE (DKDV_*): DKDV_WRITE stores them; DKDV_ADD adds them to what DK, DV (fp32) hold (ring attention's
+    travelling accumulator), a load, an add and a store, since one program owns a key block's rows (with GQA its K/V
+    head's, the group summed); DKDV_ATOMIC_ADD adds them atomically (fp32; mqa_splits' virtual heads share rows)."""
     d_layout: gl.constexpr = dk.type.layout
     dk = dk * sm_scale
     out_keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, d_layout))
@@ -213,13 +219,17 @@ def _write_dkdv(dk, dv, DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride
     rows64 = gl.expand_dims(out_keys.to(gl.int64), 1)
     mask = gl.expand_dims(out_keys < N, 1)
     dk_ptrs = DK + b * stride_dkb + h * stride_dkh + rows64 * stride_dkn + out_cols
-    if ACCUMULATE:  # dK_j += this block's dK_j (one tensor at a time: dK's old values and dV are not live together)
-        dk = dk + gl.load(dk_ptrs, mask=mask, other=0.0)
-    gl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=mask)
     dv_ptrs = DV + b * stride_dvb + h * stride_dvh + rows64 * stride_dvn + out_cols
-    if ACCUMULATE:  # dV_j += this block's dV_j
-        dv = dv + gl.load(dv_ptrs, mask=mask, other=0.0)
-    gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=mask)
+    if ACCUMULATE == DKDV_ATOMIC_ADD:  # the other splits of the group add into the same rows
+        gl.atomic_add(dk_ptrs, dk, mask=mask, sem="relaxed")
+        gl.atomic_add(dv_ptrs, dv, mask=mask, sem="relaxed")
+    else:
+        if ACCUMULATE == DKDV_ADD:  # dK_j += this block's dK_j (one at a time: old dK and dV are not live together)
+            dk = dk + gl.load(dk_ptrs, mask=mask, other=0.0)
+        gl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=mask)
+        if ACCUMULATE == DKDV_ADD:  # dV_j += this block's dV_j
+            dv = dv + gl.load(dv_ptrs, mask=mask, other=0.0)
+        gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
@@ -1051,8 +1061,10 @@ def _launch_dkdvdq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, str
                    stride_delta: int, dk: Tensor, dv: Tensor, dq_acc: Tensor, sm_scale: float, qk_scale: float,
                    block_m: int, stages: int, work: Tensor, work_start: Tensor, persistent: bool,
                    window: int | None = None, document_ids: Tensor | None = None, full: bool = False,
-                   accumulate_dkdv: bool = False, acc_geometry: AccGeometry | None = None) -> None:
+                   accumulate_dkdv: bool = False, acc_geometry: AccGeometry | None = None,
+                   atomic_dkdv: bool = False) -> None:
     """dkdvdq_kernel on a work list. q, do: (B, H, N_Q, D); k, v: (B, Hkv, N_K, D), N_Q = N_K unless `full`.
+    accumulate_dkdv: dk, dv (fp32) receive dK, dV added (DKDV_ADD); atomic_dkdv: added atomically (DKDV_ATOMIC_ADD).
     acc_geometry: dq_acc's (dq_acc_geometry); None: dq_acc dense in (B, H, N, D) or (B, N, H, D) memory."""
     B, H, n_q, D = q.shape
     N = k.shape[2]  # keys (and queries, but where full)
@@ -1077,7 +1089,9 @@ def _launch_dkdvdq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, str
         KV_BUFS=2 if persistent and D == 64 else 1, PERSISTENT=persistent,
         CONSUMER_REGS=SPLIT_CONSUMER_REGS if D > 64 else FUSED_CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, REDUCER_REGS=REDUCER_REGS, GQA=k.shape[1] != H, WINDOWED=window is not None,
-        DOCS=document_ids is not None, FULL=full, ACCUMULATE_DKDV=accumulate_dkdv, num_warps=4)
+        DOCS=document_ids is not None, FULL=full,
+        ACCUMULATE_DKDV=(DKDV_ATOMIC_ADD if atomic_dkdv else DKDV_ADD if accumulate_dkdv else DKDV_WRITE).value,
+        num_warps=4)
 
 
 def launch_dkdv_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
@@ -1116,7 +1130,7 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
                           persistent: bool | None = None) -> None:
     """launch_dkdv_dq's contract with GQA (k, v, dk, dv with H / group heads: dK, dV of a K/V head sum over its
     group's query heads, in one program per key block; with one K/V head and a short grid, in mqa_splits programs
-    per key block, each over a part of the group, whose fp32 dK, dV are then summed) and the masks: `window`
+    per key block, each over a part of the group, adding into one fp32 dK, dV atomically) and the masks: `window`
     (query i sees key j only if i − window < j) and `document_ids` ((B, N) int32/int64, non-decreasing, rows with a
     contiguous last dimension; only keys of the query's document). Each key block visits only the query tiles that
     see its keys, found on the device (each token's document end by torch.searchsorted, then one load per key); lse
@@ -1128,10 +1142,11 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
     n_kblocks = -(-N // (CONSUMERS.value * TILE.value))
     programs = sm_count(q.device)
     splits = mqa_splits(B, H, k.shape[1], n_kblocks, programs)
-    if splits > 1:  # one K/V head: its group split over `splits` programs per key block, each with partial dK, dV
+    if splits > 1:  # one K/V head: its group split over `splits` programs per key block, adding into one fp32 dK, dV
         k, v = k.expand(B, splits, N, D), v.expand(B, splits, N, D)  # head stride 0: every split reads the one head
         dk_out, dv_out = dk, dv
-        dk, dv = (torch.empty((B, splits, N, D), dtype=torch.float32, device=q.device) for _ in range(2))
+        dk, dv = (torch.zeros((B, 1, N, D), dtype=torch.float32, device=q.device).expand(B, splits, N, D)
+                  for _ in range(2))  # ... and adds into its rows
     heads = B * k.shape[1]
     windowed = window is not None and document_ids is None and k.shape[1] == H  # MHA: no GQA walk, no MQA split
     if persistent is None:
@@ -1144,10 +1159,11 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
     else:
         work, work_start = device_one_each(heads, tuple(range(n_kblocks)), q.device)
     _launch_dkdvdq(do, q, k, v, lse, stride_lse, delta, stride_delta, dk, dv, dq_acc, sm_scale, qk_scale, block_m,
-                   stages, work, work_start, persistent=persistent, window=window, document_ids=document_ids)
+                   stages, work, work_start, persistent=persistent, window=window, document_ids=document_ids,
+                   atomic_dkdv=splits > 1)
     if splits > 1:  # dK = Σ over the splits' query heads, summed in fp32 and rounded once
-        dk_out.copy_(dk.sum(1, keepdim=True))
-        dv_out.copy_(dv.sum(1, keepdim=True))
+        dk_out.copy_(dk[:, :1])
+        dv_out.copy_(dv[:, :1])
 
 
 @functools.lru_cache(maxsize=64)
@@ -1165,8 +1181,8 @@ def mqa_splits(B: int, H: int, kv_heads: int, n_kblocks: int, sms: int) -> int:
     """Programs per key block of a one-K/V-head call (MQA): the plain grid has B·n_kblocks programs, each walking
     all H query heads, which leaves most SMs idle where B·n_kblocks is small (8K tokens at batch 1: 64 programs for
     132 SMs, 2.8x the MHA kernel's time). Splitting the query heads into `splits` parts of H / splits makes
-    B·n_kblocks·splits programs: the fewest splits (a divisor of H) that give two waves, at the cost of an fp32 dK, dV
-    per split and their sum. 1 (no split) with several K/V heads or when the grid fills the GPU already."""
+    B·n_kblocks·splits programs: the fewest splits (a divisor of H) that give two waves, at the cost of one fp32 dK,
+    dV that they add into atomically. 1 (no split) with several K/V heads or when the grid fills the GPU already."""
     if kv_heads != 1 or B * n_kblocks >= 2 * sms:
         return 1
     return next((s for s in range(2, H + 1) if H % s == 0 and B * n_kblocks * s >= 2 * sms), H)
