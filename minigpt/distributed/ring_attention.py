@@ -330,6 +330,10 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
             # adds it (and the sum once more after): one rounding more than an fp32 hop, within the tests' tolerance
             hop = dkv.to(kv.dtype) if last else dkv
             del dkv
+        if last:  # the block goes no further: dropped before the send allocates the buffer its share lands in at
+            # home, so that the two are not live together (a K/V block less at the backward's peak with two ranks)
+            held[direction] = None
+            kv = k_ids = None
         wait = plan.ring.send((hop,), -direction * depth if last else direction)
         arriving[direction] = lambda wait=wait: wait()[0]
         if hop.numel() * hop.element_size() >= SERIAL_HOP_BYTES:
