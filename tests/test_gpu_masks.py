@@ -293,6 +293,8 @@ def rope_tables(head_dim: int, n: int, rope: str) -> tuple[torch.Tensor, torch.T
 
 
 # (B, N, Hq, Hkv, head_dim, window, documents, rope): groups 1 to 8, one K/V head, odd lengths
+# Short enough that no GQA call is cut to one K/V head per launch by the dQ accumulator's cap: such a launch would
+# take the MQA split too, and its dK, dV would vary in the last place like MQA's (the test keys that on hkv == 1)
 QKV_CASES = [
     (2, 4096, 8, 2, 64, None, "none", "none"),
     (1, 4100, 12, 4, 128, 1024, "ragged", "yarn"),
@@ -309,10 +311,9 @@ QKV_CASES = [
                          ids=[f"b{b}-n{n}-h{a}/{c}-d{d}-w{w}-{doc}-{r}" for b, n, a, c, d, w, doc, r in QKV_CASES])
 def test_flash_attention_qkv_gqa_and_masks_vs_the_pair_and_float32(B, n, hq, hkv, head_dim, window, docs, rope, dtype):
     """The forward, dK and dV bitwise those of qkv_rotary + flash_attention (the same kernels; dK, dV within a unit in
-    the last place where the MQA split adds them atomically); dQ too where GQA or a
-    mask runs the seven-matmul backward (off sm_90), else (the five-matmul one, dQ rotated back from its fp32
-    accumulator) within the pair's error; all within the dtype's error of float32 RoPE + masked SDPA over K/V repeated per
-    group."""
+    the last place where the MQA split adds them atomically); dQ too where GQA or a mask runs the seven-matmul
+    backward (off sm_90), else (the five-matmul one, dQ rotated back from its fp32 accumulator) within the pair's
+    error; all within the dtype's error of float32 RoPE + masked SDPA over K/V repeated per group."""
     g = torch.Generator(device="cuda").manual_seed(n + hq * 7 + hkv)
     qkv = torch.randn(B, n, hq + 2 * hkv, head_dim, device="cuda", generator=g).to(dtype).requires_grad_()
     cos, sin = rope_tables(head_dim, n, rope)

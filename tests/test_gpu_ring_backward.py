@@ -1,10 +1,10 @@
 """GPU-only: launch.launch_backward_block, ring attention's per-launch backward (python -m pytest -m gpu
 tests/test_gpu_ring_backward.py). On sm_90 an unmasked launch runs the five-matmul Gluon kernel (gluon/backward.py,
 launch_dkdv_dq_block) once: the blocks off the diagonal without the causal mask and with N_Q != N_K (FULL), dK, dV
-added into the travelling fp32 accumulator (ACCUMULATE_DKDV), dQ reduce-added straight into the caller's fp32 rows;
-the local block causal and fresh. Checked on the buffers as ring_backward lays them out (dq: fp32 rows of q's
-(B, N, H, D) layout; dk, dv: views of a (2, B, N, Hkv, D) fp32 accumulator, or for the local block k's dtype in k's
-layout) against float64 with the whole rows' lse and delta (tests/block_reference.py), against the Triton kernels'
+added into the travelling fp32 accumulator (ACCUMULATE_DKDV) or written (into fp32, or into the inputs' dtype: the
+direct hop home), dQ reduce-added straight into the caller's fp32 rows; the local block causal and fresh. Checked on
+the buffers as ring_backward lays them out (dq: fp32 rows of q's (B, N, H, D) layout; dk, dv: views of a
+(2, B, N, Hkv, D) accumulator, fp32 or in the inputs' dtype, or for the local block k's dtype in k's layout) against float64 with the whole rows' lse and delta (tests/block_reference.py), against the Triton kernels'
 error, and that the Gluon launcher ran (a spy) or, where the inputs do not qualify, the Triton kernels did.
 Elsewhere than sm_90 the same tests check the Triton fallback. The CPU twin is tests/test_backward_block.py.
 """

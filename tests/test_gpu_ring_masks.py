@@ -38,7 +38,10 @@ def inputs(case: dict) -> dict:
 def _worker(rank, cases, out):
     from minigpt.distributed.ring_attention import ring_attention
 
+    from minigpt.distributed.process import use_nccl_settings
+
     torch.cuda.set_device(rank)
+    use_nccl_settings()  # as the trainer's processes run
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     results = []
     for case in cases:

@@ -5,8 +5,8 @@ made from (minigpt_kernels.sm90_build). Compiled, not run: tests/test_gpu_ring_b
 Each variant is built three ways, in one process without TRITON_INTERPRET (which the test session sets, and under
 which Gluon cannot compile for a GPU): as the ring launches it; without ACCUMULATE_DKDV, writing dK, dV in the
 inputs' dtype (what the accumulating epilogue costs, and the form two ranks launch to write the other rank's share
-straight into its message home); and with neither flag (the causal kernel of the same tiles, the code the ring's diagonal block and
-the single-GPU backward run). tests/test_sm90_build.py's fixture compiles every table variant at once, more than
+straight into its message home); and with neither flag (the causal kernel of the same tiles, the code the ring's
+diagonal block and the single-GPU backward run). tests/test_sm90_build.py's fixture compiles every table variant at once, more than
 needed here, so this file has its own (12 builds, ~2.5 minutes on two cores with a cold triton cache).
 """
 import json

@@ -797,8 +797,9 @@ def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
     ids). Without them the last four are unused.
     FULL (ring attention's blocks off the diagonal, launch_dkdv_dq_block): no causal mask, n_q query rows (Q, DO,
     LSE, DELTA, DQ_ACC) against N keys (K, V, DK, DV), every key block over every query tile from query 0; not with
-    WINDOWED or DOCS. Else n_q is unused (one length N). ACCUMULATE_DKDV: DK, DV are fp32 and receive dK, dV added
-    to what they hold (_write_dkdv), else written. Neither changes the code compiled without it."""
+    WINDOWED or DOCS. Else n_q is unused (one length N). ACCUMULATE_DKDV (_write_dkdv): DKDV_WRITE writes dK, dV
+    (any float dtype); DKDV_ADD adds them to what DK, DV (fp32) hold; DKDV_ATOMIC_ADD adds them atomically (fp32:
+    the MQA split's programs share rows). Neither flag changes the code compiled without it."""
     gl.static_assert(not (FULL and (WINDOWED or DOCS)), "FULL (no causal mask) takes no window or documents")
     dtype: gl.constexpr = Q.dtype.element_ty
     SPLIT_DQ: gl.constexpr = HEAD_DIM > 64

@@ -206,8 +206,9 @@ def main(argv: list[str] | None = None) -> int:
                 if main_rank:
                     print(f"D={D} S={S}: ring {row['ring_fwd_bwd_ms']:.2f} ms ({row['ring_tflops_per_gpu']:.0f} "
                           f"TFLOP/s/GPU), single at N {row['single_N_fwd_bwd_ms']:.2f} ms, efficiency "
-                          f"{row['efficiency']:.2f}, comm {row['comm_fwd_ms']:.2f} ms; queued: ring {row['ring_fwd_bwd_queued_ms']:.2f} "
-                          f"ms, efficiency {row['efficiency_queued']:.2f}", flush=True)
+                          f"{row['efficiency']:.2f}, comm {row['comm_fwd_ms']:.2f} ms; queued: ring "
+                          f"{row['ring_fwd_bwd_queued_ms']:.2f} ms, efficiency {row['efficiency_queued']:.2f}",
+                          flush=True)
         if main_rank:
             env = environment(device)
             stem = f"ring_{env['gpu'].replace(' ', '_')}_x{env['gpus']}"

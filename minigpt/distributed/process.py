@@ -32,6 +32,7 @@ def local_gpu() -> int:
 # NCCL's kernels on a high-priority stream: the GPU's scheduler gives a transfer's few programs the first SMs that free
 # up, so the ring's hops overlap the attention kernel running beside them instead of waiting for its last wave
 # (2 x H100, ring attention at 16K tokens per GPU: efficiency 0.86 -> 0.89 at head_dim 64, 0.85 -> 0.90 at 128).
+# It applies to every NCCL group, data parallel's gradient all-reduces too (measured on the ring only).
 NCCL_ENV = {"TORCH_NCCL_HIGH_PRIORITY": "1"}
 
 

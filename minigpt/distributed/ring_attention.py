@@ -35,7 +35,8 @@ local block of dense attention), else the Triton dQ and dK/dV kernels run (launc
 local; each block's dK/dV accumulator (fp32, Hkv heads) starts at the first other rank that holds the block,
 travels with it and, after the block's last hop, goes straight back to the block's owner in k's dtype (half the
 bytes, and no fp32 buffer of k's size waiting for it), which adds its own share, computed last, while that hop is
-under way.
+under way. Where a block's first holder in a direction is also its last (two ranks; a window's one hop each way),
+its one launch writes the share in k's dtype straight into the message home: no fp32 accumulator, no cast.
 
 Communication is `torch.distributed.batch_isend_irecv` on the context-parallel group, posted before the
 step's compute so the transfer overlaps it. Every rank issues the same sends and receives in the same
@@ -284,7 +285,8 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
 
     Each other rank's block is processed as it arrives, in one launch per plan launch that adds its dQ into the
     local fp32 dq and its dK/dV into the block's accumulator, which then travels on with the block, or home after the
-    block's last hop (in k's dtype). The local block comes last: its launches run while the accumulators of the other
+    block's last hop (in k's dtype; written there directly where this rank is the block's only holder in that
+    direction). The local block comes last: its launches run while the accumulators of the other
     ranks' dK/dV for it make their last hop home (the larger transfer), so that hop does not wait alone."""
     from minigpt_kernels.launch import empty_in_layout_of, launch_backward_delta
 
@@ -312,9 +314,10 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
         kv, k_ids = held[direction]
         last = depth == plan.depth(direction)
         if last and arriving[direction] is None and len(launches) == 1:
-            # this rank is the block's only holder (two ranks) and one launch writes its share: straight into the
-            # message home, in k's dtype, the keys it does not reach zero; no fp32 accumulator, no cast (the same
-            # rounding: the kernel rounds its fp32 sums as the cast did)
+            # the block's only holder in this direction (its first hop is also its last: two ranks, or a window's
+            # one hop each way) and one launch writes its share: straight into the message home, in k's dtype, the
+            # keys it does not reach zero; no fp32 accumulator, no cast (the same rounding: the kernel rounds its
+            # fp32 sums as the cast did)
             hop = torch.empty_like(kv)
             for keys in _other_rows(launches[0].keys, kv.shape[2]):
                 hop[:, :, keys] = 0
