@@ -308,6 +308,7 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     # per direction, the (dK, dV) accumulator (fp32, laid out as the kv message) of the block this rank holds next in
     # it, arriving from the previous holder; after a direction's last step, this rank's own block's, coming home
     arriving: dict[int, Callable[[], Tensor] | None] = {1: None, -1: None}
+    spare = None  # a long shard's last hop in k's dtype, sent by the time the local block runs (in stream order)
     for i, (direction, depth, launches) in enumerate(plan.steps):
         held[direction] = incoming()
         incoming = post(i + 1)
@@ -341,6 +342,8 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
         arriving[direction] = lambda wait=wait: wait()[0]
         if hop.numel() * hop.element_size() >= SERIAL_HOP_BYTES:
             arriving[direction] = _ready(arriving[direction]())  # a long shard: wait now, one accumulator in flight
+            if last and hop.dtype == k.dtype:  # the wait covers its send too: the local block may write into it
+                spare = hop
         del hop
     held.clear()  # the blocks of other ranks are done with: free them before the local block's launches
     kv = k_ids = None
@@ -350,7 +353,12 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     # launches) in an fp32 buffer that they write and add into
     one_launch = len(plan.local) == 1 and plan.local[0].fresh_keys and plan.local[0].keys == slice(0, k.shape[2])
     dtype = k.dtype if one_launch else torch.float32
-    dk, dv = empty_in_layout_of(k, dtype), empty_in_layout_of(v, dtype)
+    if one_launch and spare is not None:  # a long shard: the buffer that carried a share home takes the local dK/dV,
+        # instead of a fresh block of k's size while the allocator waits for NCCL's stream to pass the freed one
+        dk, dv = unstack_kv(spare)
+    else:
+        dk, dv = empty_in_layout_of(k, dtype), empty_in_layout_of(v, dtype)
+    spare = None
     _block_backward(do, q, k, v, ids, ids, lse, delta, plan.local, sm_scale, dq, dk, dv)
     for home in homes:  # dK = mine + the other ranks' shares (in k's dtype), each added into mine; where a window
         # has two, mine is fp32 and holds their sum (cast in one pass below)
