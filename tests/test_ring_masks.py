@@ -49,10 +49,10 @@ def _worker(rank, cases, out):
     sends, dtypes = [], []
     send = Ring.send
 
-    def counted(self, tensors, shift):  # count the hops and note what they carry
+    def counted(self, tensors, shift, into=None):  # count the hops and note what they carry
         sends.append(shift)
         dtypes.append([t.dtype for t in tensors if t is not None])
-        return send(self, tensors, shift)
+        return send(self, tensors, shift, into)
     Ring.send = counted
     results = []
     for case in cases:

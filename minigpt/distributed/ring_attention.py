@@ -121,14 +121,17 @@ class Ring:
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size  # ranks in the group
 
-    def send(self, tensors: tuple[Tensor | None, ...], shift: int) -> Callable[[], tuple[Tensor | None, ...]]:
+    def send(self, tensors: tuple[Tensor | None, ...], shift: int,
+             into: tuple[Tensor | None, ...] | None = None) -> Callable[[], tuple[Tensor | None, ...]]:
         """Send the tensors (contiguous, not to be modified until the returned wait is called; None: nothing) to rank
         + shift and receive the same shapes from rank − shift; the returned function waits and gives the received
-        ones. Every rank of the group calls it with the same shift at the same point."""
+        ones. `into`: buffers to receive them in (contiguous, of the same shapes and dtypes; None: new ones), which the
+        transfer overwrites once the work queued before this call has run. Every rank of the group calls it with the
+        same shift at the same point."""
         to, frm = (self.rank + shift) % self.size, (self.rank - shift) % self.size
         ops, received = [], []
-        for t in tensors:
-            received.append(None if t is None else torch.empty_like(t))
+        for t, buf in zip(tensors, into or (None,) * len(tensors)):
+            received.append(None if t is None else torch.empty_like(t) if buf is None else buf)
             if t is not None:
                 ops += [dist.P2POp(dist.isend, t, group=self.group, group_peer=to),
                         dist.P2POp(dist.irecv, received[-1], group=self.group, group_peer=frm)]
@@ -334,11 +337,14 @@ def ring_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
             # adds it (and the sum once more after): one rounding more than an fp32 hop, within the tests' tolerance
             hop = dkv.to(kv.dtype) if last else dkv
             del dkv
-        if last:  # the block goes no further: dropped before the send allocates the buffer its share lands in at
-            # home, so that the two are not live together (a K/V block less at the backward's peak with two ranks)
+        landing = None
+        if last:  # the block goes no further: its buffer takes the share that comes home in its place (the receive
+            # is queued after this step's launches, which read it), so the two are not live together
+            landing = kv if kv.shape == hop.shape and kv.dtype == hop.dtype else None
             held[direction] = None
             kv = k_ids = None
-        wait = plan.ring.send((hop,), -direction * depth if last else direction)
+        wait = plan.ring.send((hop,), -direction * depth if last else direction, into=(landing,))
+        landing = None
         arriving[direction] = lambda wait=wait: wait()[0]
         if hop.numel() * hop.element_size() >= SERIAL_HOP_BYTES:
             arriving[direction] = _ready(arriving[direction]())  # a long shard: wait now, one accumulator in flight
