@@ -46,12 +46,13 @@ def _worker(rank, cases, out):
 
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    sends, dtypes = [], []
+    sends, dtypes, landed = [], [], []
     send = Ring.send
 
-    def counted(self, tensors, shift, into=None):  # count the hops and note what they carry
+    def counted(self, tensors, shift, into=None):  # count the hops, note what they carry and where they land
         sends.append(shift)
         dtypes.append([t.dtype for t in tensors if t is not None])
+        landed.append(any(b is not None for b in into or ()))
         return send(self, tensors, shift, into)
     Ring.send = counted
     results = []
@@ -63,12 +64,14 @@ def _worker(rank, cases, out):
         heads = [t.transpose(1, 2) for t in shard]  # (B, H, N_local, D) views, as the model calls it
         sends.clear()
         dtypes.clear()
+        landed.clear()
         with count_tiles() as tiles:
             o = backend(*heads, window=case.get("window"), document_ids=ids)
             forward_sends = len(sends)
             o.transpose(1, 2).backward(zigzag_shard(x["do"], world, rank, dim=1))
         got = {"o": o.transpose(1, 2).detach(), "dq": shard[0].grad, "dk": shard[1].grad, "dv": shard[2].grad,
                "sends": (forward_sends, len(sends) - forward_sends), "backward_dtypes": dtypes[forward_sends:],
+               "backward_landed": landed[forward_sends:],
                "tiles": [(kind, int(counts.sum())) for kind, counts, _ in tiles]}
         if case.get("kept"):  # kept attention: the forward with its LSE, then the saved forward made differentiable
             kept = [t.detach().clone().requires_grad_() for t in shard]
@@ -214,8 +217,9 @@ def test_the_cli_under_torchrun_refuses_a_ring_without_flash(tmp_path):
                                         (4, dict(B=1, N=60, Hq=2, Hkv=2)),  # two hops on, then home
                                         (4, dict(B=1, N=60, Hq=2, Hkv=1, window=11))])  # homes from both sides
 def test_accumulators_go_home_in_half_precision_and_stay_as_close_as_one_process(world, case, tmp_path):
-    """In fp16 the dK/dV accumulators travel in fp32 and make their last hop home in k's dtype; the ring's results
-    stay as close to the float64 reference as one process's fp16 kernel (within 1.5x its error)."""
+    """In fp16 the dK/dV accumulators travel in fp32 and make their last hop home in k's dtype, landing in the buffer
+    of the block their sender no longer needs (no new buffer of k's size); the ring's results stay as close to the
+    float64 reference as one process's fp16 kernel (within 1.5x its error)."""
     case = dict(case, dtype=torch.float16)
     ranks = run_ring(world, [case], tmp_path)[0]
     ref, one = references(case)
@@ -235,3 +239,5 @@ def test_accumulators_go_home_in_half_precision_and_stay_as_close_as_one_process
         assert sends[-1] == [torch.float16], sends
         assert sum(m == [torch.float32] for m in sends) == onward_hops, sends
         assert all(m in ([torch.float16], [torch.float32]) for m in sends), sends
+        homes = sum(depth > 0 for depth in (schedule.forward, schedule.backward))
+        assert sum(r["backward_landed"]) == homes and r["backward_landed"][-1], r["backward_landed"]
