@@ -183,3 +183,18 @@ def test_context_parallelism_needs_flash(attention, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match=f"^attention={attention}: context parallelism .* needs attention=flash"):
         compose(["model=tiny", "device=cpu", "logger=none", f"attention={attention}", "parallel.context=2"])
+
+
+def test_nccl_settings_are_ours_where_unset_and_every_nccl_variable_is_recorded(monkeypatch):
+    """The trainer and the ring benchmark set NCCL_ENV where the environment is silent, never over it, and the
+    benchmark records every NCCL_* variable (transfers depend on them: NCCL_MAX_P2P_NCHANNELS caps a send's SMs)."""
+    from minigpt.distributed import process
+
+    for key in [k for k in os.environ if k.startswith("NCCL_")] + list(process.NCCL_ENV):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("NCCL_MAX_P2P_NCHANNELS", "4")
+    monkeypatch.setenv("TORCH_NCCL_HIGH_PRIORITY", "0")
+    assert process.use_nccl_settings() == {"TORCH_NCCL_HIGH_PRIORITY": "0"}  # the environment's word wins
+    monkeypatch.delenv("TORCH_NCCL_HIGH_PRIORITY")
+    assert process.use_nccl_settings() == process.NCCL_ENV
+    assert process.nccl_settings() == {"NCCL_MAX_P2P_NCHANNELS": "4", **process.NCCL_ENV}

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from minigpt.files import atomic_write_text, markdown_table
 from minigpt.metrics import attention_flops, git_commit, versions
-from minigpt.distributed.process import NCCL_ENV, use_nccl_settings
+from minigpt.distributed.process import nccl_settings, use_nccl_settings
 from minigpt.distributed.ring_attention import Ring, ring_attention, stack_kv
 
 
@@ -142,7 +142,7 @@ def check(device: torch.device, dtype: torch.dtype) -> float:
 
 def environment(device: torch.device) -> dict:
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    nccl = {key: os.environ.get(key) for key in NCCL_ENV} if device.type == "cuda" else {}
+    nccl = nccl_settings() if device.type == "cuda" else {}
     return {"gpu": gpu, "gpus": dist.get_world_size(), "backend": dist.get_backend(), "nccl_env": nccl, **versions(),
             "python": platform.python_version(), "date": dt.date.today().isoformat(), "commit": git_commit()}
 

@@ -44,6 +44,13 @@ def use_nccl_settings() -> dict[str, str]:
     return {key: os.environ[key] for key in NCCL_ENV}
 
 
+def nccl_settings() -> dict[str, str | None]:
+    """NCCL_ENV's keys and every NCCL_* variable of the environment, as a benchmark records them (what a run's
+    transfers depend on: e.g. NCCL_MAX_P2P_NCHANNELS, how many SMs a send/receive may take)."""
+    keys = set(NCCL_ENV) | {key for key in os.environ if key.startswith("NCCL_")}
+    return {key: os.environ.get(key) for key in sorted(keys)}
+
+
 def start_distributed() -> bool:
     """Join torchrun's process group (its env: MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK), if launched by
     torchrun with more than one process and not joined yet. Returns True when this call joined it (the caller
