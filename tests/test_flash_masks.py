@@ -354,3 +354,18 @@ def test_torch_compile_traces_the_masked_custom_ops_without_a_graph_break():
     compiled = step(torch.compile(attend, backend="aot_eager", fullgraph=True))
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
+
+
+def test_gqa_alone_takes_the_dense_forward_rows_on_sm90():
+    """GQA without masks runs the dense Gluon forward's tiles (persistent, 3 consumers at head_dim 64 from 2K) on
+    sm_90; with a mask, or on the Triton path, the masked rows' (launch.forward_tiles)."""
+    sm90 = dict(capability=(9, 0), gluon_inputs=True)
+    for d, n in ((64, 8192), (64, 1500), (128, 32768)):
+        dense = dispatch.plan("fwd", d, n, torch.bfloat16, True, **sm90, interpret=False).tiles
+        masked = dispatch.plan("fwd", d, n, torch.bfloat16, True, masked=True, **sm90, interpret=False).tiles
+        assert dense.persistent and not masked.persistent
+        assert launch.forward_tiles(d, n, torch.bfloat16, True, (9, 0), True, gqa=True, masks=False, interpret=False) == dense
+        assert launch.forward_tiles(d, n, torch.bfloat16, True, (9, 0), True, gqa=True, masks=True, interpret=False) == masked
+        assert launch.forward_tiles(d, n, torch.bfloat16, True, (9, 0), True, gqa=False, masks=True, interpret=False) == masked
+    assert dispatch.plan("fwd", 64, 8192, torch.bfloat16, True, capability=(9, 0), gluon_inputs=True,
+                         interpret=False).tiles.block_m == 192  # three consumers

@@ -193,6 +193,32 @@ def test_the_masked_gluon_forward_matches_float32_and_the_triton_path(N, Hq, Hkv
     assert rel_err(o.float(), o_triton.float()) < TOL[torch.bfloat16], (N, window, docs)
 
 
+@pytest.mark.skipif(not HOPPER, reason="the Gluon forward is written for sm_90 (wgmma)")
+@pytest.mark.parametrize("N, Hq, Hkv, D", [(4096, 8, 2, 64), (3001, 16, 4, 64), (8192, 8, 1, 128), (1500, 6, 3, 128),
+                                          (1024, 4, 2, 64)])
+def test_gqa_alone_runs_the_dense_gluon_forward(N, Hq, Hkv, D, monkeypatch):
+    """Causal GQA without masks runs the dense Gluon forward on the dense rows' tiles (persistent with 3 consumers
+    where they say; each item reads its K/V head h // group), not the masked row's plain grid: its output against
+    float32 SDPA and the forced Triton path, on odd lengths, groups of 2 to 8."""
+    from minigpt_kernels.dispatch import plan
+
+    ran = []
+    for name in ("launch_forward_persistent", "launch_forward_pingpong", "launch_forward_masked"):
+        real = getattr(launch.gluon_forward, name)
+        monkeypatch.setattr(launch.gluon_forward, name,
+                            lambda *a, _name=name, _real=real, **kw: ran.append(_name) or _real(*a, **kw))
+    _, q, k, v = qkv_rows(2, N, Hq, Hkv, D, torch.bfloat16, seed=N + Hq)
+    with torch.no_grad():
+        o = flash_attention(q, k, v, causal=True)
+        monkeypatch.setenv("MINIGPT_FLASH_PATH", "triton")
+        o_triton = flash_attention(q, k, v, causal=True)
+    dense = plan("fwd", D, N, torch.bfloat16, True, capability=(9, 0), gluon_inputs=True).tiles
+    assert ran == ["launch_forward_persistent" if dense.persistent else "launch_forward_pingpong"], ran
+    ref = sdpa_reference(q, k, v, visible_mask(N, N, causal=True))
+    assert rel_err(o.float(), ref) < TOL[torch.bfloat16], (N, Hq, Hkv, D)
+    assert rel_err(o.float(), o_triton.float()) < TOL[torch.bfloat16], (N, Hq, Hkv, D)
+
+
 @pytest.mark.skipif(not HOPPER, reason="the masked Gluon kernels are written for sm_90 (wgmma)")
 @pytest.mark.parametrize("N, Hq, Hkv, D, window", [
     (32768, 16, 16, 64, 1024), (16384, 8, 8, 128, 1024), (8192, 16, 4, 64, 300), (4097, 4, 4, 64, 1),
