@@ -198,8 +198,9 @@ def test_the_masked_gluon_forward_matches_float32_and_the_triton_path(N, Hq, Hkv
                                           (1024, 4, 2, 64)])
 def test_gqa_alone_runs_the_dense_gluon_forward(N, Hq, Hkv, D, monkeypatch):
     """Causal GQA without masks runs the dense Gluon forward on the dense rows' tiles (persistent with 3 consumers
-    where they say; each item reads its K/V head h // group), not the masked row's plain grid: its output against
-    float32 SDPA and the forced Triton path, on odd lengths, groups of 2 to 8."""
+    where they say; each item reads its K/V head h // group), not the masked row's plain grid, and the masked
+    backward's plain grid in schedule.plain_order: output and gradients against the forced Triton path (and the
+    output against float32 SDPA), on odd lengths, groups of 2 to 8."""
     from minigpt_kernels.dispatch import plan
 
     ran = []
@@ -207,16 +208,20 @@ def test_gqa_alone_runs_the_dense_gluon_forward(N, Hq, Hkv, D, monkeypatch):
         real = getattr(launch.gluon_forward, name)
         monkeypatch.setattr(launch.gluon_forward, name,
                             lambda *a, _name=name, _real=real, **kw: ran.append(_name) or _real(*a, **kw))
-    _, q, k, v = qkv_rows(2, N, Hq, Hkv, D, torch.bfloat16, seed=N + Hq)
-    with torch.no_grad():
-        o = flash_attention(q, k, v, causal=True)
-        monkeypatch.setenv("MINIGPT_FLASH_PATH", "triton")
-        o_triton = flash_attention(q, k, v, causal=True)
+    qkv, q, k, v = qkv_rows(2, N, Hq, Hkv, D, torch.bfloat16, seed=N + Hq)
+    do = torch.randn(q.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(N)).bfloat16()
+    o = flash_attention(q, k, v, causal=True)
+    grads = torch.autograd.grad(o, qkv, do)[0].split((Hq, Hkv, Hkv), dim=2)
+    monkeypatch.setenv("MINIGPT_FLASH_PATH", "triton")
+    o_triton = flash_attention(q, k, v, causal=True)
+    grads_triton = torch.autograd.grad(o_triton, qkv, do)[0].split((Hq, Hkv, Hkv), dim=2)
     dense = plan("fwd", D, N, torch.bfloat16, True, capability=(9, 0), gluon_inputs=True).tiles
     assert ran == ["launch_forward_persistent" if dense.persistent else "launch_forward_pingpong"], ran
-    ref = sdpa_reference(q, k, v, visible_mask(N, N, causal=True))
+    ref = sdpa_reference(q.detach(), k.detach(), v.detach(), visible_mask(N, N, causal=True))
     assert rel_err(o.float(), ref) < TOL[torch.bfloat16], (N, Hq, Hkv, D)
     assert rel_err(o.float(), o_triton.float()) < TOL[torch.bfloat16], (N, Hq, Hkv, D)
+    for name, g, g_triton in zip(("dq", "dk", "dv"), grads, grads_triton):
+        assert rel_err(g.float(), g_triton.float()) < TOL[torch.bfloat16], (name, N, Hq, Hkv, D)
 
 
 @pytest.mark.skipif(not HOPPER, reason="the masked Gluon kernels are written for sm_90 (wgmma)")
