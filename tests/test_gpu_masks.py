@@ -198,9 +198,9 @@ def test_the_masked_gluon_forward_matches_float32_and_the_triton_path(N, Hq, Hkv
                                           (1024, 4, 2, 64)])
 def test_gqa_alone_runs_the_dense_gluon_forward(N, Hq, Hkv, D, monkeypatch):
     """Causal GQA without masks runs the dense Gluon forward on the dense rows' tiles (persistent with 3 consumers
-    where they say; each item reads its K/V head h // group), not the masked row's plain grid, and the masked
-    backward's plain grid in schedule.plain_order: output and gradients against the forced Triton path (and the
-    output against float32 SDPA), on odd lengths, groups of 2 to 8."""
+    where they say; each item reads its K/V head h // group), not the masked row's plain grid; the backward's plain
+    grid is launched in schedule.plain_order. The output against float32 SDPA, the output and the gradients against
+    the forced Triton path, on odd lengths, groups of 2 to 8."""
     from minigpt_kernels.dispatch import plan
 
     ran = []
@@ -208,6 +208,7 @@ def test_gqa_alone_runs_the_dense_gluon_forward(N, Hq, Hkv, D, monkeypatch):
         real = getattr(launch.gluon_forward, name)
         monkeypatch.setattr(launch.gluon_forward, name,
                             lambda *a, _name=name, _real=real, **kw: ran.append(_name) or _real(*a, **kw))
+    dense = plan("fwd", D, N, torch.bfloat16, True, capability=(9, 0), gluon_inputs=True, path="auto").tiles
     qkv, q, k, v = qkv_rows(2, N, Hq, Hkv, D, torch.bfloat16, seed=N + Hq)
     do = torch.randn(q.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(N)).bfloat16()
     o = flash_attention(q, k, v, causal=True)
@@ -215,7 +216,6 @@ def test_gqa_alone_runs_the_dense_gluon_forward(N, Hq, Hkv, D, monkeypatch):
     monkeypatch.setenv("MINIGPT_FLASH_PATH", "triton")
     o_triton = flash_attention(q, k, v, causal=True)
     grads_triton = torch.autograd.grad(o_triton, qkv, do)[0].split((Hq, Hkv, Hkv), dim=2)
-    dense = plan("fwd", D, N, torch.bfloat16, True, capability=(9, 0), gluon_inputs=True).tiles
     assert ran == ["launch_forward_persistent" if dense.persistent else "launch_forward_pingpong"], ran
     ref = sdpa_reference(q.detach(), k.detach(), v.detach(), visible_mask(N, N, causal=True))
     assert rel_err(o.float(), ref) < TOL[torch.bfloat16], (N, Hq, Hkv, D)
@@ -233,6 +233,7 @@ def test_persistent_windowed_launches_match_the_plain_grid(N, Hq, Hkv, D, window
     schedule balanced on the host) compute each item as the plain grid does: o, dK and dV bitwise equal, dQ (added by
     TMA in an order that varies) within bf16's tolerance; windows of one token to most of N, odd lengths, GQA
     (its forward persistent, its backward a plain grid)."""
+    dense = plan("fwd", D, N, torch.bfloat16, True, capability=(9, 0), gluon_inputs=True, path="auto").tiles
     qkv, q, k, v = qkv_rows(2, N, Hq, Hkv, D, torch.bfloat16, seed=N + Hq)
     do = torch.randn(q.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(N)).bfloat16()
 

@@ -1159,8 +1159,9 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
     if persistent:
         costs = windowed_key_block_costs(N, CONSUMERS.value * TILE.value, block_m, window)
         work, work_start = device_schedule(heads, costs, min(programs, heads * n_kblocks), q.device)
-    elif window is None and document_ids is None:  # GQA alone: each item walks its K/V head's query heads (or its
-        # split's) over the query tiles from its keys on: a plain grid in the order that balances best (plain_order)
+    elif window is None and document_ids is None and k.shape[1] != H:  # GQA alone: each item walks its K/V head's
+        # query heads (or its split's) over the query tiles from its keys on: a plain grid in the order that balances
+        # best (plain_order)
         group = H // k.shape[1]
         costs = tuple(group * c for c in key_block_costs(N, CONSUMERS.value * TILE.value, block_m))
         work, work_start = device_plain_order(heads, costs, programs, q.device)
