@@ -12,7 +12,9 @@ tests pin it on a CPU (tests/test_dispatch.py). The table's rows are tried in or
 Calls with masks (a sliding window, document ids, blocks at offsets) or GQA (`masked=True`) take the rows marked
 `masks`: on sm_90 the Gluon forward and five-matmul backward (rows `sm90-masks`) for a causal sequence against
 itself (launch.gluon_masks_ready; the backward not in deterministic mode), else the Triton kernels; no dense Gluon or
-dS-path row applies. The non-causal Gluon forward (rows `sm90-non-causal`: ring attention's blocks of other ranks,
+dS-path row applies. But a causal fresh GQA call without masks, as the model makes it, runs the dense Gluon forward
+on the dense rows' tiles: that kernel reads each query head's K/V head itself (launch.gqa_dense_tiles).
+The non-causal Gluon forward (rows `sm90-non-causal`: ring attention's blocks of other ranks,
 which continue a running (o, lse)) takes GQA too, not masks: launch.gluon_forward_ready says which calls fit it.
 
 Paths: the forward runs "triton" (triton_kernels.fwd_kernel) or "gluon" (gluon/forward.py, persistent where its tiles
@@ -131,8 +133,9 @@ TABLE: tuple[Entry, ...] = (
     # itself, else the Triton kernels, the dense rows' tiles without the dK/dV register cap (its per-group loop and id
     # loads need more), not tuned with masks yet
     Entry("fwd", (64, 128), "sm90-masks", _tc(128, 128, 4, 3, **_GLUON),
-          "masks/GQA on the ping-pong forward: 2 consumers, a plain grid (persistent for a window alone), only the key "
-          "tiles the rows see (NOTES.md, 'One kernel per direction')", masks=True),
+          "masks/GQA on the ping-pong forward (GQA alone: the dense rows, launch.gqa_dense_tiles): 2 consumers, a "
+          "plain grid (persistent for a window alone), only the key tiles the rows see (NOTES.md, 'One kernel per "
+          "direction')", masks=True),
     Entry("dkdvdq", (64,), "sm90-masks", _tc(64, 128, 4, 3, **_GLUON),
           "masks/GQA on the five-matmul backward: a plain grid (persistent for an MHA window alone), each key block's "
           "query tiles that see it (NOTES.md, 'Masks and GQA in the Gluon backward')", masks=True),

@@ -259,10 +259,15 @@ def _mask_args(q: Tensor, k: Tensor, causal: bool, window: int | None, q_doc_ids
 
 def _masked(q: Tensor, k: Tensor, causal: bool, window, q_doc_ids, q_offset, k_offset) -> bool:
     """Whether a launch has masks or GQA: then only the Triton kernels take it, or on sm_90 the masked Gluon forward
-    and five-matmul backward where gluon_masks_ready says so (the dense Gluon and dS paths take neither)."""
+    and five-matmul backward where gluon_masks_ready says so (the dense Gluon and dS paths take neither; the dense
+    Gluon forward takes GQA alone, launch_forward)."""
+    return q.shape[1] != k.shape[1] or _has_masks(q, k, causal, window, q_doc_ids, q_offset, k_offset)
+
+
+def _has_masks(q: Tensor, k: Tensor, causal: bool, window, q_doc_ids, q_offset, k_offset) -> bool:
+    """Whether a launch has masks: a window, document ids, or a causal diagonal moved by offsets or unequal lengths."""
     shift = (q_offset or 0) - (k_offset or 0)
-    return (q.shape[1] != k.shape[1] or window is not None or q_doc_ids is not None
-            or (causal and (shift != 0 or q.shape[2] != k.shape[2])))
+    return window is not None or q_doc_ids is not None or (causal and (shift != 0 or q.shape[2] != k.shape[2]))
 
 
 def _row_stride(t: Tensor) -> int | None:
@@ -315,6 +320,17 @@ def _grad_outputs(out: tuple[Tensor, ...] | None, accumulate: bool, names: tuple
     return tuple(out)
 
 
+def gqa_dense_tiles(head_dim: int, n_q: int, dtype: torch.dtype, capability: tuple[int, int] | None,
+                    gluon_inputs: bool, interpret: bool | None = None) -> TileConfig | None:
+    """The tiles for a causal fresh GQA call without masks (no window, documents or moved diagonal): the dense rows'
+    Gluon tiles (persistent, 3 consumers where they say), whose kernel reads K/V head h // group per query head;
+    None where the dense row is not a Gluon one (the masked row's then). The masked row's plain grid of 2 consumers
+    ran GQA 16:4 at 8K tokens 1.3x slower than MHA's forward (results/kernels/masks_NVIDIA_H100.md)."""
+    dense = plan("fwd", head_dim, n_q, dtype, True, capability=capability, gluon_inputs=gluon_inputs,
+                 interpret=interpret).tiles
+    return dense if dense.specialized else None
+
+
 def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: float, cfg: TileConfig | None = None,
                    out: tuple[Tensor, Tensor] | None = None, accumulate: bool = False, *, window: int | None = None,
                    q_doc_ids: Tensor | None = None, k_doc_ids: Tensor | None = None, q_offset: int | None = None,
@@ -335,14 +351,20 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
     masked = _masked(q, k, causal, window, q_doc_ids, q_offset, k_offset)
+    masks = _has_masks(q, k, causal, window, q_doc_ids, q_offset, k_offset)  # masked without GQA
     ready = gluon_forward_ready(q, k, v, causal, accumulate, out, window=window, q_doc_ids=q_doc_ids,
                                 k_doc_ids=k_doc_ids, q_offset=q_offset, k_offset=k_offset)
     if cfg is not None and cfg.specialized and not ready:
         raise ValueError("flash_attention: the warp-specialized forward takes fp16/bf16 inputs with head_dim 64 or "
                          "128, TMA-aligned, on an sm_90 GPU; masks only in causal fresh calls of a sequence against "
                          "itself (see gluon_forward_ready)")
+    dense_gqa = None  # GQA alone as the model calls it: the dense launchers and tiles (ring attention's calls,
+    # continued ones and a caller's cfg keep what they had)
+    if masked and not masks and causal and not accumulate and persistent and cfg is None and ready:
+        dense_gqa = gqa_dense_tiles(D, N_Q, q.dtype, _capability(q), ready)
     if cfg is None:
-        cfg = plan("fwd", D, N_Q, q.dtype, causal, capability=_capability(q), gluon_inputs=ready, masked=masked).tiles
+        cfg = dense_gqa or plan("fwd", D, N_Q, q.dtype, causal, capability=_capability(q), gluon_inputs=ready,
+                                masked=masked).tiles
         cfg = cfg if persistent else dataclasses.replace(cfg, persistent=False)
     margs, mflags = _mask_args(q, k, causal, window, q_doc_ids, k_doc_ids, q_offset, k_offset, "fwd",
                                (cfg.block_m, cfg.block_n))
@@ -359,14 +381,15 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
     if cfg.specialized:
         triton.set_allocator(tma_scratch)  # its TMA descriptors are made on the device, like _use_tma's
         stride_lse = _row_stride(lse)
-        if masked and causal and not accumulate:  # margs: (ids, ids, strides, shift, window, steps, counts), as
-            # _mask_args checked them
+        if masked and causal and not accumulate and dense_gqa is None:  # margs: (ids, ids, strides, shift,
+            # window, steps, counts), as _mask_args checked them
             gluon_forward.launch_forward_masked(q, k, v, o, lse, sm_scale * LOG2E, cfg.block_m // 64, cfg.block_n,
                                                 cfg.num_stages, margs[5] if mflags["WINDOWED"] else None,
                                                 margs[0] if mflags["DOCS"] else None, stride_lse=stride_lse,
                                                 persistent=None if persistent else False)  # ring: plain grids
             return o, lse
-        # no masks (GQA at most): causal or not, fresh or continuing the rows' (o, lse)
+        # no masks (GQA at most, its K/V head read per query head): causal or not, fresh or continuing the rows'
+        # (o, lse)
         launch = gluon_forward.launch_forward_persistent if cfg.persistent else gluon_forward.launch_forward_pingpong
         launch(q, k, v, o, lse, sm_scale * LOG2E, cfg.block_m // 64, cfg.block_n, cfg.num_stages, causal=causal,
                accumulate=accumulate, stride_lse=stride_lse)

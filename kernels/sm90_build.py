@@ -54,7 +54,8 @@ def table_variants() -> list[Variant]:
     """The Gluon variants dispatch.TABLE can pick, read from the table (constexprs as the launchers in gluon/forward.py
     and gluon/backward.py derive them from a TileConfig), plus fp16 where the forward has three consumers (the
     hand-packed P of NOTES.md Z), and the forward's forms in ring attention's launches: each causal row's with an fp32
-    o written fresh ("fp32 o", the local block) and continued ("continue"), each non-causal row's fresh (o in the
+    o written fresh ("fp32 o", the local block) and continued ("continue") and with GQA (GQA alone takes the dense
+    rows, folded on long rows too), each non-causal row's fresh (o in the
     input dtype) and continued (fp32 o: the other ranks' blocks; also with GQA), the masked one's with an fp32 o and
     persistent (a window alone)."""
     out = []
@@ -92,6 +93,8 @@ def table_variants() -> list[Variant]:
                 out.append(Variant(f"{name} fp16", kernel, c, "fp16"))
             if causal:
                 out.append(Variant(f"{name} fp32 o", kernel, c, fp32=("O",)))
+                out.append(Variant(f"{name} GQA", kernel, dict(c, GQA=True)))  # GQA alone (launch.launch_forward)
+                out.append(Variant(f"{name} GQA fold", kernel, dict(folded, GQA=True)))
             out.append(Variant(f"{name} continue", kernel, dict(c, CONTINUE=True), fp32=("O",)))
             if not causal:
                 out.append(Variant(f"{name} continue GQA", kernel, dict(c, CONTINUE=True, GQA=True), fp32=("O",)))

@@ -294,3 +294,19 @@ def test_a_forced_gluon_forward_that_does_not_fit_raises():
     q = torch.randn(1, 2, 64, 64)
     with pytest.raises(ValueError, match="gluon_forward_ready"):
         launch.launch_forward(q, q, q, False, 0.125, GLUON)
+
+
+def test_gqa_alone_takes_the_dense_persistent_forward_where_the_model_calls_it(on_sm90):
+    """A causal GQA call as the model makes it (fresh, default grids, no masks) reaches the dense persistent
+    launcher with the dense row's tiles (three consumers at head_dim 64 from 2K tokens); the ring's local block (a
+    plain grid asked for, an fp32 o) keeps the masked launcher; both give the same attention."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 4 if i == 0 else 2, 2048, 64, generator=g).to(torch.bfloat16) for i in range(3))
+    o, lse = launch.launch_forward(q, k, v, True, 0.125)
+    o_plain, _ = launch.launch_forward(q, k, v, True, 0.125, out=(torch.empty(q.shape), torch.empty(1, 4, 2048)),
+                                       persistent=False)
+    names = [name for name, *_ in on_sm90]
+    assert names == ["launch_forward_persistent", "launch_forward_masked"], names
+    consumers = on_sm90[0][4]  # (launcher, q, o, lse, options): the options of the persistent launch
+    assert consumers["causal"] and not consumers["accumulate"]
+    assert rel_err(o.float(), o_plain.float()) < TOL[torch.bfloat16]

@@ -354,3 +354,15 @@ def test_torch_compile_traces_the_masked_custom_ops_without_a_graph_break():
     compiled = step(torch.compile(attend, backend="aot_eager", fullgraph=True))
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
+
+
+def test_gqa_alone_takes_the_dense_forward_rows_on_sm90():
+    """GQA without masks gets the dense Gluon forward's tiles (persistent, 3 consumers at head_dim 64 from 2K) on
+    sm_90 where the dense row is a Gluon one, else none (the masked row's then; launch.gqa_dense_tiles)."""
+    for d, n in ((64, 8192), (64, 1500), (128, 32768)):
+        dense = dispatch.plan("fwd", d, n, torch.bfloat16, True, capability=(9, 0), gluon_inputs=True,
+                              interpret=False).tiles
+        assert dense.persistent and launch.gqa_dense_tiles(d, n, torch.bfloat16, (9, 0), True, False) == dense
+    assert launch.gqa_dense_tiles(64, 8192, torch.bfloat16, (9, 0), True, False).block_m == 192  # three consumers
+    assert launch.gqa_dense_tiles(64, 512, torch.bfloat16, (9, 0), True, False) is None  # no Gluon row below 1K
+    assert launch.gqa_dense_tiles(64, 8192, torch.bfloat16, (8, 0), True, False) is None  # not Hopper

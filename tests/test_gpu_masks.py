@@ -193,6 +193,37 @@ def test_the_masked_gluon_forward_matches_float32_and_the_triton_path(N, Hq, Hkv
     assert rel_err(o.float(), o_triton.float()) < TOL[torch.bfloat16], (N, window, docs)
 
 
+@pytest.mark.skipif(not HOPPER, reason="the Gluon forward is written for sm_90 (wgmma)")
+@pytest.mark.parametrize("N, Hq, Hkv, D", [(4096, 8, 2, 64), (3001, 16, 4, 64), (8192, 8, 1, 128), (1500, 6, 3, 128),
+                                          (1024, 4, 2, 64)])
+def test_gqa_alone_runs_the_dense_gluon_forward(N, Hq, Hkv, D, monkeypatch):
+    """Causal GQA without masks runs the dense Gluon forward on the dense rows' tiles (persistent with 3 consumers
+    where they say; each item reads its K/V head h // group), not the masked row's plain grid; the backward's plain
+    grid is launched in schedule.plain_order. The output against float32 SDPA, the output and the gradients against
+    the forced Triton path, on odd lengths, groups of 2 to 8."""
+    from minigpt_kernels.dispatch import plan
+
+    ran = []
+    for name in ("launch_forward_persistent", "launch_forward_pingpong", "launch_forward_masked"):
+        real = getattr(launch.gluon_forward, name)
+        monkeypatch.setattr(launch.gluon_forward, name,
+                            lambda *a, _name=name, _real=real, **kw: ran.append(_name) or _real(*a, **kw))
+    dense = plan("fwd", D, N, torch.bfloat16, True, capability=(9, 0), gluon_inputs=True, path="auto").tiles
+    qkv, q, k, v = qkv_rows(2, N, Hq, Hkv, D, torch.bfloat16, seed=N + Hq)
+    do = torch.randn(q.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(N)).bfloat16()
+    o = flash_attention(q, k, v, causal=True)
+    grads = torch.autograd.grad(o, qkv, do)[0].split((Hq, Hkv, Hkv), dim=2)
+    monkeypatch.setenv("MINIGPT_FLASH_PATH", "triton")
+    o_triton = flash_attention(q, k, v, causal=True)
+    grads_triton = torch.autograd.grad(o_triton, qkv, do)[0].split((Hq, Hkv, Hkv), dim=2)
+    assert ran == ["launch_forward_persistent" if dense.persistent else "launch_forward_pingpong"], ran
+    ref = sdpa_reference(q.detach(), k.detach(), v.detach(), visible_mask(N, N, causal=True))
+    assert rel_err(o.float(), ref) < TOL[torch.bfloat16], (N, Hq, Hkv, D)
+    assert rel_err(o.float(), o_triton.float()) < TOL[torch.bfloat16], (N, Hq, Hkv, D)
+    for name, g, g_triton in zip(("dq", "dk", "dv"), grads, grads_triton):
+        assert rel_err(g.float(), g_triton.float()) < TOL[torch.bfloat16], (name, N, Hq, Hkv, D)
+
+
 @pytest.mark.skipif(not HOPPER, reason="the masked Gluon kernels are written for sm_90 (wgmma)")
 @pytest.mark.parametrize("N, Hq, Hkv, D, window", [
     (32768, 16, 16, 64, 1024), (16384, 8, 8, 128, 1024), (8192, 16, 4, 64, 300), (4097, 4, 4, 64, 1),
@@ -202,6 +233,7 @@ def test_persistent_windowed_launches_match_the_plain_grid(N, Hq, Hkv, D, window
     schedule balanced on the host) compute each item as the plain grid does: o, dK and dV bitwise equal, dQ (added by
     TMA in an order that varies) within bf16's tolerance; windows of one token to most of N, odd lengths, GQA
     (its forward persistent, its backward a plain grid)."""
+    dense = plan("fwd", D, N, torch.bfloat16, True, capability=(9, 0), gluon_inputs=True, path="auto").tiles
     qkv, q, k, v = qkv_rows(2, N, Hq, Hkv, D, torch.bfloat16, seed=N + Hq)
     do = torch.randn(q.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(N)).bfloat16()
 

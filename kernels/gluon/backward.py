@@ -83,7 +83,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from minigpt_kernels.device import strides3
 from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, head_rows, mma_layout, program_items,
                                           tma_load)
-from minigpt_kernels.gluon.schedule import MASKED_PERSISTENT_WAVES, device_one_each, device_schedule, sm_count
+from minigpt_kernels.gluon.schedule import (MASKED_PERSISTENT_WAVES, device_one_each, device_plain_order,
+                                             device_schedule, sm_count)
 
 TILE = gl.constexpr(64)  # keys (dK/dV) or query rows (dQ) per consumer warpgroup: the M of one wgmma
 CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program (the warp_specialize lists below name two)
@@ -1138,7 +1139,8 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
     and delta are the query heads' rows. A window without document ids, with as many K/V heads as query heads, runs
     persistent from MASKED_PERSISTENT_WAVES waves of key blocks: one program per SM over a schedule balanced on the
     host (windowed_key_block_costs); persistent=False keeps the plain grid. Everything else is a plain grid
-    (documents, GQA, MQA splits: persistent measured slower or equal there, or not measured; kernels/NOTES.md)."""
+    (documents, GQA, MQA splits: persistent measured slower or equal there, or not measured; kernels/NOTES.md),
+    GQA alone (no window or documents) in the launch order schedule.plain_order models best."""
     B, H, N, D = q.shape
     n_kblocks = -(-N // (CONSUMERS.value * TILE.value))
     programs = sm_count(q.device)
@@ -1157,6 +1159,12 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
     if persistent:
         costs = windowed_key_block_costs(N, CONSUMERS.value * TILE.value, block_m, window)
         work, work_start = device_schedule(heads, costs, min(programs, heads * n_kblocks), q.device)
+    elif window is None and document_ids is None and k.shape[1] != H:  # GQA alone: each item walks its K/V head's
+        # query heads (or its split's) over the query tiles from its keys on: a plain grid in the order that balances
+        # best (plain_order)
+        group = H // k.shape[1]
+        costs = tuple(group * c for c in key_block_costs(N, CONSUMERS.value * TILE.value, block_m))
+        work, work_start = device_plain_order(heads, costs, programs, q.device)
     else:
         work, work_start = device_one_each(heads, tuple(range(n_kblocks)), q.device)
     _launch_dkdvdq(do, q, k, v, lse, stride_lse, delta, stride_delta, dk, dv, dq_acc, sm_scale, qk_scale, block_m,
