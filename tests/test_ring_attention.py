@@ -31,10 +31,14 @@ def _ring_worker(rank, n, out):
     q, k, v, do = (torch.randn(B, n, H, D) for _ in range(4))  # the model's (B, N, H, D) layout
     shard = [zigzag_shard(t, world, rank, dim=1).requires_grad_() for t in (q, k, v)]
     o = ring_attention(*(t.transpose(1, 2) for t in shard), group=None)  # (B, H, N_local, D) views, as in the model
-    o.transpose(1, 2).backward(zigzag_shard(do, world, rank, dim=1))
+    o.transpose(1, 2).backward(zigzag_shard(do, world, rank, dim=1))  # short shards: with the forward's kept blocks
+    import minigpt.distributed.ring_attention as ring_module
+    received = []  # what the forward keeps: every other rank's block, in step order
+    with torch.no_grad():
+        ring_module.ring_forward(*(t.transpose(1, 2) for t in shard), None, 0.25, received=received)
+    kept_blocks = [kv for kv, _ in received]
     # kept attention: forward_with_lse, then the saved forward made differentiable; and every accumulator hop
     # waited for at once (as for long shards), where above each one overlapped the next block's compute
-    import minigpt.distributed.ring_attention as ring_module
     ring_module.SERIAL_HOP_BYTES = 0
     kept = [t.detach().clone().requires_grad_() for t in shard]
     backend = RingFlashAttention(None)
@@ -44,7 +48,10 @@ def _ring_worker(rank, n, out):
     gathered = [None] * world
     dist.all_gather_object(gathered, {"o": o.transpose(1, 2).detach(), "dq": shard[0].grad, "dk": shard[1].grad,
                                       "dv": shard[2].grad, "lse": lse.transpose(1, 2), "o_kept": o2.transpose(1, 2),
-                                      "dq_kept": kept[0].grad, "dk_kept": kept[1].grad, "dv_kept": kept[2].grad})
+                                      "dq_kept": kept[0].grad, "dk_kept": kept[1].grad, "dv_kept": kept[2].grad,
+                                      "kv": ring_module.stack_kv(shard[1].detach().transpose(1, 2),
+                                                                 shard[2].detach().transpose(1, 2)),
+                                      "kept_blocks": kept_blocks})
     if rank == 0:
         torch.save({"q": q, "k": k, "v": v, "do": do, "ranks": gathered}, out)
     dist.destroy_process_group()
@@ -65,8 +72,12 @@ def test_ring_attention_equals_whole_sequence_attention(world, n, tmp_path):
 
     for name in ("o", "dq", "dk", "dv", "lse"):
         torch.testing.assert_close(full(name), expected[name], rtol=1e-5, atol=2e-6, msg=name)
-    for name in ("o", "dq", "dk", "dv"):  # kept attention: the same, without rerunning the ring forward
+    for name in ("o", "dq", "dk", "dv"):  # kept attention: the same, without rerunning the ring forward (its
+        # backward sends the blocks again: no forward kept them)
         torch.testing.assert_close(full(f"{name}_kept"), expected[name], rtol=1e-5, atol=2e-6, msg=name)
+    for rank, r in enumerate(got["ranks"]):  # the forward kept the K-1 blocks it received: rank - 1's first
+        assert len(r["kept_blocks"]) == world - 1
+        assert torch.equal(r["kept_blocks"][0], got["ranks"][(rank - 1) % world]["kv"])
 
 
 def test_zigzag_layout():

@@ -41,6 +41,7 @@ def inputs(case: dict) -> dict:
 
 
 def _worker(rank, cases, out):
+    import minigpt.distributed.ring_attention as ring_module
     from minigpt.distributed.ring_attention import Ring, RingFlashAttention
     from minigpt_kernels.launch import count_tiles
 
@@ -55,8 +56,9 @@ def _worker(rank, cases, out):
         landed.append(any(b is not None for b in into or ()))
         return send(self, tensors, shift, into)
     Ring.send = counted
-    results = []
+    results, keep_default = [], ring_module.KEEP_BLOCKS_BYTES
     for case in cases:
+        ring_module.KEEP_BLOCKS_BYTES = case.get("keep_blocks_bytes", keep_default)  # 0: the backward sends K/V again
         x = inputs(case)
         shard = [zigzag_shard(x[name], world, rank, dim=1).requires_grad_() for name in ("q", "k", "v")]
         ids = None if x["ids"] is None else shard_document_ids(x["ids"], world, rank)
@@ -219,8 +221,9 @@ def test_the_cli_under_torchrun_refuses_a_ring_without_flash(tmp_path):
 def test_accumulators_go_home_in_half_precision_and_stay_as_close_as_one_process(world, case, tmp_path):
     """In fp16 the dK/dV accumulators travel in fp32 and make their last hop home in k's dtype, landing in the buffer
     of the block their sender no longer needs (no new buffer of k's size); the ring's results stay as close to the
-    float64 reference as one process's fp16 kernel (within 1.5x its error)."""
-    case = dict(case, dtype=torch.float16)
+    float64 reference as one process's fp16 kernel (within 1.5x its error). The forward keeps no blocks here, so
+    they travel again and free their buffers for the homes (kept blocks stay as the forward saved them)."""
+    case = dict(case, dtype=torch.float16, keep_blocks_bytes=0)
     ranks = run_ring(world, [case], tmp_path)[0]
     ref, one = references(case)
     for name in ("o", "dq", "dk", "dv"):
