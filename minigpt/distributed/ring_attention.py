@@ -27,7 +27,8 @@ softmax at m = lse, l = 1, acc = o, which after the new keys gives
 the softmax over both key sets, with no merge pass between the steps.
 
 Backward (FlashAttention-2): a block's dQ, dK, dV need only the final o, the final lse and
-delta = rowsum(dO ∘ O), so each step reruns the backward on the same launches with the final (o, lse):
+delta = rowsum(dO ∘ O), so each step reruns the backward on the same launches with the final (o, lse). The blocks
+travel the ring again, except on short shards, where the forward kept them (KEEP_BLOCKS_BYTES):
 dQ_rows += dS K_keys and dK_keys += dSᵀ Q_rows, dV_keys += Pᵀ dO_rows, each added by the kernel into an fp32
 buffer (with GQA the kernel sums a K/V head's group of query heads itself). One launch gives all three where the
 fused five-matmul Gluon kernel takes it (sm_90, no mask on the launch: the full off-diagonal blocks and the causal
