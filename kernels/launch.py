@@ -351,7 +351,6 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
     B, H, N_Q, D = q.shape
     N_K = k.shape[2]
     masked = _masked(q, k, causal, window, q_doc_ids, q_offset, k_offset)
-    masks = _has_masks(q, k, causal, window, q_doc_ids, q_offset, k_offset)  # masked without GQA
     ready = gluon_forward_ready(q, k, v, causal, accumulate, out, window=window, q_doc_ids=q_doc_ids,
                                 k_doc_ids=k_doc_ids, q_offset=q_offset, k_offset=k_offset)
     if cfg is not None and cfg.specialized and not ready:
@@ -360,7 +359,8 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
                          "itself (see gluon_forward_ready)")
     dense_gqa = None  # GQA alone as the model calls it: the dense launchers and tiles (ring attention's calls,
     # continued ones and a caller's cfg keep what they had)
-    if masked and not masks and causal and not accumulate and persistent and cfg is None and ready:
+    gqa_alone = masked and not _has_masks(q, k, causal, window, q_doc_ids, q_offset, k_offset)
+    if gqa_alone and causal and not accumulate and persistent and cfg is None and ready:
         dense_gqa = gqa_dense_tiles(D, N_Q, q.dtype, _capability(q), ready)
     if cfg is None:
         cfg = dense_gqa or plan("fwd", D, N_Q, q.dtype, causal, capability=_capability(q), gluon_inputs=ready,
