@@ -36,7 +36,7 @@ from minigpt_kernels.gluon import forward as fwd
 
 SM90 = GPUTarget("cuda", 90, 32)
 FP32_POINTERS = {"LSE", "DELTA", "DQ_ACC"}
-INT32_POINTERS = {"WORK", "WORK_START", "IDS", "DOC_STARTS", "DOC_ENDS"}
+INT32_POINTERS = {"WORK", "WORK_START", "DOC_STARTS", "DOC_ENDS"}
 
 
 @dataclass(frozen=True)
@@ -80,10 +80,14 @@ def table_variants() -> list[Variant]:
                 out.append(Variant(f"fwd masked D{d} C{consumers} fp32 o", kernel, masked, fp32=("O",)))
                 out.append(Variant(f"fwd masked persistent D{d} C{consumers}", kernel,  # a window alone
                                    dict(masked, PERSISTENT=True, DOCS=False)))
+                out.append(Variant(f"fwd masked persistent D{d} C{consumers} documents", kernel,
+                                   dict(masked, PERSISTENT=True)))
                 masked_folded = dict(masked, FOLD=folded["FOLD"], STAGES=folded["STAGES"])
                 out.append(Variant(f"fwd masked D{d} C{consumers} fold", kernel, masked_folded))
                 out.append(Variant(f"fwd masked persistent D{d} C{consumers} fold", kernel,
                                    dict(masked_folded, PERSISTENT=True, DOCS=False)))
+                out.append(Variant(f"fwd masked persistent D{d} C{consumers} documents fold", kernel,
+                                   dict(masked_folded, PERSISTENT=True)))
                 continue
             name = f"fwd {mode} D{d} C{consumers}" if causal else f"fwd non-causal {mode} D{d} C{consumers}"
             out.append(Variant(name, kernel, c))

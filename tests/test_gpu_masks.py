@@ -233,7 +233,6 @@ def test_persistent_windowed_launches_match_the_plain_grid(N, Hq, Hkv, D, window
     schedule balanced on the host) compute each item as the plain grid does: o, dK and dV bitwise equal, dQ (added by
     TMA in an order that varies) within bf16's tolerance; windows of one token to most of N, odd lengths, GQA
     (its forward persistent, its backward a plain grid)."""
-    dense = plan("fwd", D, N, torch.bfloat16, True, capability=(9, 0), gluon_inputs=True, path="auto").tiles
     qkv, q, k, v = qkv_rows(2, N, Hq, Hkv, D, torch.bfloat16, seed=N + Hq)
     do = torch.randn(q.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(N)).bfloat16()
 
@@ -248,6 +247,33 @@ def test_persistent_windowed_launches_match_the_plain_grid(N, Hq, Hkv, D, window
     o, dq, dk, dv = run(0)
     assert torch.equal(o, o_plain) and torch.equal(dk, dk_plain) and torch.equal(dv, dv_plain), (N, window)
     assert rel_err(dq.float(), dq_plain.float()) < TOL[torch.bfloat16], (N, window)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the masked Gluon forward is written for sm_90 (wgmma)")
+@pytest.mark.parametrize("N, Hq, Hkv, D, window, docs", [
+    (32768, 8, 8, 64, None, "ragged"), (16384, 8, 2, 64, None, "ragged"), (8197, 8, 8, 64, 300, "ragged"),
+    (4096, 16, 4, 64, None, "tokens"), (6000, 12, 3, 64, None, "one"), (5000, 16, 16, 64, 1, "ragged"),
+    (8192, 16, 16, 128, None, "ragged")])
+def test_persistent_document_forward_matches_the_plain_grid(N, Hq, Hkv, D, window, docs, monkeypatch):
+    """The forward with document ids at head_dim 64 on one program per SM (the plain grid's order dealt out in turn,
+    schedule.device_dealt) computes each query tile as the plain grid does: o bitwise equal, on odd lengths, with
+    and without a window, GQA, documents ragged, of one token, or one. At head_dim 128 it keeps the plain grid."""
+    dealt = []
+    real = launch.gluon_forward.device_dealt
+    monkeypatch.setattr(launch.gluon_forward, "device_dealt", lambda *a: dealt.append(1) or real(*a))
+    _, q, k, v = qkv_rows(2, N, Hq, Hkv, D, torch.bfloat16, seed=N + D)
+    ids = documents(docs, 2, N, seed=N)
+
+    def run(waves):  # 0: persistent where the launcher takes it; 10**9: a plain grid
+        monkeypatch.setattr(launch.gluon_forward, "MASKED_PERSISTENT_WAVES", waves)
+        with torch.no_grad():
+            return flash_attention(q, k, v, causal=True, window=window, document_ids=ids)
+
+    o_plain = run(10**9)
+    assert not dealt
+    o = run(0)
+    assert bool(dealt) == (D == 64), "head_dim 64 runs persistent, 128 a plain grid"
+    assert torch.equal(o, o_plain), (N, window, docs)
 
 
 # (N, Hq, Hkv, D, window, documents, layout, split): odd lengths, windows of 1 to wider than N, documents of one

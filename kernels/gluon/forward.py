@@ -57,7 +57,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, head_rows, mma_layout, program_items,
                                           tma_load)
 from minigpt_kernels.dispatch import fold_tiles
-from minigpt_kernels.gluon.schedule import MASKED_PERSISTENT_WAVES, device_one_each, device_schedule, sm_count
+from minigpt_kernels.gluon.schedule import (MASKED_PERSISTENT_WAVES, device_dealt, device_one_each, device_schedule,
+                                            sm_count)
 
 ROWS_PER_CONSUMER = gl.constexpr(64)  # query rows per consumer warpgroup: the M of one wgmma
 
@@ -67,21 +68,18 @@ def _online_softmax(s, m_i, l_i, rows, cols, key0, masked, qk_scale, mask, n_key
                     WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """Fold one tile of scores into the running row max m and row sum l (base 2). Returns (p, α, m_new, l_new):
     p = exp2(s·scale − m_new) are the tile's unnormalized probabilities, α = exp2(m_old − m_new) rescales what was
-    accumulated under the old max. `mask` = (window, the rows' document ids, the sequence's ids, its documents'
-    starts, their ends, N) where WINDOWED or DOCS; a masked tile may then leave a row with no key seen yet (its max
-    stays −inf). Without CAUSAL a masked tile is the last one, reaching past the n_keys keys: only those are left out
-    (every row sees key 0)."""
+    accumulated under the old max. `mask` = (window, the rows' first visible keys, ...) where WINDOWED or DOCS
+    (_row_bounds): row i sees keys first_i <= j <= i; a masked tile may then leave a row with no key seen yet (its
+    max stays −inf). Without CAUSAL a masked tile is the last one, reaching past the n_keys keys: only those are left
+    out (every row sees key 0)."""
     if masked:
         keys = key0 + cols
         if CAUSAL:  # keys after the row (and so keys past the end), out of the window or of the row's document: p = 0
             visible = gl.expand_dims(rows, 1) >= gl.expand_dims(keys, 0)
         else:  # every key up to the last one: p = 0 past it
             visible = gl.expand_dims(keys < n_keys, 0)
-        if WINDOWED:  # keys i − window < j
-            visible = visible & (gl.expand_dims(rows, 1) - gl.expand_dims(keys, 0) < mask[0])
-        if DOCS:
-            key_doc = gl.load(mask[2] + keys, mask=keys < mask[5], other=-2)
-            visible = visible & (gl.expand_dims(mask[1], 1) == gl.expand_dims(key_doc, 0))
+        if WINDOWED or DOCS:  # keys before the row's first visible one
+            visible = visible & (gl.expand_dims(keys, 0) >= gl.expand_dims(mask[1], 1))
         s = gl.where(visible, s, float("-inf"))
     # m_new = max(m_old, rowmax(s)·scale)
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
@@ -252,7 +250,7 @@ def _key_span(first, last, mask, N, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """The keys of causal query rows first..last under the masks: [lo, hi) holds every key one of them sees, [a, b)
     the keys all of them see. Each row sees an interval of keys whose ends never decrease with the row (the window's
     i − window < j, its document's first key, the diagonal), so the first row bounds the span from below and the last
-    from above, and the other way round for the keys all see. mask = (window, -, ids, starts, ends, N): each token's
+    from above, and the other way round for the keys all see. mask = (window, -, starts, ends, N): each token's
     document runs from starts[i] to ends[i] (exclusive), so four independent loads give the span."""
     lo = first * 0
     hi = last + 1
@@ -262,7 +260,7 @@ def _key_span(first, last, mask, N, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
         lo = gl.maximum(lo, first - mask[0] + 1)
         a = gl.maximum(a, last - mask[0] + 1)
     if DOCS:  # from the first row's document's first key to the last row's document's last
-        starts, ends = mask[3], mask[4]
+        starts, ends = mask[2], mask[3]
         lo = gl.maximum(lo, gl.load(starts + first))
         hi = gl.minimum(hi, gl.load(ends + last))
         a = gl.maximum(a, gl.load(starts + last))
@@ -271,19 +269,26 @@ def _key_span(first, last, mask, N, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
 
 
 @gluon.jit
-def _batch_ids(mask, b, stride_ids, DOCS: gl.constexpr):
-    """`mask` with batch b's document ids and their documents' bounds ((B, N) rows, N apart)."""
+def _batch_bounds(mask, b, DOCS: gl.constexpr):
+    """`mask` with batch b's rows of document starts and ends ((B, N) rows, N apart)."""
     if DOCS:
-        mask = (mask[0], mask[1], mask[2] + b * stride_ids, mask[3] + b * mask[5], mask[4] + b * mask[5], mask[5])
+        mask = (mask[0], mask[1], mask[2] + b * mask[4], mask[3] + b * mask[4], mask[4])
     return mask
 
 
 @gluon.jit
-def _row_ids(mask, rows, N, DOCS: gl.constexpr):
-    """`mask` with these query rows' document ids (−1 past N: no key's)."""
+def _row_bounds(mask, rows, N, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
+    """`mask` with each of these causal query rows' first visible key: the row sees keys first <= j <= i, where
+    first = max(i − window + 1, its document's first key). For documents that is the ids' test ids[j] == ids[i]
+    with j <= i, as ids never decrease along the row; the tile loop then compares positions only, with no id loads
+    (the backward reads each key's document end the same way). Rows past N see no key."""
+    first = rows * 0
+    if WINDOWED:  # keys i − window < j
+        first = gl.maximum(first, rows - mask[0] + 1)
     if DOCS:
-        mask = (mask[0], gl.load(mask[2] + rows, mask=rows < N, other=-1), mask[2], mask[3], mask[4], mask[5])
-    return mask
+        first = gl.maximum(first, gl.load(mask[2] + rows, mask=rows < N, other=N))
+    first = gl.where(rows < N, first, rows + 1)
+    return (mask[0], first, mask[2], mask[3], mask[4])
 
 
 @gluon.jit
@@ -293,7 +298,7 @@ def _needs_mask(key0, full_lo, full_hi, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _work_item(WORK, index, n_qtiles, BLOCK_M: gl.constexpr, N, N_K, BLOCK_N: gl.constexpr, mask, H, stride_ids,
+def _work_item(WORK, index, n_qtiles, BLOCK_M: gl.constexpr, N, N_K, BLOCK_N: gl.constexpr, mask, H,
                CAUSAL: gl.constexpr, WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """Item `index` of the list: (batch·head, first query row, first key tile, key tiles): causal without masks from
     the first key to the tile's last row; with masks the tiles of _key_span's [lo, hi); without CAUSAL every key
@@ -302,7 +307,7 @@ def _work_item(WORK, index, n_qtiles, BLOCK_M: gl.constexpr, N, N_K, BLOCK_N: gl
     start_m = (item % n_qtiles) * BLOCK_M
     last = gl.minimum(start_m + BLOCK_M, N) - 1
     if WINDOWED or DOCS:
-        batch_mask = _batch_ids(mask, (item // n_qtiles // H).to(gl.int64), stride_ids, DOCS)
+        batch_mask = _batch_bounds(mask, (item // n_qtiles // H).to(gl.int64), DOCS)
         lo, hi, a, b = _key_span(start_m, last, batch_mask, N, WINDOWED, DOCS)
         first_tile = lo // BLOCK_N
         num_tiles = gl.cdiv(hi, BLOCK_N) - first_tile
@@ -328,8 +333,7 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
     all of its keys. Without CAUSAL every key tile, the mask only on a last one that reaches past N_K. CONTINUE:
     the (o, lse) that O and LSE hold over other keys is folded into the rows as they are written (_write_rows)."""
     (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, O, LSE, H, stride_ob,
-     stride_oh, stride_on, stride_lse, N, N_K, qk_scale, WORK, WORK_START, n_qtiles, mask, stride_ids,
-     fold_smem) = shared
+     stride_oh, stride_on, stride_lse, N, N_K, qk_scale, WORK, WORK_START, n_qtiles, mask, fold_smem) = shared
     first, count = program_items(WORK_START, PERSISTENT)
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * ROWS_PER_CONSUMER
     s_layout: gl.constexpr = mma_layout(BLOCK_N, 4)
@@ -346,13 +350,13 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
     kv = 0  # key/value tiles of the items before: the ring position
     for i in range(count):
         bh, start_m, first_tile, num_tiles = _work_item(WORK, first + i, n_qtiles, BLOCK_M, N, N_K, BLOCK_N, mask, H,
-                                                        stride_ids, CAUSAL, WINDOWED, DOCS)
+                                                        CAUSAL, WINDOWED, DOCS)
         turns = kv + i
         row0 = start_m + ME * ROWS_PER_CONSUMER
         rows = row0 + gl.arange(0, ROWS_PER_CONSUMER, layout=gl.SliceLayout(1, s_layout))
         full_tiles = row0 // BLOCK_N  # without masks: key tiles wholly at or before the first row need none
         if WINDOWED or DOCS:  # the keys all of this consumer's rows see (rows past N: the last row's)
-            row_mask = _row_ids(_batch_ids(mask, (bh // H).to(gl.int64), stride_ids, DOCS), rows, N, DOCS)
+            row_mask = _row_bounds(_batch_bounds(mask, (bh // H).to(gl.int64), DOCS), rows, N, WINDOWED, DOCS)
             _lo, _hi, full_lo, full_hi = _key_span(gl.minimum(row0, N - 1),
                                                    gl.minimum(row0 + ROWS_PER_CONSUMER, N) - 1, row_mask, N,
                                                    WINDOWED, DOCS)
@@ -370,9 +374,12 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
         m_i = gl.full([ROWS_PER_CONSUMER], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([ROWS_PER_CONSUMER], gl.float32, layout=gl.SliceLayout(1, s_layout))
         acc = gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], gl.float32, layout=o_layout)
-        if FOLD:  # the sum of the folded chains, in shared memory, under the row max m_fold (see _fold)
+        if FOLD:  # the sum of the folded chains, in shared memory, under the row max m_fold (see _fold). With
+            # documents it is written at the first fold, so the many items of one chain (short documents' rows: the
+            # launch cannot know the lengths) never touch it; elsewhere zeroed here (fewer instructions in the loop)
             outer = fold_smem.index(ME)
-            outer.store(gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], gl.float32, layout=o_layout))
+            if not DOCS:
+                outer.store(gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], gl.float32, layout=o_layout))
             m_fold = gl.full([ROWS_PER_CONSUMER], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
         if CONTINUE:  # the rows' lse over other keys, folded in when they are written (its load has the item to land)
             lse_in = gl.load(LSE + bh.to(gl.int64) * stride_lse + rows, mask=rows < N, other=float("-inf"))
@@ -397,7 +404,11 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
                 # tile indices, so a consumer that stops at its diagonal (SKIP) folds the same sums as one that runs
                 # on over masked tiles (adding zeros): the persistent kernel equals the plain one bitwise
                 if j0 + FOLD <= my_tiles:
-                    outer.store(_fold(outer.load(o_layout), m_fold, acc, m_i, row_o))
+                    if DOCS and j0 == 1:  # the first chain: nothing folded before it
+                        folded = acc
+                    else:
+                        folded = _fold(outer.load(o_layout), m_fold, acc, m_i, row_o)
+                    outer.store(folded)
                     m_fold = m_i
                     acc = gl.zeros_like(acc)
         else:
@@ -415,8 +426,9 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
             mbarrier.arrive(k_empty.index((kv + j - 1) % STAGES), count=1)
             mbarrier.arrive(v_empty.index((kv + j - 1) % STAGES), count=1)
         kv += num_tiles
-        if FOLD:  # the last chain folded in: acc is the whole row's Σ p·v under m
-            acc = _fold(outer.load(o_layout), m_fold, acc, m_i, row_o)
+        if FOLD:
+            if not DOCS or my_tiles > FOLD:  # the last chain folded in: acc is the whole row's Σ p·v under m
+                acc = _fold(outer.load(o_layout), m_fold, acc, m_i, row_o)
         _write_rows(acc, m_i, l_i, O, LSE, (bh // H).to(gl.int64), (bh % H).to(gl.int64), bh, stride_ob, stride_oh,
                     stride_on, stride_lse, N, row0, rows, lse_in, HEAD_DIM, row_o, CONTINUE)
 
@@ -432,7 +444,7 @@ def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_
     item's loads run while the consumers finish the last. GQA: query head h reads K/V head h // group."""
     (Q, K, V, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
      q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, H, N, N_K, WORK, WORK_START,
-     n_qtiles, mask, stride_ids, group) = loads
+     n_qtiles, mask, group) = loads
     first, count = program_items(WORK_START, PERSISTENT)
     dtype: gl.constexpr = q_smem.dtype
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * ROWS_PER_CONSUMER
@@ -443,7 +455,7 @@ def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_
     kv = 0
     for i in range(count):
         bh, start_m, first_tile, num_tiles = _work_item(WORK, first + i, n_qtiles, BLOCK_M, N, N_K, BLOCK_N, mask, H,
-                                                        stride_ids, CAUSAL, WINDOWED, DOCS)
+                                                        CAUSAL, WINDOWED, DOCS)
         b = (bh // H).to(gl.int64)
         h = (bh % H).to(gl.int64)
         if GQA:
@@ -480,7 +492,7 @@ def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_
 def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
                         stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                         stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-                        H, N, n_qtiles, qk_scale, group, IDS, stride_ids, window, DOC_STARTS, DOC_ENDS, stride_lse,
+                        H, N, n_qtiles, qk_scale, group, window, DOC_STARTS, DOC_ENDS, stride_lse,
                         N_K, HEAD_DIM: gl.constexpr, NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                         SKIP: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr, WINDOWED: gl.constexpr,
@@ -488,9 +500,9 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
     """Program p computes items WORK[WORK_START[p] : WORK_START[p+1]] (item = bh · n_qtiles + query tile): attention
     of one tile of 64·NUM_CONSUMERS of the N query rows of one (batch, head) each over the N_K keys, causal (N_K = N)
     or, without CAUSAL, every key. H: query heads; GQA: K/V head h // group. LSE rows lie stride_lse apart.
-    WINDOWED: keys i − window < j; DOCS: keys of the row's document, IDS (B, N) non-decreasing int32/int64 rows
-    stride_ids apart, DOC_STARTS and DOC_ENDS (B, N) contiguous int32: where each token's document starts and ends
-    (exclusive), found before the launch (both causal only). Without them the last six are unused. CONTINUE: O
+    WINDOWED: keys i − window < j; DOCS: keys of the row's document, given by DOC_STARTS and DOC_ENDS ((B, N)
+    contiguous int32: where each token's document starts and ends, exclusive), found from the ids before the launch
+    (both causal only). Without them the last four are unused. CONTINUE: O
     (fp32) and LSE hold the rows' attention over other keys, continued here and overwritten with the attention over
     both key sets."""
     gl.static_assert(CAUSAL or not (SKIP or WINDOWED or DOCS), "SKIP and the masks go with the causal mask")
@@ -524,8 +536,8 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
         mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)
         mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
     fence_async_shared()
-    # the rows' own document ids (the 0) are filled in per item by the consumers
-    mask = (window, 0, IDS, DOC_STARTS, DOC_ENDS, N)
+    # the rows' first visible keys (the 0) are filled in per item by the consumers (_row_bounds)
+    mask = (window, 0, DOC_STARTS, DOC_ENDS, N)
 
     if FOLD:  # each consumer's folded sum (kernels/NOTES.md): in shared memory, so the loop holds no more registers
         fold_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
@@ -533,11 +545,10 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
     else:
         fold_smem = q_smem  # unused
     shared = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, O, LSE, H, stride_ob,
-              stride_oh, stride_on, stride_lse, N, N_K, qk_scale, WORK, WORK_START, n_qtiles, mask, stride_ids,
-              fold_smem)
+              stride_oh, stride_on, stride_lse, N, N_K, qk_scale, WORK, WORK_START, n_qtiles, mask, fold_smem)
     loads = (Q, K, V, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
              q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, H, N, N_K, WORK,
-             WORK_START, n_qtiles, mask, stride_ids, group)
+             WORK_START, n_qtiles, mask, group)
     if NUM_CONSUMERS == 2:
         gl.warp_specialize(
             [(_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
@@ -586,17 +597,15 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: f
     if causal and not accumulate and stride_lse not in (None, N) and B * H > 1:
         raise ValueError(f"causal fresh launches write LSE rows N = {N} apart (a contiguous LSE), got {stride_lse}")
     if document_ids is None:  # placeholder pointers where there are no documents
-        ids = starts = ends = work
+        starts = ends = work
     else:  # each token's document as [start, end): two binary searches per token on the device (no host sync), so
-        # that a work item reads its key span with four loads instead of searching the ids itself (NOTES.md)
-        ids = document_ids
+        # that a work item reads its key span with four loads and each row its first key with one (NOTES.md)
         starts = torch.searchsorted(document_ids, document_ids, out_int32=True)
         ends = torch.searchsorted(document_ids, document_ids, right=True, out_int32=True)
     pingpong_fwd_kernel[(work_start.numel() - 1,)](
         q, k, v, o, lse, work, work_start, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), H, N,
-        -(-N // (consumers * ROWS_PER_CONSUMER.value)), qk_scale, H // k.shape[1], ids,
-        0 if document_ids is None else document_ids.stride(0), window or 0, starts, ends,
+        -(-N // (consumers * ROWS_PER_CONSUMER.value)), qk_scale, H // k.shape[1], window or 0, starts, ends,
         N if stride_lse is None else stride_lse, k.shape[2],
         HEAD_DIM=D, NUM_CONSUMERS=consumers, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
         PRODUCER_REGS=PRODUCER_REGS, SKIP=skip, PERSISTENT=persistent, GQA=k.shape[1] != H,
@@ -651,23 +660,26 @@ def launch_forward_masked(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
     """launch_forward_pingpong's causal fresh contract with GQA (k, v with H / group heads) and the masks: `window`
     (keys i − window < j) and `document_ids` ((B, N) int32/int64, non-decreasing, rows with a contiguous last
     dimension; keys of the row's document). Each query tile visits only the key tiles its rows see, found on the
-    device (each token's document bounds by torch.searchsorted, then four loads per item). A window without document
-    ids (its tiles known on the host) runs persistent from MASKED_PERSISTENT_WAVES waves of query tiles: one program
-    per SM over a schedule balanced on the host (windowed_query_tile_costs); persistent=False keeps the plain grid,
-    as ring attention asks. Everything else is a plain grid: with document ids the key tiles per query tile depend on
-    ids only the device reads, and persistent launches measured slower there (kernels/NOTES.md)."""
-    B, H, N, _ = q.shape
+    device (each token's document bounds by torch.searchsorted, then four loads per item). From
+    MASKED_PERSISTENT_WAVES waves of query tiles it runs one program per SM: a window alone over a schedule balanced
+    on the host (windowed_query_tile_costs), document ids at head_dim 64 over the plain grid's order dealt out in
+    turn (device_dealt: the tiles per item depend on ids only the device reads; at head_dim 128 persistent measured
+    slower, kernels/NOTES.md). persistent=False keeps the plain grid, as ring attention asks; True forces one program
+    per SM."""
+    B, H, N, D = q.shape
     rows = consumers * ROWS_PER_CONSUMER.value
     n_qtiles = -(-N // rows)
     programs = sm_count(q.device)
     windowed = window is not None and document_ids is None
     if persistent is None:
-        persistent = windowed and B * H * n_qtiles >= MASKED_PERSISTENT_WAVES * programs
-    elif persistent and not windowed:
-        raise ValueError("the masked forward runs persistent only for a window without document ids")
-    if persistent:
+        persistent = (windowed or (document_ids is not None and D == 64)) \
+            and B * H * n_qtiles >= MASKED_PERSISTENT_WAVES * programs
+    if persistent and windowed:
         costs = windowed_query_tile_costs(N, rows, block_n, window)
         work, work_start = device_schedule(B * H, costs, min(programs, B * H * n_qtiles), q.device)
+    elif persistent:
+        work, work_start = device_dealt(B * H, tuple(reversed(range(n_qtiles))), min(programs, B * H * n_qtiles),
+                                        q.device)
     else:
         work, work_start = device_one_each(B * H, tuple(reversed(range(n_qtiles))), q.device)
     _launch(q, k, v, o, lse, qk_scale, consumers, block_n, stages, work, work_start, persistent=persistent,

@@ -121,3 +121,19 @@ def device_one_each(heads: int, positions: tuple[int, ...], device: torch.device
     items = torch.tensor(positions, dtype=torch.int32).repeat(heads) \
         + torch.arange(heads, dtype=torch.int32).repeat_interleave(per_head) * per_head
     return items.to(device), torch.arange(heads * per_head + 1, dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=32)
+def device_dealt(heads: int, positions: tuple[int, ...], programs: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """device_one_each's order dealt out to `programs` persistent programs in turn: program p takes items p,
+    p + programs, p + 2·programs, ... For work whose cost only the device knows (document masks: each query tile's
+    key span comes from the ids), so no schedule is balanced on the host: the items start in the order a plain grid
+    starts them, without a program's set-up per item."""
+    per_head = len(positions)
+    order = [h * per_head + pos for h in range(heads) for pos in positions]
+    items, starts = [], [0]
+    for p in range(programs):
+        items += order[p::programs]
+        starts.append(len(items))
+    return (torch.tensor(items, dtype=torch.int32, device=device),
+            torch.tensor(starts, dtype=torch.int32, device=device))
