@@ -118,6 +118,18 @@ def test_ideals_ratios_and_the_time_limit_bookkeeping(monkeypatch, tmp_path):
     assert json.loads(js.read_text())["complete"] and "skipped: time limit" in md.read_text()
 
 
+def test_the_references_keep_their_faster_times_queued_too():
+    """keep_faster (a dense reference timed at the start and the end of a run) keeps each mode's faster time, the
+    queued fwd+bwd included, each on its own; and queued_ms is a GPU measurement only."""
+    case = mc.MaskCase("causal", "causal", 64, 64, 2, 2)
+    row, again = mask_bench.MaskRow.of(case, "ours"), mask_bench.MaskRow.of(case, "ours")
+    row.ms_fwd_bwd, row.ms_fwd, row.ms_fwd_bwd_queued = 2.0, 1.0, 1.5
+    again.ms_fwd_bwd, again.ms_fwd, again.ms_fwd_bwd_queued = 3.0, 0.5, 1.2
+    mask_bench.keep_faster(row, again, case)
+    assert (row.ms_fwd_bwd, row.ms_fwd, row.ms_fwd_bwd_queued) == (2.0, 0.5, 1.2)
+    assert mask_bench.queued_ms(lambda: None, torch.device("cpu"), 1.0) is None
+
+
 def test_reps_fill_the_time_budget_within_their_bounds():
     """After the warm-up, at least min_reps, then as many as the budget holds at their median, at most max_reps."""
     import time
@@ -163,6 +175,7 @@ def test_the_whole_mask_suite_dry_runs_on_cpu(tmp_path, capsys):
     for c in cases:
         o, f = (rows[(c.name, c.seq_len, c.head_dim, c.q_heads, c.kv_heads, impl)] for impl in ("ours", "flex"))
         assert o["error"] == "" and o["ms_fwd_bwd"] > 0 and o["ms_fwd"] > 0 and o["tflops_fwd_bwd"] > 0, o
+        assert o["ms_fwd_bwd_queued"] is None  # the GPU's time alone: measured on a GPU only
         assert o["pairs"] == c.pairs() and o["vs_ideal_fwd_bwd"] > 0 and o["ideal_ms_fwd"] > 0
         assert c.dense == (o["vs_ideal_fwd_bwd"] == pytest.approx(1.0))
         assert f["error"].startswith("NotImplementedError") and "backward" in f["error"] and f["ms_fwd_bwd"] is None
