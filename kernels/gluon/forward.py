@@ -34,9 +34,10 @@ other ranks, 2c rows against c keys or c against 2c): Nq query rows against Nk k
 visits every key tile, and only a last one that reaches past Nk gets a mask. CONTINUE: o (fp32) and lse hold the rows'
 attention over other keys, which the epilogue folds in (_write_rows): ring attention continues its running result this
 way, block after block. GQA (fewer K/V heads than query heads) goes with either. With WINDOWED / DOCS
-(launch_forward_masked, a plain grid, or persistent for a window alone; causal fresh launches only) it also takes a
-sliding window and document ids: each query tile visits only the key tiles its rows see, and only the tiles some row
-cannot fully see get the elementwise mask. FOLD (from 32K keys, dispatch.fold_tiles): the tensor cores truncate as
+(launch_forward_masked, a plain grid, or persistent for a window alone and for documents at head_dim 64; causal fresh
+launches only) it also takes a sliding window and document ids: each query tile visits only the key tiles its rows
+see, and only the tiles some row cannot fully see get the elementwise mask, a comparison of positions with each row's
+first visible key. FOLD (from 32K keys, dispatch.fold_tiles): the tensor cores truncate as
 they add P·V into acc, which over a million keys shrinks o by 3e-3; every FOLD key tiles each consumer folds acc into
 a round-to-nearest fp32 sum in shared memory (_fold), so no chain is longer than 2048 keys (kernels/NOTES.md, the
 last sections). Each flag is a constexpr: the causal fresh variants compile to the code they had without them.
@@ -502,9 +503,8 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
     or, without CAUSAL, every key. H: query heads; GQA: K/V head h // group. LSE rows lie stride_lse apart.
     WINDOWED: keys i − window < j; DOCS: keys of the row's document, given by DOC_STARTS and DOC_ENDS ((B, N)
     contiguous int32: where each token's document starts and ends, exclusive), found from the ids before the launch
-    (both causal only). Without them the last four are unused. CONTINUE: O
-    (fp32) and LSE hold the rows' attention over other keys, continued here and overwritten with the attention over
-    both key sets."""
+    (both causal only). Without them the last four are unused. CONTINUE: O (fp32) and LSE hold the rows' attention
+    over other keys, continued here and overwritten with the attention over both key sets."""
     gl.static_assert(CAUSAL or not (SKIP or WINDOWED or DOCS), "SKIP and the masks go with the causal mask")
     gl.static_assert(not (CONTINUE and (WINDOWED or DOCS)), "the masks go with fresh launches")
     # Causal launches are a sequence against itself (N keys), and the fresh ones write LSE rows N apart: those variants
