@@ -72,7 +72,8 @@ def versions() -> dict[str, str | None]:
 
 
 def git_commit() -> str | None:
-    """The source commit: MINIGPT_COMMIT if set (GPU machines get a copy of the tree without .git), else git's."""
+    """The source commit: MINIGPT_COMMIT if set (GPU machines get a copy of the tree whose .git, if any, may be stale),
+    else git's."""
     import os
     import subprocess
     from pathlib import Path
