@@ -343,6 +343,10 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
     PACK_P: gl.constexpr = NUM_CONSUMERS == 3  # see _p_operand
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     NEXT: gl.constexpr = (ME + 1) % NUM_CONSUMERS
+    # the fold's shared sum written at the first fold instead of zeroed per item: with documents, whose lengths the
+    # launch cannot know (FOLD is on from 32K keys), short documents' items, one chain each, never touch it; elsewhere
+    # zeroed (fewer instructions in the tile loop: the dense 3-consumer fold 594 against 648, sm90_build)
+    LAZY_FOLD: gl.constexpr = DOCS
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     no_scores = gl.zeros([ROWS_PER_CONSUMER, BLOCK_N], gl.float32, layout=s_layout)
     q = q_smem.index(ME)
@@ -375,11 +379,9 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
         m_i = gl.full([ROWS_PER_CONSUMER], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([ROWS_PER_CONSUMER], gl.float32, layout=gl.SliceLayout(1, s_layout))
         acc = gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], gl.float32, layout=o_layout)
-        if FOLD:  # the sum of the folded chains, in shared memory, under the row max m_fold (see _fold). With
-            # documents it is written at the first fold, so the many items of one chain (short documents' rows: the
-            # launch cannot know the lengths) never touch it; elsewhere zeroed here (fewer instructions in the loop)
+        if FOLD:  # the sum of the folded chains, in shared memory, under the row max m_fold (see _fold)
             outer = fold_smem.index(ME)
-            if not DOCS:
+            if not LAZY_FOLD:
                 outer.store(gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], gl.float32, layout=o_layout))
             m_fold = gl.full([ROWS_PER_CONSUMER], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
         if CONTINUE:  # the rows' lse over other keys, folded in when they are written (its load has the item to land)
@@ -405,7 +407,7 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
                 # tile indices, so a consumer that stops at its diagonal (SKIP) folds the same sums as one that runs
                 # on over masked tiles (adding zeros): the persistent kernel equals the plain one bitwise
                 if j0 + FOLD <= my_tiles:
-                    if DOCS and j0 == 1:  # the first chain: nothing folded before it
+                    if LAZY_FOLD and j0 == 1:  # the first chain: nothing folded before it
                         folded = acc
                     else:
                         folded = _fold(outer.load(o_layout), m_fold, acc, m_i, row_o)
@@ -428,7 +430,7 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
             mbarrier.arrive(v_empty.index((kv + j - 1) % STAGES), count=1)
         kv += num_tiles
         if FOLD:
-            if not DOCS or my_tiles > FOLD:  # the last chain folded in: acc is the whole row's Σ p·v under m
+            if not LAZY_FOLD or my_tiles > FOLD:  # the last chain folded in: acc is the whole row's Σ p·v under m
                 acc = _fold(outer.load(o_layout), m_fold, acc, m_i, row_o)
         _write_rows(acc, m_i, l_i, O, LSE, (bh // H).to(gl.int64), (bh % H).to(gl.int64), bh, stride_ob, stride_oh,
                     stride_on, stride_lse, N, row0, rows, lse_in, HEAD_DIM, row_o, CONTINUE)

@@ -49,22 +49,40 @@ def launch_orders(heads: int, position_costs: tuple[float, ...], programs: int):
                for h in range(lo, hi)]
 
 
-@functools.lru_cache(maxsize=64)
-def schedule(heads: int, position_costs: tuple[float, ...], programs: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(items, starts): program p takes items[starts[p]:starts[p+1]] in that order; every item exactly once.
-    position_costs[pos]: the work of the item at that position of a head (its tiles), without the set-up."""
+def _best_order(heads: int, position_costs: tuple[float, ...], programs: int) -> tuple[list[int], list[list[int]]]:
+    """The candidate of launch_orders whose greedy replay finishes first (ties keep the earlier, more L2-friendly
+    order): (that order, each program's items in it). An item costs its tiles plus MODEL_OVERHEAD_TILES."""
     cost = [position_costs[it % len(position_costs)] + MODEL_OVERHEAD_TILES
             for it in range(heads * len(position_costs))]
     best = None
     for order in launch_orders(heads, position_costs, programs):
         finish, lists = greedy(order, cost, programs)
-        if best is None or finish < best[0] * 0.998:  # ties keep the earlier (more L2-friendly) order
-            best = (finish, lists)
+        if best is None or finish < best[0] * 0.998:
+            best = (finish, order, lists)
+    return best[1], best[2]
+
+
+def _work_list(items, starts, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(items, starts) as the kernels' int32 work list on the device; starts None: one item per program."""
+    starts = range(len(items) + 1) if starts is None else starts
+    return (torch.tensor(items, dtype=torch.int32, device=device),
+            torch.tensor(starts, dtype=torch.int32, device=device))
+
+
+def _flatten(lists: list[list[int]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(items, starts) of programs' lists: program p takes items[starts[p]:starts[p+1]]."""
     items, starts = [], [0]
-    for lst in best[1]:
+    for lst in lists:
         items += lst
         starts.append(len(items))
     return tuple(items), tuple(starts)
+
+
+@functools.lru_cache(maxsize=64)
+def schedule(heads: int, position_costs: tuple[float, ...], programs: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(items, starts): program p takes items[starts[p]:starts[p+1]] in that order; every item exactly once.
+    position_costs[pos]: the work of the item at that position of a head (its tiles), without the set-up."""
+    return _flatten(_best_order(heads, position_costs, programs)[1])
 
 
 @functools.lru_cache(maxsize=64)
@@ -73,32 +91,21 @@ def plain_order(heads: int, position_costs: tuple[float, ...], programs: int) ->
     with a plain grid: each next program to the SM that frees first) finishes first; ties keep the earlier order.
     Few long items per head make head after head a poor order: GQA 16:4 at 8K tokens (4 K/V heads of 64 key blocks,
     each walking 4 query heads) modelled 764 tile-units head after head against 514 longest first."""
-    cost = [position_costs[it % len(position_costs)] + MODEL_OVERHEAD_TILES
-            for it in range(heads * len(position_costs))]
-    best = None
-    for order in launch_orders(heads, position_costs, programs):
-        finish = greedy(order, cost, programs)[0]
-        if best is None or finish < best[0] * 0.998:
-            best = (finish, order)
-    return tuple(best[1])
+    return tuple(_best_order(heads, position_costs, programs)[0])
 
 
 @functools.lru_cache(maxsize=32)
 def device_plain_order(heads: int, position_costs: tuple[float, ...], programs: int,
                        device: torch.device) -> tuple[Tensor, Tensor]:
     """plain_order's items as a plain grid's work list on the device (one item per program), made once per shape."""
-    items = plain_order(heads, position_costs, programs)
-    return (torch.tensor(items, dtype=torch.int32, device=device),
-            torch.arange(len(items) + 1, dtype=torch.int32, device=device))
+    return _work_list(plain_order(heads, position_costs, programs), None, device)
 
 
 @functools.lru_cache(maxsize=32)
 def device_schedule(heads: int, position_costs: tuple[float, ...], programs: int,
                     device: torch.device) -> tuple[Tensor, Tensor]:
     """schedule's (items, starts) as int32 tensors on the device, made once per shape."""
-    items, starts = schedule(heads, position_costs, programs)
-    return (torch.tensor(items, dtype=torch.int32, device=device),
-            torch.tensor(starts, dtype=torch.int32, device=device))
+    return _work_list(*schedule(heads, position_costs, programs), device)
 
 
 @functools.lru_cache(maxsize=8)
@@ -113,14 +120,16 @@ def sm_count(device: torch.device) -> int:
 MASKED_PERSISTENT_WAVES = 4
 
 
+def _head_after_head(heads: int, positions: tuple[int, ...]) -> list[int]:
+    """A plain grid's items head after head, each head's at `positions` in that order."""
+    return [h * len(positions) + pos for h in range(heads) for pos in positions]
+
+
 @functools.lru_cache(maxsize=32)
 def device_one_each(heads: int, positions: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
     """A plain grid as a work list: one item per program, head after head, each head's items at `positions` in
     that order (the hardware starts programs in order, so the first positions start first)."""
-    per_head = len(positions)
-    items = torch.tensor(positions, dtype=torch.int32).repeat(heads) \
-        + torch.arange(heads, dtype=torch.int32).repeat_interleave(per_head) * per_head
-    return items.to(device), torch.arange(heads * per_head + 1, dtype=torch.int32, device=device)
+    return _work_list(_head_after_head(heads, positions), None, device)
 
 
 @functools.lru_cache(maxsize=32)
@@ -129,11 +138,5 @@ def device_dealt(heads: int, positions: tuple[int, ...], programs: int, device: 
     p + programs, p + 2·programs, ... For work whose cost only the device knows (document masks: each query tile's
     key span comes from the ids), so no schedule is balanced on the host: the items start in the order a plain grid
     starts them, without a program's set-up per item."""
-    per_head = len(positions)
-    order = [h * per_head + pos for h in range(heads) for pos in positions]
-    items, starts = [], [0]
-    for p in range(programs):
-        items += order[p::programs]
-        starts.append(len(items))
-    return (torch.tensor(items, dtype=torch.int32, device=device),
-            torch.tensor(starts, dtype=torch.int32, device=device))
+    order = _head_after_head(heads, positions)
+    return _work_list(*_flatten([order[p::programs] for p in range(programs)]), device)

@@ -48,8 +48,9 @@ DEFINITIONS = (
     "ideal = visible (i, j) pairs × query heads ÷ our dense causal rate (pairs·heads/s) at the same N, D and query "
     "heads in this run (for GQA: the MHA row); ×ideal = ms ÷ ideal ms; ours/flex = flex ms ÷ ours ms (> 1: ours "
     "faster); queued = fwd+bwd ms per call issued back to back behind a GPU sleep (the host ahead: the GPU's time "
-    "alone; the other times are per-call events, which also catch a slower host); TFLOP/s of the visible area: fwd = 4·pairs·D·Hq, fwd+bwd = 3.5·fwd; peak = the most memory allocated "
-    "during one fwd+bwd above what was allocated before it, less the output and the three gradients. flex = "
+    "alone; the other times are per-call events, which also catch a slower host); TFLOP/s of the visible area: "
+    "fwd = 4·pairs·D·Hq, fwd+bwd = 3.5·fwd; peak = the most memory allocated during one fwd+bwd above what was "
+    "allocated before it, less the output and the three gradients. flex = "
     "torch.compile(flex_attention) (eager on CPU), its block mask built once per case outside the timed region, "
     "compile time excluded.")
 DIFF_FLAG = 0.05  # flex vs ours, relative to ours' largest value: bf16 rounding is ~1e-2, a different mask ~1
@@ -399,15 +400,14 @@ def run_suite(cases: list[MaskCase], device: torch.device, dtype: torch.dtype, t
 
 def keep_faster(row: MaskRow, again: MaskRow, case: MaskCase) -> None:
     """bench.py's two passes, for our dense references: each time is the faster of the two (the first cases of a
-    run can read slow on a GPU not yet warm, and a slow reference would flatter every ideal built on it)."""
-    for mode, flops in (("fwd_bwd", "fwd+bwd"), ("fwd", "fwd")):
+    run can read slow on a GPU not yet warm, and a slow reference would flatter every ideal built on it); the
+    queued time too, which has no TFLOP/s of its own."""
+    for mode, flops in (("fwd_bwd", "fwd+bwd"), ("fwd", "fwd"), ("fwd_bwd_queued", None)):
         ms = getattr(again, f"ms_{mode}")
         if ms is not None and (getattr(row, f"ms_{mode}") is None or ms < getattr(row, f"ms_{mode}")):
             setattr(row, f"ms_{mode}", ms)
-            setattr(row, f"tflops_{mode}", case.flops(flops) / (ms * 1e-3) / 1e12)
-    if again.ms_fwd_bwd_queued is not None and (row.ms_fwd_bwd_queued is None
-                                                or again.ms_fwd_bwd_queued < row.ms_fwd_bwd_queued):
-        row.ms_fwd_bwd_queued = again.ms_fwd_bwd_queued
+            if flops:
+                setattr(row, f"tflops_{mode}", case.flops(flops) / (ms * 1e-3) / 1e12)
 
 
 def _report(r: MaskRow, start: float, progress: Callable[[str], None], tag: str = "") -> None:
