@@ -1,0 +1,92 @@
+"""Every Gluon launcher passes its kernel the arguments the kernel's signature names, on CPU.
+
+The Gluon kernels only run on an H100/H200, where a launch whose arguments no longer match the kernel (one added to
+the signature and not to the call) fails or, positional arguments shifting, computes garbage. Here each kernel is
+replaced by a stand-in that binds the launch's arguments to the kernel's signature (inspect.Signature.bind: a missing
+or unknown argument raises TypeError), so the launchers run through on CPU tensors without launching anything.
+"""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from minigpt_kernels.gluon import backward as bwd  # noqa: E402
+from minigpt_kernels.gluon import forward as fwd  # noqa: E402
+
+LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg"}  # Triton's, not the kernel's parameters
+
+
+class BindingKernel:
+    """Stands in for a @gluon.jit kernel: `kernel[grid](*args, **kwargs)` binds the arguments to the kernel's
+    signature and records them by name."""
+
+    def __init__(self, kernel):
+        self.signature = inspect.signature(kernel.fn)
+        self.calls: list[dict] = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            bound = self.signature.bind(*args, **{k: v for k, v in kwargs.items() if k not in LAUNCH_OPTIONS})
+            self.calls.append(dict(bound.arguments, grid=grid))
+        return launch
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """The three Gluon kernels replaced by BindingKernels; a GPU of 4 SMs for the persistent launchers."""
+    stand_ins = {"fwd": BindingKernel(fwd.pingpong_fwd_kernel), "dkdvdq": BindingKernel(bwd.dkdvdq_kernel),
+                 "dq": BindingKernel(bwd.dq_kernel)}
+    monkeypatch.setattr(fwd, "pingpong_fwd_kernel", stand_ins["fwd"])
+    monkeypatch.setattr(bwd, "dkdvdq_kernel", stand_ins["dkdvdq"])
+    monkeypatch.setattr(bwd, "dq_kernel", stand_ins["dq"])
+    monkeypatch.setattr(fwd, "sm_count", lambda device: 4)
+    monkeypatch.setattr(bwd, "sm_count", lambda device: 4)
+    return stand_ins
+
+
+def _qkv(B=2, H=4, Hkv=4, N=300, D=64):
+    q = torch.randn(B, H, N, D)
+    k, v = torch.randn(B, Hkv, N, D), torch.randn(B, Hkv, N, D)
+    return q, k, v
+
+
+def test_forward_launchers_bind_to_the_kernel(kernels):
+    q, k, v = _qkv()
+    o, lse = torch.empty_like(q), torch.empty(q.shape[:3])
+    ids = torch.arange(q.shape[2]).div(70, rounding_mode="floor").int().expand(q.shape[0], -1).contiguous()
+    fwd.launch_forward_pingpong(q, k, v, o, lse, 0.2, 2, 128, 2)
+    fwd.launch_forward_persistent(q, k, v, o, lse, 0.2, 2, 128, 2)
+    fwd.launch_forward_masked(q, k[:, :2], v[:, :2], o, lse, 0.2, 2, 128, 2, 100, None)
+    fwd.launch_forward_masked(q, k, v, o, lse, 0.2, 2, 128, 2, None, ids)
+    calls = kernels["fwd"].calls
+    assert len(calls) == 4
+    assert all(c["H"] == 4 and c["N"] == 300 for c in calls)
+    assert calls[2]["group"] == 2 and calls[2]["GQA"] and calls[2]["WINDOWED"] and calls[3]["DOCS"]
+
+
+def test_backward_launchers_bind_to_their_kernels(kernels):
+    q, k, v = _qkv(D=128)
+    B, H, N, D = q.shape
+    do = torch.randn_like(q)
+    lse, delta = torch.zeros(B, H, 304), torch.zeros(B, H, 304)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    acc = torch.zeros(B, H, N, D)
+    args = (do, q, k, v, lse, 304, delta, 304, dk, dv, acc, 0.1, 0.14, 64, 2)
+    bwd.launch_dkdv_dq(*args)
+    bwd.launch_dkdv_dq_persistent(*args)
+    bwd.launch_dkdv_dq_masked(*args, 200, None)
+    bwd.launch_dkdv_dq_masked(do, q, k[:, :1], v[:, :1], lse, 304, delta, 304, dk[:, :1], dv[:, :1], acc, 0.1, 0.14,
+                              64, 2, None, None)  # one K/V head: the MQA split
+    bwd.launch_dkdv_dq_block(do, q[:, :, :256], k[:, :, :256], v[:, :, :256], lse, 304, delta, 304, dk[:, :, :256],
+                             dv[:, :, :256], acc, ((B * H * 256, D), (H * 256, 256, 0)), 0.1, 0.14, 64, 2,
+                             causal=False, accumulate_dkdv=False)
+    bwd.launch_dq(do, q, k, v, torch.empty_like(q), lse, 304, delta, 304, torch.empty_like(q), 0.1, 0.14, 64, 2)
+    calls = kernels["dkdvdq"].calls
+    assert len(calls) == 5 and len(kernels["dq"].calls) == 1
+    assert all(c["H"] == H for c in calls)
+    assert calls[3]["group"] == H // calls[3]["K"].shape[1]  # the split's virtual K/V heads
+    assert kernels["dq"].calls[0]["N"] == N and kernels["dq"].calls[0]["H"] == H
