@@ -88,5 +88,7 @@ def test_backward_launchers_bind_to_their_kernels(kernels):
     calls = kernels["dkdvdq"].calls
     assert len(calls) == 5 and len(kernels["dq"].calls) == 1
     assert all(c["H"] == H for c in calls)
-    assert calls[3]["group"] == H // calls[3]["K"].shape[1]  # the split's virtual K/V heads
+    split = calls[3]  # one K/V head, 6 key blocks for 4 SMs: split in two (mqa_splits), both reading the one head
+    assert split["K"].shape[1] == 2 and split["K"].stride(1) == 0 and split["group"] == H // 2
+    assert split["ACCUMULATE_DKDV"] == bwd.DKDV_ATOMIC_ADD.value and split["DK"].dtype == torch.float32
     assert kernels["dq"].calls[0]["N"] == N and kernels["dq"].calls[0]["H"] == H
