@@ -151,7 +151,7 @@ def all_variants() -> list[Variant]:
 
 def signature(kernel: Any, constexprs: dict[str, Any], dtype: str, fp32: tuple[str, ...] = ()) -> dict[str, str]:
     """Argument types by the kernels' naming: capitals are tensors (LSE, DELTA, DQ_ACC and those in fp32 fp32; WORK
-    lists int32; the rest the input dtype) except the sizes H, N and N_K; *scale is fp32; every other argument an
+    lists int32; the rest the input dtype) except the sizes B, H, N and N_K; *scale is fp32; every other argument an
     int32."""
     sig = {}
     for name in inspect.signature(kernel.fn).parameters:
@@ -161,7 +161,7 @@ def signature(kernel: Any, constexprs: dict[str, Any], dtype: str, fp32: tuple[s
             sig[name] = "*fp32"
         elif name in INT32_POINTERS:
             sig[name] = "*i32"
-        elif name.isupper() and name not in ("H", "N", "N_K"):
+        elif name.isupper() and name not in ("B", "H", "N", "N_K"):
             sig[name] = f"*{dtype}"
         elif name.endswith("scale"):
             sig[name] = "fp32"

@@ -37,9 +37,9 @@ end of its last key) and visits only those query tiles. The documents' ends come
 device before the launch (torch.searchsorted of the non-decreasing ids: no host sync), so the kernel reads them with one
 load per key instead of searching per item. A tile runs without the elementwise mask where every row of it sees every
 key of the consumer (past its last key and below end_key0). With GQA an item is a K/V head's key block: its roles walk
-the group's query heads in turn through the same ring (counters run on), the producer remaking the Q/dO/LSE/delta
-descriptors per query head once the copies through the old ones have landed, so dK and dV sum over the group in
-registers and no per-query-head K/V copy exists. A launch with one K/V head over a grid of under two waves (MQA, or a
+the group's query heads in turn through the same ring (counters run on), the producer naming each query head in its
+copies' coordinates (its TMA descriptors span every head and are made once per program), so dK and dV sum over the
+group in registers and no per-query-head K/V copy exists. A launch with one K/V head over a grid of under two waves (MQA, or a
 GQA call cut to one K/V head per launch by the dQ accumulator's cap) splits the group instead (`mqa_splits`): the
 one head is passed S times with head stride 0, each virtual head walks H/S query heads, and all S add their dK, dV
 into one fp32 dK, dV by atomic adds (ACCUMULATE_DKDV = DKDV_ATOMIC_ADD; S partial copies of dK, dV took 2.02× the
@@ -81,8 +81,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from minigpt_kernels.device import strides3
-from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, head_rows, mma_layout, program_items,
-                                          tma_load)
+from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, all_heads, all_rows, head_rows,
+                                          load_rows, mma_layout, program_items, tma_load)
 from minigpt_kernels.gluon.schedule import (MASKED_PERSISTENT_WAVES, device_one_each, device_plain_order,
                                              device_schedule, sm_count)
 
@@ -666,41 +666,14 @@ def _dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, PERSISTENT: 
 
 
 @gluon.jit
-def _landed(ready, g, STAGES: gl.constexpr):
-    """Wait until the query tiles at ring positions g − STAGES ... g − 1 have landed. The tiles before them were
-    consumed before their buffers were refilled, so then every copy issued so far through the Q/dO/LSE/delta
-    descriptors has landed, and the descriptors may be rewritten in place."""
-    for t in range(gl.maximum(g - STAGES, 0), g):
-        mbarrier.wait(ready.index(t % STAGES), (t // STAGES) & 1)
-
-
-@gluon.jit
-def _query_descs(loads, b, h, bh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, FULL: gl.constexpr):
-    """TMA descriptors of query head h of batch b (bh = b·H + h): its Q and dO rows in BLOCK_M-row tiles, its LSE and
-    delta rows; rows past the queries' end (N, or n_q where FULL) read as 0."""
-    (Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_lse, stride_delta, H, N,
-     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty,
-     WORK, WORK_START, n_kblocks, mask, group, n_q) = loads
-    n_rows = _query_count(N, n_q, FULL)
-    qd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], q_smem.dtype)
-    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    q_desc = head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, n_rows, BLOCK_M, HEAD_DIM, qd_layout)
-    do_desc = head_rows(DO, b, h, stride_dob, stride_doh, stride_don, n_rows, BLOCK_M, HEAD_DIM, qd_layout)
-    lse_desc = tma.make_tensor_descriptor(LSE + bh.to(gl.int64) * stride_lse, shape=[n_rows], strides=[1],
-                                          block_shape=[BLOCK_M], layout=row_layout)
-    delta_desc = tma.make_tensor_descriptor(DELTA + bh.to(gl.int64) * stride_delta, shape=[n_rows], strides=[1],
-                                            block_shape=[BLOCK_M], layout=row_layout)
-    return q_desc, do_desc, lse_desc, delta_desc
-
-
-@gluon.jit
-def _stream_query_tiles(descs, q_smem, do_smem, lse_smem, delta_smem, ready, empty, g, num_tiles, start_n,
+def _stream_query_tiles(descs, q_smem, do_smem, lse_smem, delta_smem, ready, empty, g, num_tiles, start_n, b, h, bh,
                         STAGES: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Query tiles 0 ... num_tiles − 1 from start_n (Q, dO, LSE, delta through `descs`) into ring positions g ...,
-    each once both consumers have released what its buffer held (position − STAGES)."""
+    """Query tiles 0 ... num_tiles − 1 from start_n of query head h of batch b (bh = b·H + h, its LSE and delta row)
+    into ring positions g ..., each once both consumers have released what its buffer held (position − STAGES)."""
     q_desc, do_desc, lse_desc, delta_desc = descs
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
+    TILE_BOX: gl.constexpr = [1, 1, BLOCK_M, HEAD_DIM]
+    ROW_BOX: gl.constexpr = [1, BLOCK_M]
     tile_bytes: gl.constexpr = 2 * BLOCK_M * HEAD_DIM * q_smem.dtype.primitive_bitwidth // 8 + 2 * BLOCK_M * 4
     for t in range(num_tiles):
         gt = g + t
@@ -709,10 +682,10 @@ def _stream_query_tiles(descs, q_smem, do_smem, lse_smem, delta_smem, ready, emp
         mbarrier.wait(empty.index(stage), ((gt // STAGES) & 1) ^ 1)
         bar = ready.index(stage)
         mbarrier.expect(bar, tile_bytes)
-        tma_load(q_desc, [row, 0], bar, q_smem.index(stage))
-        tma_load(do_desc, [row, 0], bar, do_smem.index(stage))
-        tma_load(lse_desc, [row], bar, lse_smem.index(stage))
-        tma_load(delta_desc, [row], bar, delta_smem.index(stage))
+        load_rows(q_desc, [b, h, row, 0], bar, q_smem.index(stage), TILE_BOX)
+        load_rows(do_desc, [b, h, row, 0], bar, do_smem.index(stage), TILE_BOX)
+        load_rows(lse_desc, [bh, row], bar, lse_smem.index(stage), ROW_BOX)
+        load_rows(delta_desc, [bh, row], bar, delta_smem.index(stage), ROW_BOX)
 
 
 @gluon.jit
@@ -722,52 +695,49 @@ def _dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGE
     """The producer warp, over this program's items: the item's K and V rows into buffer i % KV_BUFS once their last
     users released it (kv_free), then query tile t (Q, dO, LSE, delta) into ring buffer t % STAGES as soon as both
     consumers have released what it held (tile t − STAGES); rows past N read as 0. With GQA, K and V of the item's
-    K/V head h, then the query tiles of each query head h·group + qh of its group in turn. The per-head descriptors
-    are rewritten in place once every copy through them has landed (between items, and between query heads).
-    FULL: every item streams all query tiles from query 0."""
+    K/V head h, then the query tiles of each query head h·group + qh of its group in turn. Its descriptors span
+    every head (common.all_heads, all_rows), made once: an item names its heads only in the copies' coordinates, so
+    nothing waits between items but for free buffers. FULL: every item streams all query tiles from query 0."""
     (Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_lse, stride_delta, H, N,
+     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_lse, stride_delta, B, H, N,
      k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty,
      WORK, WORK_START, n_kblocks, mask, group, n_q) = loads
     first, count = program_items(WORK_START, PERSISTENT)
     dtype: gl.constexpr = q_smem.dtype
     KV_BUFS: gl.constexpr = k_smem.shape[0] // CONSUMERS  # 2, or 1 at head_dim 128
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], dtype)
+    KV_BOX: gl.constexpr = [1, 1, TILE, HEAD_DIM]
     kv_bytes: gl.constexpr = 2 * TILE * HEAD_DIM * dtype.primitive_bitwidth // 8
     heads = _item_heads(H, group, GQA)
+    n_rows = _query_count(N, n_q, FULL)
+    k_desc = all_heads(K, B, heads, N, stride_kb, stride_kh, stride_kn, TILE, HEAD_DIM)
+    v_desc = all_heads(V, B, heads, N, stride_vb, stride_vh, stride_vn, TILE, HEAD_DIM)
+    descs = (all_heads(Q, B, H, n_rows, stride_qb, stride_qh, stride_qn, BLOCK_M, HEAD_DIM),
+             all_heads(DO, B, H, n_rows, stride_dob, stride_doh, stride_don, BLOCK_M, HEAD_DIM),
+             all_rows(LSE, B * H, n_rows, stride_lse, BLOCK_M),
+             all_rows(DELTA, B * H, n_rows, stride_delta, BLOCK_M))
     g = 0
     for i in range(count):
         bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M, heads, mask, WINDOWED, DOCS, n_q,
                                             FULL)
         q0 = _query_origin(start_n, FULL)
-        b = (bh // heads).to(gl.int64)
-        h = (bh % heads).to(gl.int64)
-        if i > 0:  # every copy through the descriptors below has landed: the last K/V and the tiles in the ring
-            for c in gl.static_range(CONSUMERS):
-                mbarrier.wait(kv_ready.index(((i - 1) % KV_BUFS) * CONSUMERS + c), ((i - 1) // KV_BUFS) & 1)
-            _landed(ready, g, STAGES)
-        k_desc = head_rows(K, b, h, stride_kb, stride_kh, stride_kn, N, TILE, HEAD_DIM, kv_layout)
-        v_desc = head_rows(V, b, h, stride_vb, stride_vh, stride_vn, N, TILE, HEAD_DIM, kv_layout)
-        if not GQA:
-            descs = _query_descs(loads, b, h, bh, HEAD_DIM, BLOCK_M, FULL)
+        b = bh // heads
+        h = bh % heads
         buf = i % KV_BUFS
         mbarrier.wait(kv_free.index(buf), ((i // KV_BUFS) & 1) ^ 1)  # item i − KV_BUFS's users are done with it
         for c in gl.static_range(CONSUMERS):
             mbarrier.expect(kv_ready.index(buf * CONSUMERS + c), kv_bytes)
-            tma_load(k_desc, [start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
-                      k_smem.index(buf * CONSUMERS + c))
-            tma_load(v_desc, [start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
-                      v_smem.index(buf * CONSUMERS + c))
+            load_rows(k_desc, [b, h, start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
+                      k_smem.index(buf * CONSUMERS + c), KV_BOX)
+            load_rows(v_desc, [b, h, start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
+                      v_smem.index(buf * CONSUMERS + c), KV_BOX)
         if GQA:  # query head h·group + qh (its rows b·H + h·group + qh of LSE, delta), qh = 0 ... group − 1
             for qh in range(group):
-                _landed(ready, g, STAGES)  # the last query head's copies (the descriptors are rewritten)
-                descs = _query_descs(loads, b, h * group + qh, b * H + h * group + qh, HEAD_DIM, BLOCK_M, FULL)
-                _stream_query_tiles(descs, q_smem, do_smem, lse_smem, delta_smem, ready, empty, g, num_tiles, q0,
-                                    STAGES, BLOCK_M)
+                _stream_query_tiles(descs, q_smem, do_smem, lse_smem, delta_smem, ready, empty, g, num_tiles, q0, b,
+                                    h * group + qh, b * H + h * group + qh, STAGES, BLOCK_M)
                 g += num_tiles
         else:
-            _stream_query_tiles(descs, q_smem, do_smem, lse_smem, delta_smem, ready, empty, g, num_tiles, q0,
-                                STAGES, BLOCK_M)
+            _stream_query_tiles(descs, q_smem, do_smem, lse_smem, delta_smem, ready, empty, g, num_tiles, q0, b, h,
+                                bh, STAGES, BLOCK_M)
             g += num_tiles
 
 
@@ -776,7 +746,7 @@ def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
                               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
                               stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                              stride_lse, stride_delta, H, N, n_kblocks, acc_rows, acc_cols, acc_rows_b, acc_rows_h,
+                              stride_lse, stride_delta, B, H, N, n_kblocks, acc_rows, acc_cols, acc_rows_b, acc_rows_h,
                               acc_cols_h, qk_scale, sm_scale, group, DOC_ENDS, stride_ends, window, n_q,
                               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                               KV_BUFS: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -844,7 +814,7 @@ def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
               ds_ready, ds_free, DK, DV, H, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
               N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks, mask, group, n_q)
     loads = (Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-             stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_lse, stride_delta, H, N,
+             stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_lse, stride_delta, B, H, N,
              k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty,
              WORK, WORK_START, n_kblocks, mask, group, n_q)
     dqs = (k_smem, ds_smem, dq_smem, kv_ready, kv_free, ds_ready, ds_free, dq_desc, N, H, acc_rows_b, acc_rows_h,
@@ -1085,7 +1055,7 @@ def _launch_dkdvdq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, str
     n_kblocks = -(-N // (CONSUMERS.value * TILE.value))
     dkdvdq_kernel[(work_start.numel() - 1,)](
         q, k, v, do, lse, delta, dk, dv, dq_acc, work, work_start, *strides3(q), *strides3(k), *strides3(v),
-        *strides3(do), *strides3(dk), *strides3(dv), stride_lse, stride_delta, H, N, n_kblocks, *acc_shape,
+        *strides3(do), *strides3(dk), *strides3(dv), stride_lse, stride_delta, B, H, N, n_kblocks, *acc_shape,
         *acc_steps, qk_scale, sm_scale, H // k.shape[1], ends, ends.stride(0) if document_ids is not None else 0,
         window or 0, n_q, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
         KV_BUFS=2 if persistent and D == 64 else 1, PERSISTENT=persistent,

@@ -1,8 +1,10 @@
-"""What the Hopper (Gluon) kernels share: the TMA copy, the wgmma accumulator layout, one head's rows as a TMA
-descriptor, the register split between producer and consumer warps.
+"""What the Hopper (Gluon) kernels share: the TMA copy, the wgmma accumulator layout, TMA descriptors over every head,
+the register split between producer and consumer warps.
 
 One module so that forward.py and backward.py import each other's helpers from neither."""
 from __future__ import annotations
+
+import inspect
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -11,6 +13,8 @@ from triton.experimental.gluon.language.nvidia.hopper import tma
 # The TMA copy of a tile into shared memory: async_copy_global_to_shared in triton 3.6 (what the GPU machines run),
 # async_load in later releases, where the old name is kept only to raise.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# A shared-memory view's reshape takes the new layout in triton 3.6 and infers it in later releases.
+RESHAPE_TAKES_LAYOUT = gl.constexpr("layout" in inspect.signature(gl.shared_memory_descriptor.reshape).parameters)
 
 PRODUCER_REGS = 24  # registers per producer thread; the consumers take what is left (setmaxnreg)
 CONSUMER_REGS = {2: 232, 3: 160}  # per consumer thread: 2 warpgroups of 232 + the producer's, or 3 of 160
@@ -32,6 +36,42 @@ def head_rows(X, b, h, stride_b, stride_h, stride_n, N, ROWS: gl.constexpr, HEAD
     return tma.make_tensor_descriptor(X + b * stride_b + h * stride_h, shape=[N, HEAD_DIM], strides=[stride_n, 1],
                                       block_shape=[ROWS, HEAD_DIM], layout=layout)
 
+
+@gluon.constexpr_function
+def box_layout(box, dtype):
+    """The shared layout of a TMA box: the default swizzle for its last dimension (none for fp32 rows)."""
+    return gl.NVMMASharedLayout.get_default_for(list(box), dtype)
+
+
+@gluon.jit
+def all_heads(X, B, H, N, stride_b, stride_h, stride_n, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """X's (B, H, N, HEAD_DIM) rows as one TMA descriptor whose boxes are ROWS rows of one head, [1, 1, ROWS,
+    HEAD_DIM] at [b, h, row, 0]; each head's rows past N read as 0. A box names its head, so a program makes this
+    once and its items never rewrite it (one descriptor per head cost a producer over 1 µs each, and a wait for the
+    copies in flight through it: kernels/NOTES.md, session 15)."""
+    BOX: gl.constexpr = [1, 1, ROWS, HEAD_DIM]
+    return tma.make_tensor_descriptor(X, shape=[B, H, N, HEAD_DIM], strides=[stride_b, stride_h, stride_n, 1],
+                                      block_shape=BOX, layout=box_layout(BOX, X.dtype.element_ty))
+
+
+@gluon.jit
+def all_rows(X, n_rows, n, stride, BLOCK: gl.constexpr):
+    """n_rows fp32 rows of n values, `stride` apart (LSE, delta: one row per (batch, head)), as one TMA descriptor
+    of [1, BLOCK] boxes at [row, i]; values past n read as 0. stride·4 bytes must be a multiple of 16."""
+    BOX: gl.constexpr = [1, BLOCK]
+    return tma.make_tensor_descriptor(X, shape=[n_rows, n], strides=[stride, 1], block_shape=BOX,
+                                      layout=box_layout(BOX, gl.float32))
+
+
+@gluon.jit
+def load_rows(desc, coord, bar, smem, BOX: gl.constexpr):
+    """Copy desc's box at coord into smem, a buffer of the box's last dimensions (a [rows, D] tile or a [rows] row),
+    viewed as the box (its leading 1s added), completing on mbarrier bar."""
+    layout: gl.constexpr = box_layout(BOX, smem.dtype)
+    if RESHAPE_TAKES_LAYOUT:
+        tma_load(desc, coord, bar, smem.reshape(BOX, layout))
+    else:
+        tma_load(desc, coord, bar, smem.reshape(BOX))
 
 
 @gluon.jit

@@ -55,8 +55,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
-from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, head_rows, mma_layout, program_items,
-                                          tma_load)
+from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, all_heads, load_rows, mma_layout,
+                                          program_items)
 from minigpt_kernels.dispatch import fold_tiles
 from minigpt_kernels.gluon.schedule import (MASKED_PERSISTENT_WAVES, device_dealt, device_one_each, device_schedule,
                                             sm_count)
@@ -180,10 +180,8 @@ def _key_tiles(j0, j1, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tu
         key0 = (first_tile + j) * BLOCK_N
         if WINDOWED or DOCS:
             masked = _needs_mask(key0, full_lo, full_hi, BLOCK_N)
-        elif CAUSAL:
+        else:  # causal: past the tiles before the first row; else past the last whole tile of the N_K keys
             masked = j >= full_tiles
-        else:
-            masked = key0 + BLOCK_N > N_K
         acc, p16, m_i, l_i = _pingpong_step(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, kv + j,
                                             (turns + j) & 1, ME, NEXT, STAGES, no_scores, acc, p16, m_i, l_i, rows,
                                             cols, key0, masked, qk_scale, p_layout, row_o, PACK_P, row_mask, N_K,
@@ -359,19 +357,19 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
         turns = kv + i
         row0 = start_m + ME * ROWS_PER_CONSUMER
         rows = row0 + gl.arange(0, ROWS_PER_CONSUMER, layout=gl.SliceLayout(1, s_layout))
-        full_tiles = row0 // BLOCK_N  # without masks: key tiles wholly at or before the first row need none
+        if CAUSAL:  # without masks: key tiles wholly at or before the first row need none
+            full_tiles = row0 // BLOCK_N
+        else:  # every key visible (first_tile = 0): only a tile reaching past the last key needs the mask
+            full_tiles = N_K // BLOCK_N
         if WINDOWED or DOCS:  # the keys all of this consumer's rows see (rows past N: the last row's)
             row_mask = _row_bounds(_batch_bounds(mask, (bh // H).to(gl.int64), DOCS), rows, N, WINDOWED, DOCS)
             _lo, _hi, full_lo, full_hi = _key_span(gl.minimum(row0, N - 1),
                                                    gl.minimum(row0 + ROWS_PER_CONSUMER, N) - 1, row_mask, N,
                                                    WINDOWED, DOCS)
             masked0 = _needs_mask(first_tile * BLOCK_N, full_lo, full_hi, BLOCK_N)
-        elif CAUSAL:
+        else:
             row_mask = mask
             masked0 = 0 >= full_tiles
-        else:  # every key visible: only a key tile reaching past the last key needs the mask
-            row_mask = mask
-            masked0 = BLOCK_N > N_K
         if SKIP:  # this consumer's own key tiles: up to its last row
             my_tiles = gl.cdiv(gl.minimum(row0 + ROWS_PER_CONSUMER, N), BLOCK_N)
         else:
@@ -442,52 +440,42 @@ def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_
               DOCS: gl.constexpr, CAUSAL: gl.constexpr):
     """The producer warp, over this program's items: each consumer's Q rows, then K_j, V_j into buffer j % STAGES as
     soon as every consumer has released what the buffer held (tile j − STAGES); rows past the end read as 0 (TMA). It
-    makes each item's descriptors (another head's rows) once the copies through the previous ones have landed, and
     loads each consumer's Q once that consumer's last S of the previous item has retired (q_empty), so the next
-    item's loads run while the consumers finish the last. GQA: query head h reads K/V head h // group."""
-    (Q, K, V, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, H, N, N_K, WORK, WORK_START,
-     n_qtiles, mask, group) = loads
+    item's loads run while the consumers finish the last. The descriptors span every head (common.all_heads), so
+    an item only names its (batch, head) in the copies' coordinates. GQA: query head h reads K/V head h // group."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, H, N, N_K,
+     WORK, WORK_START, n_qtiles, mask, group) = loads
     first, count = program_items(WORK_START, PERSISTENT)
     dtype: gl.constexpr = q_smem.dtype
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * ROWS_PER_CONSUMER
     q_bytes: gl.constexpr = ROWS_PER_CONSUMER * HEAD_DIM * dtype.primitive_bitwidth // 8
     kv_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS_PER_CONSUMER, HEAD_DIM], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    Q_BOX: gl.constexpr = [1, 1, ROWS_PER_CONSUMER, HEAD_DIM]
+    KV_BOX: gl.constexpr = [1, 1, BLOCK_N, HEAD_DIM]
     kv = 0
     for i in range(count):
         bh, start_m, first_tile, num_tiles = _work_item(WORK, first + i, n_qtiles, BLOCK_M, N, N_K, BLOCK_N, mask, H,
                                                         CAUSAL, WINDOWED, DOCS)
-        b = (bh // H).to(gl.int64)
-        h = (bh % H).to(gl.int64)
+        b = bh // H
+        h = bh % H
         if GQA:
             h_kv = h // group
         else:
             h_kv = h
-        if i > 0:  # the descriptors are rewritten in place: every copy through them must have landed, i.e. the
-            # previous item's Q tiles and the K/V tiles still in the ring (older ones were consumed before reuse)
-            for c in gl.static_range(NUM_CONSUMERS):
-                mbarrier.wait(q_ready.index(c), (i - 1) & 1)
-            for t in range(gl.maximum(kv - STAGES, 0), kv):
-                mbarrier.wait(k_ready.index(t % STAGES), (t // STAGES) & 1)
-                mbarrier.wait(v_ready.index(t % STAGES), (t // STAGES) & 1)
-        q_desc = head_rows(Q, b, h, stride_qb, stride_qh, stride_qn, N, ROWS_PER_CONSUMER, HEAD_DIM, q_layout)
-        k_desc = head_rows(K, b, h_kv, stride_kb, stride_kh, stride_kn, N_K, BLOCK_N, HEAD_DIM, kv_layout)
-        v_desc = head_rows(V, b, h_kv, stride_vb, stride_vh, stride_vn, N_K, BLOCK_N, HEAD_DIM, kv_layout)
         for c in gl.static_range(NUM_CONSUMERS):
             mbarrier.wait(q_empty.index(c), (i & 1) ^ 1)  # a fresh barrier passes parity 1
             mbarrier.expect(q_ready.index(c), q_bytes)
-            tma_load(q_desc, [start_m + c * ROWS_PER_CONSUMER, 0], q_ready.index(c), q_smem.index(c))
+            load_rows(q_desc, [b, h, start_m + c * ROWS_PER_CONSUMER, 0], q_ready.index(c), q_smem.index(c), Q_BOX)
         for j in range(num_tiles):
             t = kv + j
             stage = t % STAGES
+            row = (first_tile + j) * BLOCK_N
             mbarrier.wait(k_empty.index(stage), ((t // STAGES) & 1) ^ 1)
             mbarrier.expect(k_ready.index(stage), kv_bytes)
-            tma_load(k_desc, [(first_tile + j) * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+            load_rows(k_desc, [b, h_kv, row, 0], k_ready.index(stage), k_smem.index(stage), KV_BOX)
             mbarrier.wait(v_empty.index(stage), ((t // STAGES) & 1) ^ 1)
             mbarrier.expect(v_ready.index(stage), kv_bytes)
-            tma_load(v_desc, [(first_tile + j) * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+            load_rows(v_desc, [b, h_kv, row, 0], v_ready.index(stage), v_smem.index(stage), KV_BOX)
         kv += num_tiles
 
 
@@ -495,14 +483,14 @@ def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_
 def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
                         stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                         stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-                        H, N, n_qtiles, qk_scale, group, window, DOC_STARTS, DOC_ENDS, stride_lse,
+                        B, H, N, n_qtiles, qk_scale, group, window, DOC_STARTS, DOC_ENDS, stride_lse,
                         N_K, HEAD_DIM: gl.constexpr, NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                         SKIP: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr, WINDOWED: gl.constexpr,
                         DOCS: gl.constexpr, CAUSAL: gl.constexpr, CONTINUE: gl.constexpr, FOLD: gl.constexpr = 0):
     """Program p computes items WORK[WORK_START[p] : WORK_START[p+1]] (item = bh · n_qtiles + query tile): attention
     of one tile of 64·NUM_CONSUMERS of the N query rows of one (batch, head) each over the N_K keys, causal (N_K = N)
-    or, without CAUSAL, every key. H: query heads; GQA: K/V head h // group. LSE rows lie stride_lse apart.
+    or, without CAUSAL, every key. B: batches; H: query heads; GQA: K/V head h // group. LSE rows lie stride_lse apart.
     WINDOWED: keys i − window < j; DOCS: keys of the row's document, given by DOC_STARTS and DOC_ENDS ((B, N)
     contiguous int32: where each token's document starts and ends, exclusive), found from the ids before the launch
     (both causal only). Without them the last four are unused. CONTINUE: O (fp32) and LSE hold the rows' attention
@@ -548,9 +536,13 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
         fold_smem = q_smem  # unused
     shared = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, O, LSE, H, stride_ob,
               stride_oh, stride_on, stride_lse, N, N_K, qk_scale, WORK, WORK_START, n_qtiles, mask, fold_smem)
-    loads = (Q, K, V, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-             q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, H, N, N_K, WORK,
-             WORK_START, n_qtiles, mask, group)
+    # TMA descriptors over every head, made once here, before the warps split (in the producer they cost the ring's
+    # continued D128 forward a spill in its key-tile loops: kernels/NOTES.md, session 15)
+    q_desc = all_heads(Q, B, H, N, stride_qb, stride_qh, stride_qn, ROWS_PER_CONSUMER, HEAD_DIM)
+    k_desc = all_heads(K, B, H // group, N_K, stride_kb, stride_kh, stride_kn, BLOCK_N, HEAD_DIM)
+    v_desc = all_heads(V, B, H // group, N_K, stride_vb, stride_vh, stride_vn, BLOCK_N, HEAD_DIM)
+    loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, H,
+             N, N_K, WORK, WORK_START, n_qtiles, mask, group)
     if NUM_CONSUMERS == 2:
         gl.warp_specialize(
             [(_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
@@ -606,7 +598,7 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: f
         ends = torch.searchsorted(document_ids, document_ids, right=True, out_int32=True)
     pingpong_fwd_kernel[(work_start.numel() - 1,)](
         q, k, v, o, lse, work, work_start, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-        k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), H, N,
+        k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), B, H, N,
         -(-N // (consumers * ROWS_PER_CONSUMER.value)), qk_scale, H // k.shape[1], window or 0, starts, ends,
         N if stride_lse is None else stride_lse, k.shape[2],
         HEAD_DIM=D, NUM_CONSUMERS=consumers, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
