@@ -83,4 +83,4 @@ def test_the_block_backward_spills_no_more_than_the_causal_kernel(reports, name)
     forms with `python -m minigpt_kernels.sm90_build --only block` before measuring on a GPU."""
     ring, plain, causal = (reports[f"{name} | {form}"] for form in FORMS)
     assert ring["STL"] <= causal["STL"], (ring, causal)
-    assert ring["STL"] == plain["STL"], (ring, plain)
+    assert ring["STL"] <= plain["STL"], (ring, plain)  # with GQA ptxas spills a few fewer with it (since 21d0829)
