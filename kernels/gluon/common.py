@@ -1,5 +1,6 @@
-"""What the Hopper (Gluon) kernels share: the TMA copy, the wgmma accumulator layout, TMA descriptors over every head,
-the register split between producer and consumer warps.
+"""What the Hopper (Gluon) kernels share: the TMA copy, the wgmma accumulator layout, TMA descriptors over one head's
+rows (the dQ kernel's) or every head's (the work-list kernels'), the register split between producer and consumer
+warps.
 
 One module so that forward.py and backward.py import each other's helpers from neither."""
 from __future__ import annotations
