@@ -108,12 +108,12 @@ def table_variants() -> list[Variant]:
                      CONSUMER_REGS=bwd.SPLIT_CONSUMER_REGS if d > 64 else bwd.FUSED_CONSUMER_REGS,
                      KV_BUFS=2 if cfg.persistent and d == 64 else 1, PERSISTENT=cfg.persistent,
                      GQA=False, WINDOWED=False, DOCS=False, FULL=False,
-                     ACCUMULATE_DKDV=bwd.DKDV_WRITE.value)  # as the launchers
+                     ACCUMULATE_DKDV=bwd.DKDV_WRITE.value, DKDV_TMA=d == 64)  # as the launchers (2-byte dK, dV)
             if masks:  # the masked launch (launch_dkdv_dq_masked): plain (GQA too) or persistent, windows, documents
                 out.append(Variant(f"dkdvdq masked D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel,
                                    dict(c, GQA=True, WINDOWED=True, DOCS=True)))
                 out.append(Variant(f"dkdvdq masked MQA split D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel,
-                                   dict(c, GQA=True, WINDOWED=True, DOCS=True,
+                                   dict(c, GQA=True, WINDOWED=True, DOCS=True, DKDV_TMA=False,
                                         ACCUMULATE_DKDV=bwd.DKDV_ATOMIC_ADD.value), fp32=("DK", "DV")))  # mqa_splits
                 out.append(Variant(f"dkdvdq masked persistent D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel,
                                    dict(c, PERSISTENT=True, KV_BUFS=2 if d == 64 else 1, WINDOWED=True)))  # MHA window
@@ -137,7 +137,7 @@ def block_variants() -> list[Variant]:
                  REDUCER_REGS=bwd.REDUCER_REGS,
                  CONSUMER_REGS=bwd.SPLIT_CONSUMER_REGS if d > 64 else bwd.FUSED_CONSUMER_REGS, KV_BUFS=1,
                  PERSISTENT=False, GQA=False, WINDOWED=False, DOCS=False, FULL=True,
-                 ACCUMULATE_DKDV=bwd.DKDV_ADD.value)
+                 ACCUMULATE_DKDV=bwd.DKDV_ADD.value, DKDV_TMA=False)
         for gqa in (False, True):
             out.append(Variant(f"dkdvdq block{' GQA' if gqa else ''} D{d} s{stages}", bwd.dkdvdq_kernel,
                                dict(c, GQA=gqa), fp32=("DK", "DV")))

@@ -80,9 +80,9 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from minigpt_kernels.device import strides3
+from minigpt_kernels.device import strides3, tma_ready
 from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, all_heads, all_rows, head_rows,
-                                          load_rows, mma_layout, program_items, tma_load)
+                                          load_rows, mma_layout, program_items, store_rows, tma_load)
 from minigpt_kernels.gluon.schedule import (MASKED_PERSISTENT_WAVES, device_one_each, device_plain_order,
                                              device_schedule, sm_count)
 
@@ -231,6 +231,21 @@ def _write_dkdv(dk, dv, DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride
         if ACCUMULATE == DKDV_ADD:  # dV_j += this block's dV_j
             dv = dv + gl.load(dv_ptrs, mask=mask, other=0.0)
         gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _write_dkdv_tma(dk, dv, out, b, h, key0, sm_scale, ME: gl.constexpr):
+    """_write_dkdv's DKDV_WRITE by TMA (DKDV_TMA: 2-byte, TMA-aligned dK, dV at head_dim 64): dK (scaled) and dV of
+    this consumer's 64 keys into its two shared staging buffers, then copied out while the consumer goes on; keys
+    past N are not written (the descriptors end at N). out = (dK's descriptor, dV's, the staging buffers)."""
+    dk_desc, dv_desc, staging = out
+    BOX: gl.constexpr = [1, 1, TILE, dk.shape[1]]
+    tma.store_wait(0)  # the last item's copies have read the staging buffers
+    staging.index(2 * ME).store((dk * sm_scale).to(staging.dtype))  # dS was taken w.r.t. the scaled scores
+    staging.index(2 * ME + 1).store(dv.to(staging.dtype))
+    fence_async_shared()
+    store_rows(dk_desc, [b, h, key0, 0], staging.index(2 * ME), BOX)
+    store_rows(dv_desc, [b, h, key0, 0], staging.index(2 * ME + 1), BOX)
 
 
 @gluon.jit
@@ -505,14 +520,14 @@ def _dkdv_query_head(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, 
 
 
 @gluon.jit
-def _dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                              STAGES: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr,
-                              WINDOWED: gl.constexpr, DOCS: gl.constexpr, FULL: gl.constexpr,
-                              ACCUMULATE_DKDV: gl.constexpr):
+def _dkdv_consumer(shared, dkdv_out, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                   STAGES: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr, WINDOWED: gl.constexpr,
+                   DOCS: gl.constexpr, FULL: gl.constexpr, ACCUMULATE_DKDV: gl.constexpr, DKDV_TMA: gl.constexpr):
     """Consumer warpgroup ME (head_dim 64): for each of this program's items, dK, dV of keys start_n + 64·ME ... + 63
     over the query tiles from the block's first key on (tile t holds queries start_n + t·BLOCK_M ...; FULL: every
     query tile from query 0), handing each tile's dSᵀ to the dQ warpgroup; with GQA over each query head of the K/V
-    head's group in turn, into the same dK, dV, written (or with ACCUMULATE_DKDV added) at the item's end. The ring
+    head's group in turn, into the same dK, dV, written (or with ACCUMULATE_DKDV added) at the item's end; with
+    DKDV_TMA through shared memory by TMA (dkdv_out), copied out while the next item starts. The ring
     and hand-over counters run on across items and query heads (g: the query tiles streamed before); K and V take
     turns in KV_BUFS buffers (2 where a program has many items), each released to the producer (kv_free) after the
     item's last matmul that reads it."""
@@ -552,8 +567,14 @@ def _dkdv_consumer(shared, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl
                                       ds_free, kv_free, buf, True, g, num_tiles, ME, STAGES, zero_s, dk, dv, keys,
                                       cols, qk_scale, a_layout, BLOCK_M, tmask, WINDOWED, DOCS, FULL)
             g += num_tiles
-        _write_dkdv(dk, dv, DK, DV, (bh // heads).to(gl.int64), (bh % heads).to(gl.int64), stride_dkb, stride_dkh,
-                    stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM, ACCUMULATE_DKDV)
+        if DKDV_TMA:
+            _write_dkdv_tma(dk, dv, dkdv_out, bh // heads, bh % heads, key0, sm_scale, ME)
+        else:
+            _write_dkdv(dk, dv, DK, DV, (bh // heads).to(gl.int64), (bh % heads).to(gl.int64), stride_dkb,
+                        stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM,
+                        ACCUMULATE_DKDV)
+    if DKDV_TMA:
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -752,7 +773,7 @@ def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
                               KV_BUFS: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                               PRODUCER_REGS: gl.constexpr, REDUCER_REGS: gl.constexpr, GQA: gl.constexpr,
                               WINDOWED: gl.constexpr, DOCS: gl.constexpr, FULL: gl.constexpr,
-                              ACCUMULATE_DKDV: gl.constexpr):
+                              ACCUMULATE_DKDV: gl.constexpr, DKDV_TMA: gl.constexpr):
     """dK, dV of blocks of 128 keys of one (batch, head), causal, over the queries from the block's first key on, and
     each block's share of dQ for those queries, added into DQ_ACC; program p takes items WORK[WORK_START[p] :
     WORK_START[p+1]] (item = bh · n_kblocks + key block). DQ_ACC: fp32, one 2-D (acc_rows, acc_cols) array in which
@@ -770,7 +791,9 @@ def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
     LSE, DELTA, DQ_ACC) against N keys (K, V, DK, DV), every key block over every query tile from query 0; not with
     WINDOWED or DOCS. Else n_q is unused (one length N). ACCUMULATE_DKDV (_write_dkdv): DKDV_WRITE writes dK, dV
     (any float dtype); DKDV_ADD adds them to what DK, DV (fp32) hold; DKDV_ATOMIC_ADD adds them atomically (fp32:
-    the MQA split's programs share rows). Neither flag changes the code compiled without it."""
+    the MQA split's programs share rows). Neither flag changes the code compiled without it. DKDV_TMA (head_dim 64,
+    DKDV_WRITE, DK and DV 2-byte and TMA-aligned): dK, dV leave through shared memory by TMA, not by stores from
+    registers."""
     gl.static_assert(not (FULL and (WINDOWED or DOCS)), "FULL (no causal mask) takes no window or documents")
     dtype: gl.constexpr = Q.dtype.element_ty
     SPLIT_DQ: gl.constexpr = HEAD_DIM > 64
@@ -790,6 +813,15 @@ def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, TILE, BLOCK_M], ds_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_COLS], acc_layout)
+    if DKDV_TMA:  # each consumer's dK, dV staged for their TMA copies out
+        gl.static_assert(not SPLIT_DQ and ACCUMULATE_DKDV == DKDV_WRITE, "DKDV_TMA: head_dim 64, dK and dV written")
+        out_dtype: gl.constexpr = DK.dtype.element_ty
+        dkdv_out = (all_heads(DK, B, H // group, N, stride_dkb, stride_dkh, stride_dkn, TILE, HEAD_DIM),
+                    all_heads(DV, B, H // group, N, stride_dvb, stride_dvh, stride_dvn, TILE, HEAD_DIM),
+                    gl.allocate_shared_memory(out_dtype, [2 * CONSUMERS, TILE, HEAD_DIM],
+                                              gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], out_dtype)))
+    else:
+        dkdv_out = (0, 0, 0)  # unused
     kv_ready = gl.allocate_shared_memory(gl.int64, [KV_BUFS * CONSUMERS, 1], mbarrier.MBarrierLayout())
     kv_free = gl.allocate_shared_memory(gl.int64, [KV_BUFS, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -828,10 +860,10 @@ def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
                                                 FULL))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([(_dkdv_consumer, (shared, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES, PERSISTENT, GQA,
-                                              WINDOWED, DOCS, FULL, ACCUMULATE_DKDV)),
-                            (_dkdv_consumer, (shared, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES, PERSISTENT, GQA,
-                                              WINDOWED, DOCS, FULL, ACCUMULATE_DKDV)),
+        gl.warp_specialize([(_dkdv_consumer, (shared, dkdv_out, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES,
+                                              PERSISTENT, GQA, WINDOWED, DOCS, FULL, ACCUMULATE_DKDV, DKDV_TMA)),
+                            (_dkdv_consumer, (shared, dkdv_out, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES,
+                                              PERSISTENT, GQA, WINDOWED, DOCS, FULL, ACCUMULATE_DKDV, DKDV_TMA)),
                             (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES, PERSISTENT, GQA, WINDOWED, DOCS,
                                                 FULL)),
                             (_dq_reducer, (dqs, HEAD_DIM, BLOCK_M, PERSISTENT, GQA, WINDOWED, DOCS, FULL))],
@@ -1063,6 +1095,8 @@ def _launch_dkdvdq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, str
         PRODUCER_REGS=PRODUCER_REGS, REDUCER_REGS=REDUCER_REGS, GQA=k.shape[1] != H, WINDOWED=window is not None,
         DOCS=document_ids is not None, FULL=full,
         ACCUMULATE_DKDV=(DKDV_ATOMIC_ADD if atomic_dkdv else DKDV_ADD if accumulate_dkdv else DKDV_WRITE).value,
+        DKDV_TMA=(D == 64 and not (accumulate_dkdv or atomic_dkdv) and dk.element_size() == dv.element_size() == 2
+                  and tma_ready(dk, dv)),
         num_warps=4)
 
 

@@ -14,6 +14,8 @@ from triton.experimental.gluon.language.nvidia.hopper import tma
 # The TMA copy of a tile into shared memory: async_copy_global_to_shared in triton 3.6 (what the GPU machines run),
 # async_load in later releases, where the old name is kept only to raise.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# ... and its way back, async_copy_shared_to_global in 3.6, async_store later
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 # A shared-memory view's reshape takes the new layout in triton 3.6 and infers it in later releases.
 RESHAPE_TAKES_LAYOUT = gl.constexpr("layout" in inspect.signature(gl.shared_memory_descriptor.reshape).parameters)
 
@@ -73,6 +75,18 @@ def load_rows(desc, coord, bar, smem, BOX: gl.constexpr):
         tma_load(desc, coord, bar, smem.reshape(BOX, layout))
     else:
         tma_load(desc, coord, bar, smem.reshape(BOX))
+
+
+@gluon.jit
+def store_rows(desc, coord, smem, BOX: gl.constexpr):
+    """Copy smem, a buffer of the box's last dimensions, into desc's box at coord (load_rows' way back); rows past
+    the descriptor's extent are not written. The caller fences smem's stores first and waits (tma.store_wait)
+    before it writes smem again."""
+    layout: gl.constexpr = box_layout(BOX, smem.dtype)
+    if RESHAPE_TAKES_LAYOUT:
+        tma_store(desc, coord, smem.reshape(BOX, layout))
+    else:
+        tma_store(desc, coord, smem.reshape(BOX))
 
 
 @gluon.jit
