@@ -92,3 +92,26 @@ def test_backward_launchers_bind_to_their_kernels(kernels):
     assert split["K"].shape[1] == 2 and split["K"].stride(1) == 0 and split["group"] == H // 2
     assert split["ACCUMULATE_DKDV"] == bwd.DKDV_ATOMIC_ADD.value and split["DK"].dtype == torch.float32
     assert kernels["dq"].calls[0]["N"] == N and kernels["dq"].calls[0]["H"] == H
+
+
+def test_dk_dv_leave_by_tma_only_where_the_kernel_can_stage_them(kernels):
+    """DKDV_TMA (dK, dV staged in shared memory and copied out by TMA) at head_dim 64 for fresh 2-byte, TMA-aligned
+    outputs; stores from registers for the MQA split's fp32 sums, fp32 or misaligned outputs, and head_dim 128."""
+    q, k, v = (t.to(torch.bfloat16) for t in _qkv(D=64))
+    B, H, N, D = q.shape
+    do = torch.randn_like(q)
+    lse, delta = torch.zeros(B, H, 304), torch.zeros(B, H, 304)
+    acc = torch.zeros(B, H, N, D)
+
+    def launch(dk, dv, kv_heads=H):
+        bwd.launch_dkdv_dq_masked(do, q, k[:, :kv_heads], v[:, :kv_heads], lse, 304, delta, 304, dk, dv, acc, 0.1,
+                                  0.14, 64, 2, 128, None)
+        return kernels["dkdvdq"].calls[-1]["DKDV_TMA"]
+
+    assert launch(torch.empty_like(k), torch.empty_like(v))
+    assert not launch(torch.empty_like(k)[:, :1], torch.empty_like(v)[:, :1], kv_heads=1)  # MQA split: fp32 sums
+    assert not launch(torch.empty_like(k, dtype=torch.float32), torch.empty_like(v, dtype=torch.float32))
+    shifted = torch.empty(k.numel() + 1, dtype=k.dtype)[1:].view(k.shape)  # a base 2 bytes off 16-byte alignment
+    assert not launch(shifted, torch.empty_like(v))
+    assert bwd.dkdv_by_tma(64, k, v, accumulate=False) and not bwd.dkdv_by_tma(64, k, v, accumulate=True)
+    assert not bwd.dkdv_by_tma(128, k, v, accumulate=False)

@@ -18,7 +18,8 @@ Two kernels, each splitting its warps by role (`gl.warp_specialize`) like the pi
   at the price of an fp32 accumulator and a dQ whose summation order varies from run to run (not deterministic).
   Each program walks a list of key blocks: one per program as a plain grid (`launch_dkdv_dq`), or, persistent
   (`launch_dkdv_dq_persistent`, NOTES.md T; below 16K tokens), one program per SM over a host-made list (schedule.py),
-  with K and V double-buffered so that a block's loads overlap the last one's tail.
+  with K and V double-buffered so that a block's loads overlap the last one's tail. A block's dK, dV leave through
+  shared memory by TMA (dkdv_by_tma: fresh 2-byte outputs), copied out while the next block starts.
 - **dK/dV/dQ at head_dim 128** (NOTES.md V, W): there dK and dV take 128 registers per consumer, and a dQ warpgroup
   does not fit beside them. So, as in FlashAttention-3, each consumer computes half of dQ's columns itself from both
   consumers' dS (dS_t K[:, its half]) and reduce-adds them. It does so one tile behind: step t computes Sᵀ_t, dPᵀ_t,
@@ -1095,9 +1096,16 @@ def _launch_dkdvdq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, str
         PRODUCER_REGS=PRODUCER_REGS, REDUCER_REGS=REDUCER_REGS, GQA=k.shape[1] != H, WINDOWED=window is not None,
         DOCS=document_ids is not None, FULL=full,
         ACCUMULATE_DKDV=(DKDV_ATOMIC_ADD if atomic_dkdv else DKDV_ADD if accumulate_dkdv else DKDV_WRITE).value,
-        DKDV_TMA=(D == 64 and not (accumulate_dkdv or atomic_dkdv) and dk.element_size() == dv.element_size() == 2
-                  and tma_ready(dk, dv)),
-        num_warps=4)
+        DKDV_TMA=dkdv_by_tma(D, dk, dv, accumulate_dkdv or atomic_dkdv), num_warps=4)
+
+
+def dkdv_by_tma(head_dim: int, dk: Tensor, dv: Tensor, accumulate: bool) -> bool:
+    """Whether the dK/dV/dQ kernel writes dK, dV by TMA from shared memory (DKDV_TMA): at head_dim 64, where 32 KB
+    of staging fit beside the ring (at 128 they do not), for outputs written fresh (not added into), 2-byte and
+    TMA-aligned. From registers the stores held up each key block's end: by TMA 1K windows ran 5% faster fwd+bwd
+    (kernels/NOTES.md, session 17)."""
+    return (head_dim == 64 and not accumulate and dk.element_size() == dv.element_size() == 2
+            and tma_ready(dk, dv))
 
 
 def launch_dkdv_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
