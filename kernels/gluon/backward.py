@@ -209,44 +209,43 @@ def _dkdv_last(q_smem, do_smem, t, STAGES: gl.constexpr, dv, dk, pT16, dsT16):
 
 @gluon.jit
 def _write_dkdv(dk, dv, DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0,
-                sm_scale, HEAD_DIM: gl.constexpr, ACCUMULATE: gl.constexpr):
+                sm_scale, HEAD_DIM: gl.constexpr, ACCUMULATE: gl.constexpr, by_tma=(0, 0, 0), ME: gl.constexpr = 0,
+                DKDV_TMA: gl.constexpr = False):
     """dK (scaled: dS was taken w.r.t. the scaled scores) and dV of this consumer's 64 keys; keys past N not written.
     ACCUMULATE (DKDV_*): DKDV_WRITE stores them; DKDV_ADD adds them to what DK, DV (fp32) hold (ring attention's
     travelling accumulator), a load, an add and a store, since one program owns a key block's rows (with GQA its K/V
-    head's, the group summed); DKDV_ATOMIC_ADD adds them atomically (fp32; mqa_splits' virtual heads share rows)."""
+    head's, the group summed); DKDV_ATOMIC_ADD adds them atomically (fp32; mqa_splits' virtual heads share rows).
+    DKDV_TMA (DKDV_WRITE of 2-byte, TMA-aligned outputs at head_dim 64: dkdv_by_tma): into this consumer (ME)'s two
+    shared staging buffers instead, copied out by TMA while the consumer goes on (by_tma = (dK's descriptor, dV's,
+    the staging buffers); the descriptors end at N)."""
     d_layout: gl.constexpr = dk.type.layout
     dk = dk * sm_scale
-    out_keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, d_layout))
-    out_cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, d_layout)), 0)
-    rows64 = gl.expand_dims(out_keys.to(gl.int64), 1)
-    mask = gl.expand_dims(out_keys < N, 1)
-    dk_ptrs = DK + b * stride_dkb + h * stride_dkh + rows64 * stride_dkn + out_cols
-    dv_ptrs = DV + b * stride_dvb + h * stride_dvh + rows64 * stride_dvn + out_cols
-    if ACCUMULATE == DKDV_ATOMIC_ADD:  # the other splits of the group add into the same rows
-        gl.atomic_add(dk_ptrs, dk, mask=mask, sem="relaxed")
-        gl.atomic_add(dv_ptrs, dv, mask=mask, sem="relaxed")
-    else:
-        if ACCUMULATE == DKDV_ADD:  # dK_j += this block's dK_j (one at a time: old dK and dV are not live together)
-            dk = dk + gl.load(dk_ptrs, mask=mask, other=0.0)
-        gl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=mask)
-        if ACCUMULATE == DKDV_ADD:  # dV_j += this block's dV_j
-            dv = dv + gl.load(dv_ptrs, mask=mask, other=0.0)
-        gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=mask)
-
-
-@gluon.jit
-def _write_dkdv_tma(dk, dv, out, b, h, key0, sm_scale, ME: gl.constexpr):
-    """_write_dkdv's DKDV_WRITE by TMA (DKDV_TMA: 2-byte, TMA-aligned dK, dV at head_dim 64): dK (scaled) and dV of
-    this consumer's 64 keys into its two shared staging buffers, then copied out while the consumer goes on; keys
-    past N are not written (the descriptors end at N). out = (dK's descriptor, dV's, the staging buffers)."""
-    dk_desc, dv_desc, staging = out
-    BOX: gl.constexpr = [1, 1, TILE, dk.shape[1]]
-    tma.store_wait(0)  # the last item's copies have read the staging buffers
-    staging.index(2 * ME).store((dk * sm_scale).to(staging.dtype))  # dS was taken w.r.t. the scaled scores
-    staging.index(2 * ME + 1).store(dv.to(staging.dtype))
-    fence_async_shared()
-    store_rows(dk_desc, [b, h, key0, 0], staging.index(2 * ME), BOX)
-    store_rows(dv_desc, [b, h, key0, 0], staging.index(2 * ME + 1), BOX)
+    if DKDV_TMA:
+        BOX: gl.constexpr = [1, 1, TILE, HEAD_DIM]
+        dk_desc, dv_desc, staging = by_tma
+        tma.store_wait(0)  # the last item's copies have read the staging buffers
+        staging.index(2 * ME).store(dk.to(staging.dtype))
+        staging.index(2 * ME + 1).store(dv.to(staging.dtype))
+        fence_async_shared()
+        store_rows(dk_desc, [b.to(gl.int32), h.to(gl.int32), key0, 0], staging.index(2 * ME), BOX)
+        store_rows(dv_desc, [b.to(gl.int32), h.to(gl.int32), key0, 0], staging.index(2 * ME + 1), BOX)
+    else:  # from registers
+        out_keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, d_layout))
+        out_cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, d_layout)), 0)
+        rows64 = gl.expand_dims(out_keys.to(gl.int64), 1)
+        mask = gl.expand_dims(out_keys < N, 1)
+        dk_ptrs = DK + b * stride_dkb + h * stride_dkh + rows64 * stride_dkn + out_cols
+        dv_ptrs = DV + b * stride_dvb + h * stride_dvh + rows64 * stride_dvn + out_cols
+        if ACCUMULATE == DKDV_ATOMIC_ADD:  # the other splits of the group add into the same rows
+            gl.atomic_add(dk_ptrs, dk, mask=mask, sem="relaxed")
+            gl.atomic_add(dv_ptrs, dv, mask=mask, sem="relaxed")
+        else:
+            if ACCUMULATE == DKDV_ADD:  # dK_j += this block's dK_j (old dK and dV are not live together)
+                dk = dk + gl.load(dk_ptrs, mask=mask, other=0.0)
+            gl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=mask)
+            if ACCUMULATE == DKDV_ADD:  # dV_j += this block's dV_j
+                dv = dv + gl.load(dv_ptrs, mask=mask, other=0.0)
+            gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
@@ -568,12 +567,9 @@ def _dkdv_consumer(shared, dkdv_out, ME: gl.constexpr, HEAD_DIM: gl.constexpr, B
                                       ds_free, kv_free, buf, True, g, num_tiles, ME, STAGES, zero_s, dk, dv, keys,
                                       cols, qk_scale, a_layout, BLOCK_M, tmask, WINDOWED, DOCS, FULL)
             g += num_tiles
-        if DKDV_TMA:
-            _write_dkdv_tma(dk, dv, dkdv_out, bh // heads, bh % heads, key0, sm_scale, ME)
-        else:
-            _write_dkdv(dk, dv, DK, DV, (bh // heads).to(gl.int64), (bh % heads).to(gl.int64), stride_dkb,
-                        stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM,
-                        ACCUMULATE_DKDV)
+        _write_dkdv(dk, dv, DK, DV, (bh // heads).to(gl.int64), (bh % heads).to(gl.int64), stride_dkb, stride_dkh,
+                    stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM, ACCUMULATE_DKDV,
+                    dkdv_out, ME, DKDV_TMA)
     if DKDV_TMA:
         tma.store_wait(0)
 
