@@ -209,7 +209,7 @@ def _dkdv_last(q_smem, do_smem, t, STAGES: gl.constexpr, dv, dk, pT16, dsT16):
 
 @gluon.jit
 def _write_dkdv(dk, dv, DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0,
-                sm_scale, HEAD_DIM: gl.constexpr, ACCUMULATE: gl.constexpr, by_tma=(0, 0, 0), ME: gl.constexpr = 0,
+                sm_scale, HEAD_DIM: gl.constexpr, ACCUMULATE: gl.constexpr, by_tma=None, ME: gl.constexpr = 0,
                 DKDV_TMA: gl.constexpr = False):
     """dK (scaled: dS was taken w.r.t. the scaled scores) and dV of this consumer's 64 keys; keys past N not written.
     ACCUMULATE (DKDV_*): DKDV_WRITE stores them; DKDV_ADD adds them to what DK, DV (fp32) hold (ring attention's
