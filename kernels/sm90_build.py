@@ -69,7 +69,7 @@ def table_variants() -> list[Variant]:
                      CONSUMER_REGS=common.CONSUMER_REGS[consumers], PRODUCER_REGS=common.PRODUCER_REGS,
                      SKIP=causal and cfg.persistent and fwd.consumers_can_stop_early(consumers, cfg.block_n),
                      PERSISTENT=cfg.persistent, GQA=False, WINDOWED=False, DOCS=False, CAUSAL=causal,
-                     CONTINUE=False, FOLD=0)
+                     CONTINUE=False, FOLD=0, O_TMA=d == 64)  # 2-byte o: launch's o_by_tma
             # long rows fold their accumulator (dispatch.fold_tiles), with two stages at head_dim 128
             folded = dict(c, FOLD=fold_tiles(FOLD_FROM_KEYS, cfg.block_n),
                           STAGES=min(cfg.num_stages, 2) if d == 128 else cfg.num_stages)
@@ -77,7 +77,7 @@ def table_variants() -> list[Variant]:
             if masks:  # the masked launch (launch_forward_masked): a plain grid or persistent, GQA, windows, documents
                 masked = dict(c, SKIP=False, PERSISTENT=False, GQA=True, WINDOWED=True, DOCS=True)
                 out.append(Variant(f"fwd masked D{d} C{consumers}", kernel, masked))
-                out.append(Variant(f"fwd masked D{d} C{consumers} fp32 o", kernel, masked, fp32=("O",)))
+                out.append(Variant(f"fwd masked D{d} C{consumers} fp32 o", kernel, dict(masked, O_TMA=False), fp32=("O",)))
                 out.append(Variant(f"fwd masked persistent D{d} C{consumers}", kernel,  # a window alone
                                    dict(masked, PERSISTENT=True, DOCS=False)))
                 out.append(Variant(f"fwd masked persistent D{d} C{consumers} documents", kernel,
@@ -92,16 +92,16 @@ def table_variants() -> list[Variant]:
             name = f"fwd {mode} D{d} C{consumers}" if causal else f"fwd non-causal {mode} D{d} C{consumers}"
             out.append(Variant(name, kernel, c))
             out.append(Variant(f"{name} fold", kernel, folded))
-            out.append(Variant(f"{name} continue fold", kernel, dict(folded, CONTINUE=True), fp32=("O",)))
+            out.append(Variant(f"{name} continue fold", kernel, dict(folded, CONTINUE=True, O_TMA=False), fp32=("O",)))
             if consumers == 3 and causal:
                 out.append(Variant(f"{name} fp16", kernel, c, "fp16"))
             if causal:
-                out.append(Variant(f"{name} fp32 o", kernel, c, fp32=("O",)))
+                out.append(Variant(f"{name} fp32 o", kernel, dict(c, O_TMA=False), fp32=("O",)))
                 out.append(Variant(f"{name} GQA", kernel, dict(c, GQA=True)))  # GQA alone (launch.launch_forward)
                 out.append(Variant(f"{name} GQA fold", kernel, dict(folded, GQA=True)))
-            out.append(Variant(f"{name} continue", kernel, dict(c, CONTINUE=True), fp32=("O",)))
+            out.append(Variant(f"{name} continue", kernel, dict(c, CONTINUE=True, O_TMA=False), fp32=("O",)))
             if not causal:
-                out.append(Variant(f"{name} continue GQA", kernel, dict(c, CONTINUE=True, GQA=True), fp32=("O",)))
+                out.append(Variant(f"{name} continue GQA", kernel, dict(c, CONTINUE=True, GQA=True, O_TMA=False), fp32=("O",)))
         elif kind == "dkdvdq":
             c = dict(HEAD_DIM=d, BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, PRODUCER_REGS=common.PRODUCER_REGS,
                      REDUCER_REGS=bwd.REDUCER_REGS,

@@ -115,3 +115,20 @@ def test_dk_dv_leave_by_tma_only_where_the_kernel_can_stage_them(kernels):
     assert not launch(shifted, torch.empty_like(v))
     assert bwd.dkdv_by_tma(64, k, v, accumulate=False) and not bwd.dkdv_by_tma(64, k, v, accumulate=True)
     assert not bwd.dkdv_by_tma(128, k, v, accumulate=False)
+
+
+def test_o_leaves_by_tma_only_where_the_forward_can_stage_it(kernels):
+    """O_TMA (O staged in shared memory and copied out by TMA) at head_dim 64 for a fresh 2-byte, TMA-aligned O;
+    stores from registers for the ring's fp32 continuation, a misaligned O and head_dim 128."""
+    q, k, v = (t.to(torch.bfloat16) for t in _qkv())
+    lse = torch.empty(q.shape[:3])
+
+    def launch(o, accumulate=False):
+        fwd.launch_forward_pingpong(q, k, v, o, lse, 0.2, 2, 128, 2, causal=not accumulate, accumulate=accumulate)
+        return kernels["fwd"].calls[-1]["O_TMA"]
+
+    assert launch(torch.empty_like(q))
+    assert not launch(torch.empty_like(q, dtype=torch.float32), accumulate=True)  # the ring's running fp32 o
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)  # a base 2 bytes off 16-byte alignment
+    assert not launch(shifted)
+    assert fwd.o_by_tma(64, q, accumulate=False) and not fwd.o_by_tma(128, q, accumulate=False)

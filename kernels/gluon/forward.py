@@ -53,10 +53,11 @@ from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
+from minigpt_kernels.device import tma_ready
 from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, all_heads, load_rows, mma_layout,
-                                          program_items)
+                                          program_items, store_rows)
 from minigpt_kernels.dispatch import fold_tiles
 from minigpt_kernels.gluon.schedule import (MASKED_PERSISTENT_WAVES, device_dealt, device_one_each, device_schedule,
                                             sm_count)
@@ -200,9 +201,11 @@ def _fold(outer, m_fold, acc, m_i, row_o: gl.constexpr):
 
 @gluon.jit
 def _write_rows(acc, m_i, l_i, O, LSE, b, h, bh, stride_ob, stride_oh, stride_on, stride_lse, N, row0, rows, lse_in,
-                HEAD_DIM: gl.constexpr, row_o: gl.constexpr, CONTINUE: gl.constexpr):
+                HEAD_DIM: gl.constexpr, row_o: gl.constexpr, CONTINUE: gl.constexpr, o_out, ME: gl.constexpr,
+                O_TMA: gl.constexpr):
     """o = acc / l (in O's dtype) and LSE = m + log2(l) for this consumer's 64 rows (rows past N are not written);
-    the (batch, head) rows of LSE lie stride_lse apart. CONTINUE: first fold in what O (fp32) and LSE held, the
+    the (batch, head) rows of LSE lie stride_lse apart. O_TMA: o goes into this consumer's staging buffer and out by
+    TMA (o_out = (O's descriptor over every head, the staging buffers)), copied while the next item starts. CONTINUE: first fold in what O (fp32) and LSE held, the
     rows' (o_in, lse_in) over other keys (lse_in read at the item's start), so that
 
         lse = log2(2^lse_in + Σ_j 2^s_j),    o = (2^lse_in · o_in + Σ_j 2^s_j v_j) / 2^lse,
@@ -228,7 +231,15 @@ def _write_rows(acc, m_i, l_i, O, LSE, b, h, bh, stride_ob, stride_oh, stride_on
         o_in = gl.load(O + offs, mask=gl.expand_dims(held, 1), other=0.0)
         o = o * gl.expand_dims(gl.convert_layout(c, row_o), 1) \
             + o_in * gl.expand_dims(gl.convert_layout(a / l_i, row_o), 1)
-    gl.store(O + offs, o.to(O.dtype.element_ty), mask=gl.expand_dims(out_rows < N, 1))
+    if O_TMA:  # not with CONTINUE (pingpong_fwd_kernel)
+        O_BOX: gl.constexpr = [1, 1, ROWS_PER_CONSUMER, HEAD_DIM]
+        o_desc, staging = o_out
+        tma.store_wait(0)  # the last item's copy has read the staging buffer
+        staging.index(ME).store(o.to(staging.dtype))
+        fence_async_shared()
+        store_rows(o_desc, [b.to(gl.int32), h.to(gl.int32), row0, 0], staging.index(ME), O_BOX)
+    else:
+        gl.store(O + offs, o.to(O.dtype.element_ty), mask=gl.expand_dims(out_rows < N, 1))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -321,16 +332,18 @@ def _work_item(WORK, index, n_qtiles, BLOCK_M: gl.constexpr, N, N_K, BLOCK_N: gl
 
 
 @gluon.jit
-def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, SKIP: gl.constexpr, PERSISTENT: gl.constexpr, WINDOWED: gl.constexpr,
-              DOCS: gl.constexpr, CAUSAL: gl.constexpr, CONTINUE: gl.constexpr, FOLD: gl.constexpr):
+def _consumer(shared, o_out, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SKIP: gl.constexpr, PERSISTENT: gl.constexpr,
+              WINDOWED: gl.constexpr, DOCS: gl.constexpr, CAUSAL: gl.constexpr, CONTINUE: gl.constexpr,
+              FOLD: gl.constexpr, O_TMA: gl.constexpr):
     """Consumer warpgroup ME: for each of this program's items in turn, attention of query rows start_m + 64·ME ...
     + 63 over key tiles 0 .. num_tiles−1. The turn and ring counters run on across items (item i starts at turn
     kv + i: each item before took one turn per key tile and one more), so no barrier is reset. With SKIP, a consumer
     whose rows end before the item's last key tile only takes its turns there. With masks (WINDOWED, DOCS) the key
     tiles run from the item's first one (_work_item) and each gets the mask unless all of this consumer's rows see
     all of its keys. Without CAUSAL every key tile, the mask only on a last one that reaches past N_K. CONTINUE:
-    the (o, lse) that O and LSE hold over other keys is folded into the rows as they are written (_write_rows)."""
+    the (o, lse) that O and LSE hold over other keys is folded into the rows as they are written (_write_rows). O_TMA:
+    o leaves by TMA through shared memory (o_out, _write_rows)."""
     (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, O, LSE, H, stride_ob,
      stride_oh, stride_on, stride_lse, N, N_K, qk_scale, WORK, WORK_START, n_qtiles, mask, fold_smem) = shared
     first, count = program_items(WORK_START, PERSISTENT)
@@ -431,7 +444,9 @@ def _consumer(shared, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: g
             if not LAZY_FOLD or my_tiles > FOLD:  # the last chain folded in: acc is the whole row's Σ p·v under m
                 acc = _fold(outer.load(o_layout), m_fold, acc, m_i, row_o)
         _write_rows(acc, m_i, l_i, O, LSE, (bh // H).to(gl.int64), (bh % H).to(gl.int64), bh, stride_ob, stride_oh,
-                    stride_on, stride_lse, N, row0, rows, lse_in, HEAD_DIM, row_o, CONTINUE)
+                    stride_on, stride_lse, N, row0, rows, lse_in, HEAD_DIM, row_o, CONTINUE, o_out, ME, O_TMA)
+    if O_TMA:
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -487,15 +502,19 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
                         N_K, HEAD_DIM: gl.constexpr, NUM_CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                         SKIP: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr, WINDOWED: gl.constexpr,
-                        DOCS: gl.constexpr, CAUSAL: gl.constexpr, CONTINUE: gl.constexpr, FOLD: gl.constexpr = 0):
+                        DOCS: gl.constexpr, CAUSAL: gl.constexpr, CONTINUE: gl.constexpr, FOLD: gl.constexpr = 0,
+                        O_TMA: gl.constexpr = False):
     """Program p computes items WORK[WORK_START[p] : WORK_START[p+1]] (item = bh · n_qtiles + query tile): attention
     of one tile of 64·NUM_CONSUMERS of the N query rows of one (batch, head) each over the N_K keys, causal (N_K = N)
     or, without CAUSAL, every key. B: batches; H: query heads; GQA: K/V head h // group. LSE rows lie stride_lse apart.
     WINDOWED: keys i − window < j; DOCS: keys of the row's document, given by DOC_STARTS and DOC_ENDS ((B, N)
     contiguous int32: where each token's document starts and ends, exclusive), found from the ids before the launch
     (both causal only). Without them the last four are unused. CONTINUE: O (fp32) and LSE hold the rows' attention
-    over other keys, continued here and overwritten with the attention over both key sets."""
+    over other keys, continued here and overwritten with the attention over both key sets. O_TMA (fresh 2-byte,
+    TMA-aligned O; o_by_tma): each consumer's rows of O leave through shared memory by TMA, not by stores from
+    registers."""
     gl.static_assert(CAUSAL or not (SKIP or WINDOWED or DOCS), "SKIP and the masks go with the causal mask")
+    gl.static_assert(not (O_TMA and CONTINUE), "O_TMA writes O fresh; CONTINUE reads it")
     gl.static_assert(not (CONTINUE and (WINDOWED or DOCS)), "the masks go with fresh launches")
     # Causal launches are a sequence against itself (N keys), and the fresh ones write LSE rows N apart: those variants
     # read N for both, as before N_K and stride_lse were arguments (a runtime value there changes their compiled code)
@@ -534,6 +553,14 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
         fold_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, ROWS_PER_CONSUMER, HEAD_DIM], fold_layout)
     else:
         fold_smem = q_smem  # unused
+    if O_TMA:  # each consumer's rows of O staged for their TMA copy out
+        out_dtype: gl.constexpr = O.dtype.element_ty
+        o_out = (all_heads(O, B, H, N, stride_ob, stride_oh, stride_on, ROWS_PER_CONSUMER, HEAD_DIM),
+                 gl.allocate_shared_memory(out_dtype, [NUM_CONSUMERS, ROWS_PER_CONSUMER, HEAD_DIM],
+                                           gl.NVMMASharedLayout.get_default_for([ROWS_PER_CONSUMER, HEAD_DIM],
+                                                                                out_dtype)))
+    else:
+        o_out = (0, 0)  # unused
     shared = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, O, LSE, H, stride_ob,
               stride_oh, stride_on, stride_lse, N, N_K, qk_scale, WORK, WORK_START, n_qtiles, mask, fold_smem)
     # TMA descriptors over every head, made once here, before the warps split (in the producer they cost the ring's
@@ -545,21 +572,21 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
              N, N_K, WORK, WORK_START, n_qtiles, mask, group)
     if NUM_CONSUMERS == 2:
         gl.warp_specialize(
-            [(_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
-                          WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD)),
-             (_consumer, (shared, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
-                          WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD)),
+            [(_consumer, (shared, o_out, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP,
+                          PERSISTENT, WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD, O_TMA)),
+             (_consumer, (shared, o_out, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP,
+                          PERSISTENT, WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD, O_TMA)),
              (_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT, GQA, WINDOWED, DOCS,
                           CAUSAL))],
             [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize(
-            [(_consumer, (shared, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
-                          WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD)),
-             (_consumer, (shared, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
-                          WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD)),
-             (_consumer, (shared, gl.constexpr(2), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP, PERSISTENT,
-                          WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD)),
+            [(_consumer, (shared, o_out, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP,
+                          PERSISTENT, WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD, O_TMA)),
+             (_consumer, (shared, o_out, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP,
+                          PERSISTENT, WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD, O_TMA)),
+             (_consumer, (shared, o_out, gl.constexpr(2), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP,
+                          PERSISTENT, WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD, O_TMA)),
              (_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT, GQA, WINDOWED, DOCS,
                           CAUSAL))],
             [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
@@ -604,7 +631,14 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: f
         HEAD_DIM=D, NUM_CONSUMERS=consumers, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
         PRODUCER_REGS=PRODUCER_REGS, SKIP=skip, PERSISTENT=persistent, GQA=k.shape[1] != H,
         WINDOWED=window is not None, DOCS=document_ids is not None, CAUSAL=causal, CONTINUE=accumulate, FOLD=fold,
-        num_warps=4)
+        O_TMA=o_by_tma(D, o, accumulate), num_warps=4)
+
+
+def o_by_tma(head_dim: int, o: Tensor, accumulate: bool) -> bool:
+    """Whether the forward writes O by TMA from shared memory (O_TMA): at head_dim 64, where a [64, 64] staging
+    buffer per consumer fits beside the ring (at 128 the kernel fills shared memory already), for an O written fresh
+    (not the ring's fp32 continuation), 2-byte and TMA-aligned."""
+    return head_dim == 64 and not accumulate and o.element_size() == 2 and tma_ready(o)
 
 
 def launch_forward_pingpong(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float, consumers: int,
