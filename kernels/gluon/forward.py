@@ -205,8 +205,9 @@ def _write_rows(acc, m_i, l_i, O, LSE, b, h, bh, stride_ob, stride_oh, stride_on
                 O_TMA: gl.constexpr):
     """o = acc / l (in O's dtype) and LSE = m + log2(l) for this consumer's 64 rows (rows past N are not written);
     the (batch, head) rows of LSE lie stride_lse apart. O_TMA: o goes into this consumer's staging buffer and out by
-    TMA (o_out = (O's descriptor over every head, the staging buffers)), copied while the next item starts. CONTINUE: first fold in what O (fp32) and LSE held, the
-    rows' (o_in, lse_in) over other keys (lse_in read at the item's start), so that
+    TMA (o_out = (O's descriptor over every head, the staging buffers)), copied while the next item starts.
+    CONTINUE: first fold in what O (fp32) and LSE held, the rows' (o_in, lse_in) over other keys (lse_in read at the
+    item's start), so that
 
         lse = log2(2^lse_in + Σ_j 2^s_j),    o = (2^lse_in · o_in + Σ_j 2^s_j v_j) / 2^lse,
 
