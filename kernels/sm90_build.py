@@ -78,6 +78,8 @@ def table_variants() -> list[Variant]:
                 masked = dict(c, SKIP=False, PERSISTENT=False, GQA=True, WINDOWED=True, DOCS=True)
                 out.append(Variant(f"fwd masked D{d} C{consumers}", kernel, masked))
                 out.append(Variant(f"fwd masked D{d} C{consumers} fp32 o", kernel, dict(masked, O_TMA=False), fp32=("O",)))
+                if c["O_TMA"]:  # o stored from registers (not TMA-aligned): what the fp32 o form is held against
+                    out.append(Variant(f"fwd masked D{d} C{consumers} stores", kernel, dict(masked, O_TMA=False)))
                 out.append(Variant(f"fwd masked persistent D{d} C{consumers}", kernel,  # a window alone
                                    dict(masked, PERSISTENT=True, DOCS=False)))
                 out.append(Variant(f"fwd masked persistent D{d} C{consumers} documents", kernel,
@@ -92,6 +94,9 @@ def table_variants() -> list[Variant]:
             name = f"fwd {mode} D{d} C{consumers}" if causal else f"fwd non-causal {mode} D{d} C{consumers}"
             out.append(Variant(name, kernel, c))
             out.append(Variant(f"{name} fold", kernel, folded))
+            if c["O_TMA"]:  # o stored from registers (not TMA-aligned): what the ring forms are held against
+                out.append(Variant(f"{name} stores", kernel, dict(c, O_TMA=False)))
+                out.append(Variant(f"{name} fold stores", kernel, dict(folded, O_TMA=False)))
             out.append(Variant(f"{name} continue fold", kernel, dict(folded, CONTINUE=True, O_TMA=False), fp32=("O",)))
             if consumers == 3 and causal:
                 out.append(Variant(f"{name} fp16", kernel, c, "fp16"))
