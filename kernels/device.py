@@ -34,6 +34,15 @@ def tma_ready(*tensors: Tensor) -> bool:
     return True
 
 
+def staged_by_tma(head_dim: int, *outputs: Tensor, accumulate: bool) -> bool:
+    """Whether a Gluon kernel writes these outputs through shared memory by TMA (the forward's O_TMA, the backward's
+    DKDV_TMA) rather than by stores from registers: at head_dim 64, where a [64, 64] staging buffer per consumer fits
+    beside the ring (at 128 shared memory is full), for outputs written fresh (not added into), 2-byte and
+    TMA-aligned. Stores from registers held up each item's end: by TMA 1K windows ran 5% faster fwd+bwd and the short
+    forwards 3-6% (kernels/NOTES.md, sessions 17 and 18)."""
+    return head_dim == 64 and not accumulate and all(t.element_size() == 2 for t in outputs) and tma_ready(*outputs)
+
+
 def tma_scratch(size: int, alignment: int, stream: int | None) -> Tensor:
     """Triton's scratch allocator for TMA descriptors made on the device (triton.set_allocator)."""
     return torch.empty(size, dtype=torch.int8, device="cuda")

@@ -69,7 +69,7 @@ def table_variants() -> list[Variant]:
                      CONSUMER_REGS=common.CONSUMER_REGS[consumers], PRODUCER_REGS=common.PRODUCER_REGS,
                      SKIP=causal and cfg.persistent and fwd.consumers_can_stop_early(consumers, cfg.block_n),
                      PERSISTENT=cfg.persistent, GQA=False, WINDOWED=False, DOCS=False, CAUSAL=causal,
-                     CONTINUE=False, FOLD=0, O_TMA=d == 64)  # 2-byte o: launch's o_by_tma
+                     CONTINUE=False, FOLD=0, O_TMA=d == 64)  # 2-byte o: device.staged_by_tma
             # long rows fold their accumulator (dispatch.fold_tiles), with two stages at head_dim 128
             folded = dict(c, FOLD=fold_tiles(FOLD_FROM_KEYS, cfg.block_n),
                           STAGES=min(cfg.num_stages, 2) if d == 128 else cfg.num_stages)

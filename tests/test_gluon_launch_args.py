@@ -14,6 +14,7 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon")
 
+from minigpt_kernels.device import staged_by_tma  # noqa: E402
 from minigpt_kernels.gluon import backward as bwd  # noqa: E402
 from minigpt_kernels.gluon import forward as fwd  # noqa: E402
 
@@ -113,8 +114,8 @@ def test_dk_dv_leave_by_tma_only_where_the_kernel_can_stage_them(kernels):
     assert not launch(torch.empty_like(k, dtype=torch.float32), torch.empty_like(v, dtype=torch.float32))
     shifted = torch.empty(k.numel() + 1, dtype=k.dtype)[1:].view(k.shape)  # a base 2 bytes off 16-byte alignment
     assert not launch(shifted, torch.empty_like(v))
-    assert bwd.dkdv_by_tma(64, k, v, accumulate=False) and not bwd.dkdv_by_tma(64, k, v, accumulate=True)
-    assert not bwd.dkdv_by_tma(128, k, v, accumulate=False)
+    assert staged_by_tma(64, k, v, accumulate=False) and not staged_by_tma(64, k, v, accumulate=True)
+    assert not staged_by_tma(128, k, v, accumulate=False)
 
 
 def test_o_leaves_by_tma_only_where_the_forward_can_stage_it(kernels):
@@ -131,4 +132,4 @@ def test_o_leaves_by_tma_only_where_the_forward_can_stage_it(kernels):
     assert not launch(torch.empty_like(q, dtype=torch.float32), accumulate=True)  # the ring's running fp32 o
     shifted = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)  # a base 2 bytes off 16-byte alignment
     assert not launch(shifted)
-    assert fwd.o_by_tma(64, q, accumulate=False) and not fwd.o_by_tma(128, q, accumulate=False)
+    assert staged_by_tma(64, q, accumulate=False) and not staged_by_tma(128, q, accumulate=False)

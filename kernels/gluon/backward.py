@@ -19,7 +19,7 @@ Two kernels, each splitting its warps by role (`gl.warp_specialize`) like the pi
   Each program walks a list of key blocks: one per program as a plain grid (`launch_dkdv_dq`), or, persistent
   (`launch_dkdv_dq_persistent`, NOTES.md T; below 16K tokens), one program per SM over a host-made list (schedule.py),
   with K and V double-buffered so that a block's loads overlap the last one's tail. A block's dK, dV leave through
-  shared memory by TMA (dkdv_by_tma: fresh 2-byte outputs), copied out while the next block starts.
+  shared memory by TMA (device.staged_by_tma: fresh 2-byte outputs), copied out while the next block starts.
 - **dK/dV/dQ at head_dim 128** (NOTES.md V, W): there dK and dV take 128 registers per consumer, and a dQ warpgroup
   does not fit beside them. So, as in FlashAttention-3, each consumer computes half of dQ's columns itself from both
   consumers' dS (dS_t K[:, its half]) and reduce-adds them. It does so one tile behind: step t computes Sᵀ_t, dPᵀ_t,
@@ -81,7 +81,7 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from minigpt_kernels.device import strides3, tma_ready
+from minigpt_kernels.device import staged_by_tma, strides3
 from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, all_heads, all_rows, head_rows,
                                           load_rows, mma_layout, program_items, store_rows, tma_load)
 from minigpt_kernels.gluon.schedule import (MASKED_PERSISTENT_WAVES, device_one_each, device_plain_order,
@@ -215,7 +215,7 @@ def _write_dkdv(dk, dv, DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride
     ACCUMULATE (DKDV_*): DKDV_WRITE stores them; DKDV_ADD adds them to what DK, DV (fp32) hold (ring attention's
     travelling accumulator), a load, an add and a store, since one program owns a key block's rows (with GQA its K/V
     head's, the group summed); DKDV_ATOMIC_ADD adds them atomically (fp32; mqa_splits' virtual heads share rows).
-    DKDV_TMA (DKDV_WRITE of 2-byte, TMA-aligned outputs at head_dim 64: dkdv_by_tma): into this consumer (ME)'s two
+    DKDV_TMA (DKDV_WRITE of 2-byte, TMA-aligned outputs at head_dim 64: staged_by_tma): into this consumer (ME)'s two
     shared staging buffers instead, copied out by TMA while the consumer goes on (by_tma = (dK's descriptor, dV's,
     the staging buffers); the descriptors end at N)."""
     d_layout: gl.constexpr = dk.type.layout
@@ -1092,16 +1092,7 @@ def _launch_dkdvdq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, str
         PRODUCER_REGS=PRODUCER_REGS, REDUCER_REGS=REDUCER_REGS, GQA=k.shape[1] != H, WINDOWED=window is not None,
         DOCS=document_ids is not None, FULL=full,
         ACCUMULATE_DKDV=(DKDV_ATOMIC_ADD if atomic_dkdv else DKDV_ADD if accumulate_dkdv else DKDV_WRITE).value,
-        DKDV_TMA=dkdv_by_tma(D, dk, dv, accumulate_dkdv or atomic_dkdv), num_warps=4)
-
-
-def dkdv_by_tma(head_dim: int, dk: Tensor, dv: Tensor, accumulate: bool) -> bool:
-    """Whether the dK/dV/dQ kernel writes dK, dV by TMA from shared memory (DKDV_TMA): at head_dim 64, where 32 KB
-    of staging fit beside the ring (at 128 they do not), for outputs written fresh (not added into), 2-byte and
-    TMA-aligned. From registers the stores held up each key block's end: by TMA 1K windows ran 5% faster fwd+bwd
-    (kernels/NOTES.md, session 17)."""
-    return (head_dim == 64 and not accumulate and dk.element_size() == dv.element_size() == 2
-            and tma_ready(dk, dv))
+        DKDV_TMA=staged_by_tma(D, dk, dv, accumulate=accumulate_dkdv or atomic_dkdv), num_warps=4)
 
 
 def launch_dkdv_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,

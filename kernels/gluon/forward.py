@@ -55,7 +55,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from minigpt_kernels.device import tma_ready
+from minigpt_kernels.device import staged_by_tma
 from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, all_heads, load_rows, mma_layout,
                                           program_items, store_rows)
 from minigpt_kernels.dispatch import fold_tiles
@@ -512,7 +512,7 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
     contiguous int32: where each token's document starts and ends, exclusive), found from the ids before the launch
     (both causal only). Without them the last four are unused. CONTINUE: O (fp32) and LSE hold the rows' attention
     over other keys, continued here and overwritten with the attention over both key sets. O_TMA (fresh 2-byte,
-    TMA-aligned O; o_by_tma): each consumer's rows of O leave through shared memory by TMA, not by stores from
+    TMA-aligned O; staged_by_tma): each consumer's rows of O leave through shared memory by TMA, not by stores from
     registers."""
     gl.static_assert(CAUSAL or not (SKIP or WINDOWED or DOCS), "SKIP and the masks go with the causal mask")
     gl.static_assert(not (O_TMA and CONTINUE), "O_TMA writes O fresh; CONTINUE reads it")
@@ -632,14 +632,7 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: f
         HEAD_DIM=D, NUM_CONSUMERS=consumers, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
         PRODUCER_REGS=PRODUCER_REGS, SKIP=skip, PERSISTENT=persistent, GQA=k.shape[1] != H,
         WINDOWED=window is not None, DOCS=document_ids is not None, CAUSAL=causal, CONTINUE=accumulate, FOLD=fold,
-        O_TMA=o_by_tma(D, o, accumulate), num_warps=4)
-
-
-def o_by_tma(head_dim: int, o: Tensor, accumulate: bool) -> bool:
-    """Whether the forward writes O by TMA from shared memory (O_TMA): at head_dim 64, where a [64, 64] staging
-    buffer per consumer fits beside the ring (at 128 the kernel fills shared memory already), for an O written fresh
-    (not the ring's fp32 continuation), 2-byte and TMA-aligned."""
-    return head_dim == 64 and not accumulate and o.element_size() == 2 and tma_ready(o)
+        O_TMA=staged_by_tma(D, o, accumulate=accumulate), num_warps=4)
 
 
 def launch_forward_pingpong(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float, consumers: int,
