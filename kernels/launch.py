@@ -460,6 +460,30 @@ def launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse:
 FUSED_DQ_ACC_BYTES = 256 << 20
 
 
+# fused_heads_per_launch cuts a short GQA grid into one launch per K/V head from this many tokens; below, a call is
+# short enough that its launches' host time and the fp32 dK, dV's copies outweigh the SMs left idle (not measured)
+SHORT_GQA_SPLIT_FROM = 4096
+
+
+def fused_heads_per_launch(B: int, H: int, kv_heads: int, N: int, D: int, sms: int, *,
+                           cut_short_gqa: bool = True) -> int:
+    """Query heads per launch of the five-matmul backward: as many as FUSED_DQ_ACC_BYTES of fp32 dQ accumulator hold
+    (at least one head's), in whole GQA groups so that a K/V head's dK, dV are summed in one launch. With GQA whose
+    grid of (batch, K/V head, key block) items would not fill the GPU (fewer than `sms`: each item walks its whole
+    group, so the longest, key block 0, sets the time), one K/V head's group per launch instead: the launch is then
+    a one-K/V-head call, which gluon/backward.mqa_splits spreads over more programs adding into one fp32 dK, dV, and
+    the dQ accumulator shrinks to the group's, so the call's memory stays below MHA's: GQA 8:2 at head_dim 128 and 8K
+    tokens (128 items) 0.66x the one launch's time, 16:2 at 64 0.66x (kernels/NOTES.md, session 19).
+    cut_short_gqa=False keeps one launch: windows and documents (short items: a window of 1K at 8K ran 1.24x
+    slower cut) and callers that take the fp32 accumulator of every head (launch_backward_fused's fp32_dq)."""
+    kv_group = H // kv_heads
+    n_kblocks = -(-N // 128)
+    if cut_short_gqa and 1 < kv_heads < H and N >= SHORT_GQA_SPLIT_FROM and B * kv_heads * n_kblocks < sms:
+        return kv_group
+    heads = max(1, min(H, FUSED_DQ_ACC_BYTES // (B * N * D * 4)))
+    return max(kv_group, heads // kv_group * kv_group)
+
+
 def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, sm_scale: float,
                           cfg: TileConfig | None = None, out: tuple[Tensor, Tensor, Tensor] | None = None,
                           fp32_dq: bool = False, *, window: int | None = None, q_doc_ids: Tensor | None = None,
@@ -494,8 +518,8 @@ def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
                     masked=masked).tiles
     dq, dk, dv = _grad_outputs(out, False, ("dq", "dk", "dv"), (q, k, v))
     kv_group = H // k.shape[1]  # query heads per K/V head (GQA)
-    group = max(1, min(H, FUSED_DQ_ACC_BYTES // (B * N * D * 4)))  # heads per launch
-    group = max(kv_group, group // kv_group * kv_group)  # whole GQA groups: a K/V head's dK, dV in one launch
+    group = fused_heads_per_launch(B, H, k.shape[1], N, D, gluon_backward.sm_count(q.device),  # heads per launch
+                                   cut_short_gqa=window is None and q_doc_ids is None and not fp32_dq)
     keep_acc = fp32_dq and group == H
     acc = torch.empty(B * group * N * D, dtype=torch.float32, device=q.device)
     triton.set_allocator(tma_scratch)

@@ -288,7 +288,9 @@ BACKWARD_CASES = [
     (2048, 4, 4, 64, 129, "none", "rows", False), (1000, 8, 2, 128, 64, "ragged", "rows", False),
     (3001, 4, 1, 128, 2, "tokens", "rows", False), (2500, 8, 2, 64, 700, "one", "rows", False),
     # one K/V head over a short grid: the group split over programs (mqa_splits: 4 splits of 16 heads, 4 of 8)
-    (8192, 16, 1, 64, None, "ragged", "rows", False), (4097, 8, 1, 128, 300, "none", "heads", False)]
+    (8192, 16, 1, 64, None, "ragged", "rows", False), (4097, 8, 1, 128, 300, "none", "heads", False),
+    # GQA alone over a short grid (2 · 2 K/V heads · 32 key blocks for 132 SMs): a launch per K/V head, each split
+    (4096, 8, 2, 128, None, "none", "heads", False), (4096, 8, 2, 64, None, "none", "rows", False)]
 
 
 @pytest.mark.skipif(not HOPPER, reason="the masked Gluon backward is written for sm_90 (wgmma)")
@@ -328,8 +330,10 @@ def test_the_masked_gluon_backward_matches_float32_and_the_triton_path(N, Hq, Hk
     launches = len(ran)
     monkeypatch.setenv("MINIGPT_FLASH_PATH", "triton")
     triton = grads()
-    group = Hq // Hkv
-    assert launches == (-(-Hq // max(group, 2 // group * group)) if split else 1) and len(ran) == launches, \
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    per_launch = launch.fused_heads_per_launch(B, Hq, Hkv, N, D, sms, cut_short_gqa=window is None and ids is None)
+    assert per_launch < Hq if split else True
+    assert launches == -(-Hq // per_launch) and len(ran) == launches, \
         "the masked call did not run the Gluon backward (or the Triton path did)"
 
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
@@ -344,6 +348,15 @@ def test_the_masked_gluon_backward_matches_float32_and_the_triton_path(N, Hq, Hk
 # ------------------------------------------------------------------------------------------------
 # flash_attention_qkv: the qkv projection (B, N, Hq + 2·Hkv, D), RoPE inside, GQA and masks
 # ------------------------------------------------------------------------------------------------
+def adds_dkdv_atomically(B: int, hq: int, hkv: int, n: int, head_dim: int) -> bool:
+    """Whether the five-matmul backward sums this call's dK, dV over programs (atomically, in a varying order): its
+    launches hold one K/V head each (MQA, or GQA cut per K/V head) and mqa_splits splits their grid."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    per_launch = launch.fused_heads_per_launch(B, hq, hkv, n, head_dim, sms, cut_short_gqa=False)  # fp32 dQ
+    n_kblocks = -(-n // 128)
+    return per_launch == hq // hkv and launch.gluon_backward.mqa_splits(B, per_launch, 1, n_kblocks, sms) > 1
+
+
 def rope_tables(head_dim: int, n: int, rope: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's fp32 (N, 1, D/2) tables on the GPU: plain RoPE, or YaRN ×4 over an original length of n/4."""
     r = Rotary(head_dim) if rope == "none" else Rotary(head_dim, 10000.0, "yarn", 4.0, n // 4)
@@ -351,8 +364,9 @@ def rope_tables(head_dim: int, n: int, rope: str) -> tuple[torch.Tensor, torch.T
 
 
 # (B, N, Hq, Hkv, head_dim, window, documents, rope): groups 1 to 8, one K/V head, odd lengths
-# Short enough that no GQA call is cut to one K/V head per launch by the dQ accumulator's cap: such a launch would
-# take the MQA split too, and its dK, dV would vary in the last place like MQA's (the test keys that on hkv == 1)
+# A GQA call cut to one K/V head per launch by the dQ accumulator's cap (launch.fused_heads_per_launch; this path keeps
+# short GQA grids in one launch, as it takes the fp32 dQ) takes the MQA split in each launch, whose dK, dV vary in the
+# last place as MQA's (the test asks adds_dkdv_atomically)
 QKV_CASES = [
     (2, 4096, 8, 2, 64, None, "none", "none"),
     (1, 4100, 12, 4, 128, 1024, "ragged", "yarn"),
@@ -383,8 +397,9 @@ def test_flash_attention_qkv_gqa_and_masks_vs_the_pair_and_float32(B, n, hq, hkv
     want = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window=window, document_ids=ids)
     (want_grad,) = torch.autograd.grad(want, qkv, do)
     assert o.shape == (B, hq, n, head_dim) and torch.equal(o, want)
-    if HOPPER and hkv == 1:  # MQA: the split's programs add dK, dV atomically in a varying order (mqa_splits), so
-        # the fp32 sums differ in their last bits and the rounded dK, dV by at most one unit in the last place
+    if HOPPER and adds_dkdv_atomically(B, hq, hkv, n, head_dim):  # the split's programs add dK, dV atomically in a
+        # varying order (mqa_splits), so the fp32 sums differ in their last bits and the rounded dK, dV by at most one
+        # unit in the last place
         torch.testing.assert_close(grad[:, :, hq:], want_grad[:, :, hq:], rtol=torch.finfo(dtype).eps, atol=1e-6)
     else:
         assert torch.equal(grad[:, :, hq:], want_grad[:, :, hq:])  # dK, dV

@@ -1150,7 +1150,8 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
         dk, dv = (torch.zeros((B, 1, N, D), dtype=torch.float32, device=q.device).expand(B, splits, N, D)
                   for _ in range(2))  # ... and adds into its rows
     heads = B * k.shape[1]
-    windowed = window is not None and document_ids is None and k.shape[1] == H  # MHA: no GQA walk, no MQA split
+    windowed = window is not None and document_ids is None and k.shape[1] == H and splits == 1  # MHA: no GQA
+    # walk, no MQA split
     if persistent is None:
         persistent = windowed and heads * n_kblocks >= MASKED_PERSISTENT_WAVES * programs
     elif persistent and not windowed:
@@ -1158,9 +1159,9 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
     if persistent:
         costs = windowed_key_block_costs(N, CONSUMERS.value * TILE.value, block_m, window)
         work, work_start = device_schedule(heads, costs, min(programs, heads * n_kblocks), q.device)
-    elif window is None and document_ids is None and k.shape[1] != H:  # GQA alone: each item walks its K/V head's
-        # query heads (or its split's) over the query tiles from its keys on: a plain grid in the order that balances
-        # best (plain_order)
+    elif window is None and document_ids is None and (k.shape[1] != H or splits > 1):  # GQA alone: each item walks
+        # its K/V head's query heads (or its split's, perhaps one) over the query tiles from its keys on: a plain grid
+        # in the order that balances best (plain_order)
         group = H // k.shape[1]
         costs = tuple(group * c for c in key_block_costs(N, CONSUMERS.value * TILE.value, block_m))
         work, work_start = device_plain_order(heads, costs, programs, q.device)
