@@ -500,7 +500,9 @@ def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
     otherwise dq as usual. Masks and GQA (the module docstring) of a causal sequence against itself
     (gluon_masks_ready): one program per key block and K/V head (a plain grid; persistent for an MHA window alone)
     sums dK, dV over the head's group of query heads (a single K/V head over a short grid: split over programs,
-    mqa_splits) and visits only the query tiles that see its keys (gluon/backward.py, launch_dkdv_dq_masked)."""
+    mqa_splits; GQA alone over a grid shorter than the GPU: one launch per K/V head, each so split,
+    fused_heads_per_launch) and visits only the query tiles that see its keys (gluon/backward.py,
+    launch_dkdv_dq_masked)."""
     if do.stride(-1) != 1:
         do = do.contiguous()
     B, H, N, D = q.shape

@@ -1150,8 +1150,8 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
         dk, dv = (torch.zeros((B, 1, N, D), dtype=torch.float32, device=q.device).expand(B, splits, N, D)
                   for _ in range(2))  # ... and adds into its rows
     heads = B * k.shape[1]
-    windowed = window is not None and document_ids is None and k.shape[1] == H  # no GQA walk (an MQA split of a
-    # head per program is one)
+    windowed = window is not None and document_ids is None and k.shape[1] == H  # no GQA walk: MHA, or an
+    # MQA split of one query head per program
     if persistent is None:
         persistent = windowed and heads * n_kblocks >= MASKED_PERSISTENT_WAVES * programs
     elif persistent and not windowed:
