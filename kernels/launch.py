@@ -520,8 +520,9 @@ def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
                     masked=masked).tiles
     dq, dk, dv = _grad_outputs(out, False, ("dq", "dk", "dv"), (q, k, v))
     kv_group = H // k.shape[1]  # query heads per K/V head (GQA)
-    group = fused_heads_per_launch(B, H, k.shape[1], N, D, gluon_backward.sm_count(q.device),  # heads per launch
-                                   cut_short_gqa=window is None and q_doc_ids is None and not fp32_dq)
+    cut_short_gqa = window is None and q_doc_ids is None and not fp32_dq and 1 < k.shape[1] < H
+    sms = gluon_backward.sm_count(q.device) if cut_short_gqa else 0  # the GPU asked only where it matters
+    group = fused_heads_per_launch(B, H, k.shape[1], N, D, sms, cut_short_gqa=cut_short_gqa)  # heads per launch
     keep_acc = fp32_dq and group == H
     acc = torch.empty(B * group * N * D, dtype=torch.float32, device=q.device)
     triton.set_allocator(tma_scratch)

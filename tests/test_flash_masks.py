@@ -291,12 +291,14 @@ def test_masks_and_gqa_run_the_gluon_kernels_on_sm90_where_they_fit_else_triton(
 
 
 @pytest.mark.parametrize("hq,hkv,window,docs,cap_heads,launches", [
-    (4, 2, 5, "ragged", 2, 2), (4, 1, 100, "none", 2, 1), (6, 3, None, "tokens", 3, 3), (4, 4, 9, "none", 8, 1)])
+    (4, 2, 5, "ragged", 2, 2), (4, 1, 100, "none", 2, 1), (6, 3, None, "tokens", 3, 3), (4, 4, 9, "none", 8, 1),
+    (6, 3, None, "none", None, 3), (4, 2, 5, "none", None, 1)])
 def test_the_masked_five_matmul_backward_runs_whole_gqa_groups_per_launch(monkeypatch, hq, hkv, window, docs, cap_heads,
                                                                            launches):
     """launch_backward_fused's host side with masks and GQA, its Gluon kernel (launch_dkdv_dq_masked) stubbed by a
     float64 reference over the slices it is given: the query heads run in launches of whole GQA groups (the dQ
-    accumulator's cap, FUSED_DQ_ACC_BYTES, rounded up to a group) with their K/V heads, a window wider than any
+    accumulator's cap, FUSED_DQ_ACC_BYTES, rounded up to a group; cap_heads None: a GQA grid shorter than the GPU,
+    one K/V head per launch without masks, one launch with a window) with their K/V heads, a window wider than any
     distance reaches the kernel as none, the ids as given; the gradients are the whole call's."""
     B, n, D = 2, 45, 16
     _, q, k, v = qkv_rows(B, n, hq, hkv, D, torch.float32, seed=15)
@@ -318,7 +320,11 @@ def test_the_masked_five_matmul_backward_runs_whole_gqa_groups_per_launch(monkey
 
     monkeypatch.setattr(launch.gluon_backward, "launch_dkdv_dq_masked", kernel)
     monkeypatch.setattr(launch, "specialized_ready", lambda *a, **kw: True)  # as if on an H100/H200
-    monkeypatch.setattr(launch, "FUSED_DQ_ACC_BYTES", cap_heads * B * n * D * 4)
+    if cap_heads is None:  # a short GQA grid, no masks: 2 · hkv items for a GPU of 132 SMs, cut per K/V head
+        monkeypatch.setattr(launch, "SHORT_GQA_SPLIT_FROM", 1)
+        monkeypatch.setattr(launch.gluon_backward, "sm_count", lambda device: 132)
+    else:
+        monkeypatch.setattr(launch, "FUSED_DQ_ACC_BYTES", cap_heads * B * n * D * 4)
     o, lse = masked_attention(q, k, v, visible, scale)
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(16))
     got = launch.launch_backward_fused(do, q, k, v, o.float(), lse.float(), scale,
