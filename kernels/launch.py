@@ -462,7 +462,7 @@ FUSED_DQ_ACC_BYTES = 256 << 20
 
 # fused_heads_per_launch cuts a short GQA grid into one launch per K/V head from this many tokens; below, a call is
 # short enough that its launches' host time and the fp32 dK, dV's copies outweigh the SMs left idle (not measured)
-SHORT_GQA_SPLIT_FROM = 4096
+SHORT_GQA_CUT_FROM = 4096
 
 
 def fused_heads_per_launch(B: int, H: int, kv_heads: int, N: int, D: int, sms: int, *,
@@ -478,7 +478,7 @@ def fused_heads_per_launch(B: int, H: int, kv_heads: int, N: int, D: int, sms: i
     slower cut) and callers that take the fp32 accumulator of every head (launch_backward_fused's fp32_dq)."""
     kv_group = H // kv_heads
     n_kblocks = -(-N // 128)
-    if cut_short_gqa and 1 < kv_heads < H and N >= SHORT_GQA_SPLIT_FROM and B * kv_heads * n_kblocks < sms:
+    if cut_short_gqa and 1 < kv_heads < H and N >= SHORT_GQA_CUT_FROM and B * kv_heads * n_kblocks < sms:
         return kv_group
     heads = max(1, min(H, FUSED_DQ_ACC_BYTES // (B * N * D * 4)))
     return max(kv_group, heads // kv_group * kv_group)
@@ -521,7 +521,7 @@ def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
     dq, dk, dv = _grad_outputs(out, False, ("dq", "dk", "dv"), (q, k, v))
     kv_group = H // k.shape[1]  # query heads per K/V head (GQA)
     cut_short_gqa = window is None and q_doc_ids is None and not fp32_dq and 1 < k.shape[1] < H
-    sms = gluon_backward.sm_count(q.device) if cut_short_gqa else 0  # the GPU asked only where it matters
+    sms = gluon_backward.sm_count(q.device) if cut_short_gqa else 0  # asked only for GQA (CPU tests stub the rest)
     group = fused_heads_per_launch(B, H, k.shape[1], N, D, sms, cut_short_gqa=cut_short_gqa)  # heads per launch
     keep_acc = fp32_dq and group == H
     acc = torch.empty(B * group * N * D, dtype=torch.float32, device=q.device)

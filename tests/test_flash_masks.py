@@ -321,7 +321,7 @@ def test_the_masked_five_matmul_backward_runs_whole_gqa_groups_per_launch(monkey
     monkeypatch.setattr(launch.gluon_backward, "launch_dkdv_dq_masked", kernel)
     monkeypatch.setattr(launch, "specialized_ready", lambda *a, **kw: True)  # as if on an H100/H200
     if cap_heads is None:  # a short GQA grid, no masks: 2 · hkv items for a GPU of 132 SMs, cut per K/V head
-        monkeypatch.setattr(launch, "SHORT_GQA_SPLIT_FROM", 1)
+        monkeypatch.setattr(launch, "SHORT_GQA_CUT_FROM", 1)
         monkeypatch.setattr(launch.gluon_backward, "sm_count", lambda device: 132)
     else:
         monkeypatch.setattr(launch, "FUSED_DQ_ACC_BYTES", cap_heads * B * n * D * 4)

@@ -150,8 +150,8 @@ def test_short_gqa_grids_launch_one_kv_head_at_a_time():
     assert fused_heads_per_launch(1, 16, 1, 8192, 64, 132) == 16  # MQA: one launch, split in it (mqa_splits)
     assert fused_heads_per_launch(4, 8, 2, 1024, 128, 132) == 8  # 64 items, but short rows: one launch
     assert fused_heads_per_launch(1, 8, 2, 8192, 128, 132, cut_short_gqa=False) == 8  # masks, fp32 dQ: one launch
-    per_head = 8192 * 128 * 4
-    assert fused_heads_per_launch(1, 32, 8, FUSED_DQ_ACC_BYTES // per_head * 8192 // 2, 128, 16) % 4 == 0
+    n = FUSED_DQ_ACC_BYTES // (2 * 128 * 4)  # the accumulator's budget holds 2 heads of n rows ...
+    assert fused_heads_per_launch(1, 32, 8, n, 128, 16) == 4  # ... rounded up to a whole group of 4
 
 
 def test_a_split_into_single_query_heads_launches_longest_first(kernels, monkeypatch):
