@@ -484,6 +484,22 @@ def fused_heads_per_launch(B: int, H: int, kv_heads: int, N: int, D: int, sms: i
     return max(kv_group, heads // kv_group * kv_group)
 
 
+def _fp32_pair_within(t: Tensor) -> tuple[Tensor, Tensor] | None:
+    """Two fp32 (B, 1, N, D) views inside the memory of t, a 2-byte (B, h, N, D) gradient of h >= 4 heads that is
+    written only later (dQ, copied from its accumulator after the dK/dV/dQ kernel): room for an MQA split's fp32
+    dK, dV, so that they need no memory of their own. None where t is laid out otherwise."""
+    B, h, N, D = t.shape
+    if t.element_size() != 2 or h < 4 or t.stride(-1) != 1:
+        return None
+    if t.stride(1) == D and t.stride(2) >= h * D:  # (B, N, h·D) rows: per token, its heads' values back to back
+        rows = t.transpose(1, 2)[:, :, :4].flatten(2).view(torch.float32)  # (B, N, 2·D) fp32
+        return rows[..., :D].unsqueeze(1), rows[..., D:].unsqueeze(1)
+    if t.stride(2) == D and t.stride(1) == N * D:  # (B, h, N, D): per head, its N·D values back to back
+        pair = t[:, :4].flatten(1).view(torch.float32).view(B, 2, N, D)
+        return pair[:, :1], pair[:, 1:]
+    return None
+
+
 def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, sm_scale: float,
                           cfg: TileConfig | None = None, out: tuple[Tensor, Tensor, Tensor] | None = None,
                           fp32_dq: bool = False, *, window: int | None = None, q_doc_ids: Tensor | None = None,
@@ -496,11 +512,12 @@ def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
     Needs inputs that fit the warp-specialized kernels (specialized_ready); at head_dim 128 the kernel splits dQ's
     columns between its consumers. out=(dq, dk, dv): write the gradients there.
     fp32_dq: return the fp32 accumulator (q's shape and memory order) as dq, without the cast, when it holds
-    every head at once (a caller that transforms dQ anyway, e.g. rotates it back, then rounds it only once);
-    otherwise dq as usual. Masks and GQA (the module docstring) of a causal sequence against itself
-    (gluon_masks_ready): one program per key block and K/V head (a plain grid; persistent for an MHA window alone)
-    sums dK, dV over the head's group of query heads (a single K/V head over a short grid: split over programs,
-    mqa_splits; GQA alone over a grid shorter than the GPU: one launch per K/V head, each so split,
+    every head at once (a caller that transforms dQ anyway, e.g. rotates it back, then rounds it only once; out's
+    dq, if given, is then left holding scratch); otherwise dq as usual. Masks and GQA (the module docstring) of a
+    causal sequence against itself (gluon_masks_ready): one program per key block and K/V head (a plain grid;
+    persistent for an MHA window alone) sums dK, dV over the head's group of query heads (a single K/V head over a
+    short grid: split over programs, mqa_splits, whose fp32 dK, dV borrow dq's memory until dq is written,
+    _fp32_pair_within; GQA alone over a grid shorter than the GPU: one launch per K/V head, each so split,
     fused_heads_per_launch) and visits only the query tiles that see its keys (gluon/backward.py,
     launch_dkdv_dq_masked)."""
     if do.stride(-1) != 1:
@@ -540,8 +557,10 @@ def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
         do_h, delta = launch_backward_delta(do[:, hs], o[:, hs], lse[:, hs])
         (lse_h, stride_lse), (delta, stride_delta) = _rows_in(lse[:, hs]), _rows_in(delta)
         (lse_h, stride_lse), (delta, stride_delta) = _rows_for_tma(lse_h, stride_lse), _rows_for_tma(delta, stride_delta)
+        # an MQA split's fp32 dK, dV (one K/V head: MQA, or a cut GQA group) in these heads' dq, written only below
+        scratch = dict(split_scratch=_fp32_pair_within(dq[:, hs])) if masked and kvs.stop - kvs.start == 1 else {}
         launch(do_h, q[:, hs], k[:, kvs], v[:, kvs], lse_h, stride_lse, delta, stride_delta, dk[:, kvs], dv[:, kvs],
-               dq_acc, sm_scale, sm_scale * LOG2E, c.block_m, c.num_stages)
+               dq_acc, sm_scale, sm_scale * LOG2E, c.block_m, c.num_stages, **scratch)
         if keep_acc:
             return dq_acc, dk, dv
         dq[:, hs].copy_(dq_acc)

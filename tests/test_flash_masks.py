@@ -309,7 +309,7 @@ def test_the_masked_five_matmul_backward_runs_whole_gqa_groups_per_launch(monkey
     calls = []
 
     def kernel(do, q, k, v, lse, stride_lse, delta, stride_delta, dk, dv, dq_acc, sm_scale, qk_scale, block_m, stages,
-               window, document_ids):
+               window, document_ids, split_scratch=None):
         calls.append((q.shape[1], k.shape[1], window, document_ids))
         leaves = [t.double().requires_grad_() for t in (q, k, v)]
         vis = visible_mask(n, n, True, window, document_ids, document_ids)

@@ -172,3 +172,65 @@ def test_a_split_into_single_query_heads_launches_longest_first(kernels, monkeyp
     n_kblocks = N // 128
     assert sorted(items) == list(range(4 * n_kblocks))
     assert [i % n_kblocks for i in items[:4]] == [0, 0, 0, 0]  # every head's key block 0 first
+
+
+@pytest.mark.parametrize("layout", ["heads", "tokens"])
+def test_an_mqa_split_adds_dk_dv_inside_dq_before_dq_is_written(kernels, monkeypatch, layout):
+    """MQA's split (mqa_splits) sums dK, dV in fp32 over its programs; launch_backward_fused gives it two fp32 views
+    inside dq's memory (plain (B, H, N, D), or the model's (B, N, H, D) rows), which dq's copy from the accumulator
+    overwrites only after dK, dV were rounded out of them, so the call takes no more memory than MHA's. The kernel's
+    stand-in adds 1 to every dK, 2 to every dV and 3 to every dQ: dq, dk, dv must come back exactly that."""
+    from minigpt_kernels import dispatch, launch
+
+    stand_in = kernels["dkdvdq"]
+
+    def add(*args, **kw):
+        stand_in[None](*args, **kw)
+        call = stand_in.calls[-1]
+        call["DK"][:, :1].add_(1.0)  # the splits' head stride is 0: one add reaches every split's rows
+        call["DV"][:, :1].add_(2.0)
+        call["DQ_ACC"].add_(3.0)
+
+    class Adding:
+        def __getitem__(self, grid):
+            return add
+
+    monkeypatch.setattr(bwd, "dkdvdq_kernel", Adding())
+    monkeypatch.setattr(launch, "specialized_ready", lambda *a, **kw: True)  # as if on an H100/H200
+    B, H, N, D = 2, 8, 300, 64
+    shape = (B, H, N, D) if layout == "heads" else (B, N, H, D)
+    q, do, o = (torch.randn(shape, dtype=torch.float16) for _ in range(3))
+    if layout == "tokens":
+        q, do, o = (t.transpose(1, 2) for t in (q, do, o))
+    k, v = torch.randn(B, 1, N, D, dtype=torch.float16), torch.randn(B, 1, N, D, dtype=torch.float16)
+    lse = torch.zeros(B, H, N)
+    cfg = dispatch.TileConfig(64, 128, 4, 2, tma=True, specialized=True)
+    dq, dk, dv = launch.launch_backward_fused(do, q, k, v, o, lse, 0.1, cfg)
+    call = stand_in.calls[-1]
+    assert call["K"].shape[1] > 1 and call["ACCUMULATE_DKDV"] == bwd.DKDV_ATOMIC_ADD.value  # split: 6 blocks, 4 SMs
+    inside = dq.untyped_storage().data_ptr(), dq.untyped_storage().data_ptr() + dq.untyped_storage().nbytes()
+    for t in (call["DK"], call["DV"]):
+        assert t.dtype == torch.float32 and inside[0] <= t.data_ptr() < inside[1]
+    assert call["DK"].data_ptr() != call["DV"].data_ptr()
+    assert dq.stride() == q.stride()
+    assert torch.equal(dk, torch.ones_like(dk)) and torch.equal(dv, torch.full_like(dv, 2.0))
+    assert torch.equal(dq, torch.full_like(dq, 3.0))
+
+
+def test_fp32_pairs_within_a_gradient_do_not_overlap():
+    """_fp32_pair_within's two views cover disjoint bytes of the first four heads, in either layout; it declines
+    fewer than four heads, 4-byte gradients and other layouts."""
+    from minigpt_kernels.launch import _fp32_pair_within
+
+    B, H, N, D = 2, 5, 7, 16
+    plain, rows = torch.zeros(B, H, N, D, dtype=torch.bfloat16), torch.zeros(B, N, H, D, dtype=torch.bfloat16)
+    for t in (plain, rows.transpose(1, 2)):
+        dk, dv = _fp32_pair_within(t)
+        assert dk.shape == dv.shape == (B, 1, N, D) and dk.dtype == torch.float32
+        dk.fill_(1.0)
+        dv.fill_(2.0)
+        assert torch.equal(dk, torch.ones_like(dk)) and torch.equal(dv, torch.full_like(dv, 2.0))
+        assert (t[:, 4:] == 0).all() and (t[:, :4] != 0).any()  # only the first four heads' memory
+    assert _fp32_pair_within(torch.zeros(B, 3, N, D, dtype=torch.bfloat16)) is None
+    assert _fp32_pair_within(torch.zeros(B, H, N, D)) is None
+    assert _fp32_pair_within(torch.zeros(B, H, D, N, dtype=torch.bfloat16).transpose(2, 3)) is None

@@ -85,7 +85,7 @@ from minigpt_kernels.device import staged_by_tma, strides3
 from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, all_heads, all_rows, head_rows,
                                           load_rows, mma_layout, program_items, store_rows, tma_load)
 from minigpt_kernels.gluon.schedule import (MASKED_PERSISTENT_WAVES, device_one_each, device_plain_order,
-                                             device_schedule, sm_count)
+                                             device_schedule, modelled_finish, sm_count)
 
 TILE = gl.constexpr(64)  # keys (dK/dV) or query rows (dQ) per consumer warpgroup: the M of one wgmma
 CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program (the warp_specialize lists below name two)
@@ -1128,7 +1128,8 @@ def launch_dkdv_dq_persistent(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: 
 def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
                           stride_delta: int, dk: Tensor, dv: Tensor, dq_acc: Tensor, sm_scale: float, qk_scale: float,
                           block_m: int, stages: int, window: int | None, document_ids: Tensor | None, *,
-                          persistent: bool | None = None) -> None:
+                          persistent: bool | None = None,
+                          split_scratch: tuple[Tensor, Tensor] | None = None) -> None:
     """launch_dkdv_dq's contract with GQA (k, v, dk, dv with H / group heads: dK, dV of a K/V head sum over its
     group's query heads, in one program per key block; with one K/V head and a short grid, in mqa_splits programs
     per key block, each over a part of the group, adding into one fp32 dK, dV atomically) and the masks: `window`
@@ -1139,16 +1140,24 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
     persistent from MASKED_PERSISTENT_WAVES waves of key blocks: one program per SM over a schedule balanced on the
     host (windowed_key_block_costs); persistent=False keeps the plain grid. Everything else is a plain grid
     (documents, GQA, MQA splits: persistent measured slower or equal there, or not measured; kernels/NOTES.md),
-    GQA alone (no window or documents) in the launch order schedule.plain_order models best."""
+    GQA alone (no window or documents) in the launch order schedule.plain_order models best. split_scratch: two fp32
+    (B, 1, N, D) views (any strides, a contiguous last dimension) that mqa_splits' dK, dV may use (zeroed here), e.g.
+    memory of an output written only later; None: new buffers."""
     B, H, N, D = q.shape
     n_kblocks = -(-N // (CONSUMERS.value * TILE.value))
     programs = sm_count(q.device)
-    splits = mqa_splits(B, H, k.shape[1], n_kblocks, programs)
+    causal_costs = key_block_costs(N, CONSUMERS.value * TILE.value, block_m)
+    splits = mqa_splits(B, H, k.shape[1], n_kblocks, programs,
+                        causal_costs if window is None and document_ids is None else None)
     if splits > 1:  # one K/V head: its group split over `splits` programs per key block, adding into one fp32 dK, dV
         k, v = k.expand(B, splits, N, D), v.expand(B, splits, N, D)  # head stride 0: every split reads the one head
         dk_out, dv_out = dk, dv
-        dk, dv = (torch.zeros((B, 1, N, D), dtype=torch.float32, device=q.device).expand(B, splits, N, D)
-                  for _ in range(2))  # ... and adds into its rows
+        if split_scratch is not None and any(t.shape != (B, 1, N, D) or t.dtype != torch.float32 or t.stride(-1) != 1
+                                             for t in split_scratch):
+            raise ValueError(f"the dK/dV/dQ kernel: split_scratch must be two fp32 ({B}, 1, {N}, {D}) views with a "
+                             f"contiguous last dimension")
+        pair = split_scratch or (torch.empty((B, 1, N, D), dtype=torch.float32, device=q.device) for _ in range(2))
+        dk, dv = (t.zero_().expand(B, splits, N, D) for t in pair)  # ... and adds into its rows
     heads = B * k.shape[1]
     windowed = window is not None and document_ids is None and k.shape[1] == H  # no GQA walk: MHA, or an
     # MQA split of one query head per program
@@ -1163,7 +1172,7 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
         # its K/V head's query heads (or its split's, perhaps one) over the query tiles from its keys on: a plain grid
         # in the order that balances best (plain_order)
         group = H // k.shape[1]
-        costs = tuple(group * c for c in key_block_costs(N, CONSUMERS.value * TILE.value, block_m))
+        costs = tuple(group * c for c in causal_costs)
         work, work_start = device_plain_order(heads, costs, programs, q.device)
     else:
         work, work_start = device_one_each(heads, tuple(range(n_kblocks)), q.device)
@@ -1186,15 +1195,30 @@ def windowed_key_block_costs(n: int, keys: int, block_m: int, window: int) -> tu
     return tuple(out)
 
 
-def mqa_splits(B: int, H: int, kv_heads: int, n_kblocks: int, sms: int) -> int:
+# mqa_splits' model: an item's atomic adds of its dK, dV rows, in tiles of work (fit to 16:1 at 8K and 32K tokens,
+# head_dim 64, and 8:1 at 8K, head_dim 128, on an H200: kernels/NOTES.md, session 20)
+SPLIT_ADD_TILES = 3.0
+
+
+@functools.lru_cache(maxsize=64)
+def mqa_splits(B: int, H: int, kv_heads: int, n_kblocks: int, sms: int,
+               position_costs: tuple[float, ...] | None = None) -> int:
     """Programs per key block of a one-K/V-head call (MQA): the plain grid has B·n_kblocks programs, each walking
     all H query heads, which leaves most SMs idle where B·n_kblocks is small (8K tokens at batch 1: 64 programs for
     132 SMs, 2.8x the MHA kernel's time). Splitting the query heads into `splits` parts of H / splits makes
-    B·n_kblocks·splits programs: the fewest splits (a divisor of H) that give two waves, at the cost of one fp32 dK,
-    dV that they add into atomically. 1 (no split) with several K/V heads or when the grid fills the GPU already."""
-    if kv_heads != 1 or B * n_kblocks >= 2 * sms:
+    B·n_kblocks·splits programs, at the cost of one fp32 dK, dV that they add into atomically. Which divisor of H:
+    with position_costs (each key block's query tiles: causal, no masks), the one whose grid the schedule model
+    finishes first, an item costing its tiles times its heads plus SPLIT_ADD_TILES (fewer, longer items add less
+    but balance worse: 16:1 at 8K ran 1.007 ms with 4 splits, 1.029 with 8; at 32K 15.77 with 2, 15.56 with 4);
+    else (windows, documents: costs the host does not model here) the fewest that give two waves. 1 (no split)
+    with several K/V heads or when the grid fills the GPU already."""
+    if kv_heads != 1 or H == 1 or B * n_kblocks >= 2 * sms:
         return 1
-    return next((s for s in range(2, H + 1) if H % s == 0 and B * n_kblocks * s >= 2 * sms), H)
+    divisors = [s for s in range(2, H + 1) if H % s == 0]
+    if position_costs is not None:
+        return min(divisors, key=lambda s: (modelled_finish(
+            B * s, tuple((H // s) * c + SPLIT_ADD_TILES for c in position_costs), sms), s))
+    return next((s for s in divisors if B * n_kblocks * s >= 2 * sms), H)
 
 
 def launch_dkdv_dq_block(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
