@@ -41,10 +41,11 @@ key of the consumer (past its last key and below end_key0). With GQA an item is 
 the group's query heads in turn through the same ring (counters run on), the producer naming each query head in its
 copies' coordinates (its TMA descriptors span every head and are made once per program), so dK and dV sum over the
 group in registers and no per-query-head K/V copy exists. A launch with one K/V head over a grid of under two waves
-(MQA, or a GQA call cut to one K/V head per launch by the dQ accumulator's cap) splits the group instead
-(`mqa_splits`): the one head is passed S times with head stride 0, each virtual head walks H/S query heads, and all
+(MQA, or a GQA call cut to one K/V head per launch) splits the group instead (`mqa_splits`, S chosen by the
+schedule model): the one head is passed S times with head stride 0, each virtual head walks H/S query heads, and all
 S add their dK, dV into one fp32 dK, dV by atomic adds (ACCUMULATE_DKDV = DKDV_ATOMIC_ADD; S partial copies of dK,
-dV took 2.02× the MHA kernel's memory at 8K tokens), rounded into the caller's dtype after the launch. The order of
+dV took 2.02× the MHA kernel's memory at 8K tokens), rounded into the caller's dtype after the launch; that fp32 pair
+may live in memory the caller writes only later (`split_scratch`: dq's, launch.launch_backward_fused). The order of
 the S additions varies from run to run, as dQ's reduce-adds do: this backward is not the deterministic one.
 
 Ring attention's blocks (`launch_dkdv_dq_block`, for launch.launch_backward_block; the same kernel with the
