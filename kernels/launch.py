@@ -419,7 +419,8 @@ def launch_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse:
     deterministic seven-matmul backward: the dQ kernel, then the dK/dV kernel (the cfgs override their tiles). The
     dQ kernel also computes delta = rowsum(dO ∘ O) for its rows (it loads dO anyway) and leaves it for the dK/dV
     kernel, which saves a pass over O and dO: 1–3% of the backward at 1K–4K and at 128K tokens (NOTES.md L).
-    out=(dq, dk, dv): write the gradients there (q's, k's, v's shapes, contiguous last dimensions) and return them;
+    out=(dq, dk, dv): write the gradients there (q's, k's, v's shapes, contiguous last dimensions; dq overlapping
+    no input) and return them;
     fp32_dq: where the five-matmul backward runs, return its fp32 dQ accumulator in out's dq's stead (see
     launch_backward_fused). Masks and GQA (window, q_doc_ids, k_doc_ids, q_offset, k_offset; the module docstring):
     the five-matmul backward for a causal sequence against itself on sm_90 (gluon_masks_ready; not deterministic),
@@ -487,14 +488,17 @@ def fused_heads_per_launch(B: int, H: int, kv_heads: int, N: int, D: int, sms: i
 def _fp32_pair_within(t: Tensor) -> tuple[Tensor, Tensor] | None:
     """Two fp32 (B, 1, N, D) views inside the memory of t, a 2-byte (B, h, N, D) gradient of h >= 4 heads that is
     written only later (dQ, copied from its accumulator after the dK/dV/dQ kernel): room for an MQA split's fp32
-    dK, dV, so that they need no memory of their own. None where t is laid out otherwise."""
+    dK, dV, so that they need no memory of their own. None where t is laid out otherwise (or its 2-byte offsets and
+    strides would not land on 4-byte boundaries)."""
     B, h, N, D = t.shape
-    if t.element_size() != 2 or h < 4 or t.stride(-1) != 1:
+    sb, sh, sn, sd = t.stride()
+    if (t.element_size() != 2 or h < 4 or sd != 1 or t.storage_offset() % 2
+            or any(x % 2 for x in (sb, sh, sn)) or (B > 1 and sb < h * N * D)):  # batches must not share memory
         return None
-    if t.stride(1) == D and t.stride(2) >= h * D:  # (B, N, h·D) rows: per token, its heads' values back to back
+    if sh == D and sn >= h * D:  # (B, N, h·D) rows: per token, its heads' values back to back
         rows = t.transpose(1, 2)[:, :, :4].flatten(2).view(torch.float32)  # (B, N, 2·D) fp32
         return rows[..., :D].unsqueeze(1), rows[..., D:].unsqueeze(1)
-    if t.stride(2) == D and t.stride(1) == N * D:  # (B, h, N, D): per head, its N·D values back to back
+    if sn == D and sh == N * D:  # (B, h, N, D): per head, its N·D values back to back
         pair = t[:, :4].flatten(1).view(torch.float32).view(B, 2, N, D)
         return pair[:, :1], pair[:, 1:]
     return None
@@ -510,7 +514,8 @@ def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
     (a TMA reduce-add per query tile and block of 128 keys), then one cast into dq. No kernel recomputes QKᵀ and dO·Vᵀ
     for dQ; dQ's summation order follows the programs' timing, so it can differ in the last bits between runs.
     Needs inputs that fit the warp-specialized kernels (specialized_ready); at head_dim 128 the kernel splits dQ's
-    columns between its consumers. out=(dq, dk, dv): write the gradients there.
+    columns between its consumers. out=(dq, dk, dv): write the gradients there (dq overlapping no input: it may
+    serve as scratch before dQ is written).
     fp32_dq: return the fp32 accumulator (q's shape and memory order) as dq, without the cast, when it holds
     every head at once (a caller that transforms dQ anyway, e.g. rotates it back, then rounds it only once; out's
     dq, if given, is then left holding scratch); otherwise dq as usual. Masks and GQA (the module docstring) of a
@@ -557,8 +562,9 @@ def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
         do_h, delta = launch_backward_delta(do[:, hs], o[:, hs], lse[:, hs])
         (lse_h, stride_lse), (delta, stride_delta) = _rows_in(lse[:, hs]), _rows_in(delta)
         (lse_h, stride_lse), (delta, stride_delta) = _rows_for_tma(lse_h, stride_lse), _rows_for_tma(delta, stride_delta)
-        # an MQA split's fp32 dK, dV (one K/V head: MQA, or a cut GQA group) in these heads' dq, written only below
-        scratch = dict(split_scratch=_fp32_pair_within(dq[:, hs])) if masked and kvs.stop - kvs.start == 1 else {}
+        one_kv_head = masked and kvs.stop - kvs.start == 1  # MQA, or a cut GQA group: perhaps split (mqa_splits),
+        # its fp32 dK, dV then in these heads' dq, which is written only below
+        scratch = dict(split_scratch=_fp32_pair_within(dq[:, hs])) if one_kv_head else {}
         launch(do_h, q[:, hs], k[:, kvs], v[:, kvs], lse_h, stride_lse, delta, stride_delta, dk[:, kvs], dv[:, kvs],
                dq_acc, sm_scale, sm_scale * LOG2E, c.block_m, c.num_stages, **scratch)
         if keep_acc:

@@ -179,7 +179,8 @@ def test_an_mqa_split_adds_dk_dv_inside_dq_before_dq_is_written(kernels, monkeyp
     """MQA's split (mqa_splits) sums dK, dV in fp32 over its programs; launch_backward_fused gives it two fp32 views
     inside dq's memory (plain (B, H, N, D), or the model's (B, N, H, D) rows), which dq's copy from the accumulator
     overwrites only after dK, dV were rounded out of them, so the call takes no more memory than MHA's. The kernel's
-    stand-in adds 1 to every dK, 2 to every dV and 3 to every dQ: dq, dk, dv must come back exactly that."""
+    stand-in adds 1 to every dK, 2 to every dV and 3 to every dQ: dq, dk, dv must come back exactly that, from a dq
+    that held NaN before (the scratch must be zeroed)."""
     from minigpt_kernels import dispatch, launch
 
     stand_in = kernels["dkdvdq"]
@@ -205,7 +206,10 @@ def test_an_mqa_split_adds_dk_dv_inside_dq_before_dq_is_written(kernels, monkeyp
     k, v = torch.randn(B, 1, N, D, dtype=torch.float16), torch.randn(B, 1, N, D, dtype=torch.float16)
     lse = torch.zeros(B, H, N)
     cfg = dispatch.TileConfig(64, 128, 4, 2, tma=True, specialized=True)
-    dq, dk, dv = launch.launch_backward_fused(do, q, k, v, o, lse, 0.1, cfg)
+    out = (torch.full(shape, float("nan"), dtype=torch.float16), torch.empty_like(k), torch.empty_like(v))
+    if layout == "tokens":
+        out = (out[0].transpose(1, 2), *out[1:])
+    dq, dk, dv = launch.launch_backward_fused(do, q, k, v, o, lse, 0.1, cfg, out=out)
     call = stand_in.calls[-1]
     assert call["K"].shape[1] > 1 and call["ACCUMULATE_DKDV"] == bwd.DKDV_ATOMIC_ADD.value  # split: 6 blocks, 4 SMs
     inside = dq.untyped_storage().data_ptr(), dq.untyped_storage().data_ptr() + dq.untyped_storage().nbytes()
@@ -218,8 +222,9 @@ def test_an_mqa_split_adds_dk_dv_inside_dq_before_dq_is_written(kernels, monkeyp
 
 
 def test_fp32_pairs_within_a_gradient_do_not_overlap():
-    """_fp32_pair_within's two views cover disjoint bytes of the first four heads, in either layout; it declines
-    fewer than four heads, 4-byte gradients and other layouts."""
+    """_fp32_pair_within's two views cover disjoint bytes of the first four heads, in either layout, also of a head
+    slice; it declines fewer than four heads, 4-byte gradients, other layouts, odd 2-byte offsets and batches that
+    share memory."""
     from minigpt_kernels.launch import _fp32_pair_within
 
     B, H, N, D = 2, 5, 7, 16
@@ -231,6 +236,15 @@ def test_fp32_pairs_within_a_gradient_do_not_overlap():
         dv.fill_(2.0)
         assert torch.equal(dk, torch.ones_like(dk)) and torch.equal(dv, torch.full_like(dv, 2.0))
         assert (t[:, 4:] == 0).all() and (t[:, :4] != 0).any()  # only the first four heads' memory
+    wide = torch.zeros(B, H + 2, N, D, dtype=torch.bfloat16)
+    dk, dv = _fp32_pair_within(wide[:, 2:])  # a head slice: its own first four heads
+    dk.fill_(1.0)
+    dv.fill_(2.0)
+    assert (wide[:, :2] == 0).all() and (wide[:, 6:] == 0).all() and (wide[:, 2:6] != 0).any()
     assert _fp32_pair_within(torch.zeros(B, 3, N, D, dtype=torch.bfloat16)) is None
     assert _fp32_pair_within(torch.zeros(B, H, N, D)) is None
     assert _fp32_pair_within(torch.zeros(B, H, D, N, dtype=torch.bfloat16).transpose(2, 3)) is None
+    assert _fp32_pair_within(torch.zeros(H, B, N, D, dtype=torch.bfloat16).transpose(0, 1)) is None  # (H, B, ...)
+    odd = torch.zeros(B * H * N * D + 1, dtype=torch.bfloat16)[1:].view(B, H, N, D)
+    assert _fp32_pair_within(odd) is None  # fp32 views would start mid-element
+    assert _fp32_pair_within(torch.zeros(1, H, N, D, dtype=torch.bfloat16).expand(B, H, N, D)) is None

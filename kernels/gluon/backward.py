@@ -1147,18 +1147,18 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
     B, H, N, D = q.shape
     n_kblocks = -(-N // (CONSUMERS.value * TILE.value))
     programs = sm_count(q.device)
-    causal_costs = key_block_costs(N, CONSUMERS.value * TILE.value, block_m)
-    splits = mqa_splits(B, H, k.shape[1], n_kblocks, programs,
-                        causal_costs if window is None and document_ids is None else None)
+    unmasked = window is None and document_ids is None
+    splits = mqa_splits(B, H, k.shape[1], n_kblocks, programs, N if unmasked else None, block_m)
     if splits > 1:  # one K/V head: its group split over `splits` programs per key block, adding into one fp32 dK, dV
         k, v = k.expand(B, splits, N, D), v.expand(B, splits, N, D)  # head stride 0: every split reads the one head
         dk_out, dv_out = dk, dv
-        if split_scratch is not None and any(t.shape != (B, 1, N, D) or t.dtype != torch.float32 or t.stride(-1) != 1
-                                             for t in split_scratch):
-            raise ValueError(f"the dK/dV/dQ kernel: split_scratch must be two fp32 ({B}, 1, {N}, {D}) views with a "
-                             f"contiguous last dimension")
-        pair = split_scratch or (torch.empty((B, 1, N, D), dtype=torch.float32, device=q.device) for _ in range(2))
-        dk, dv = (t.zero_().expand(B, splits, N, D) for t in pair)  # ... and adds into its rows
+        if split_scratch is None:
+            split_scratch = tuple(torch.empty((B, 1, N, D), dtype=torch.float32, device=q.device) for _ in range(2))
+        elif len(split_scratch) != 2 or any(t.shape != (B, 1, N, D) or t.dtype != torch.float32 or t.stride(-1) != 1
+                                            or t.device != q.device for t in split_scratch):
+            raise ValueError(f"the dK/dV/dQ kernel: split_scratch must be two fp32 ({B}, 1, {N}, {D}) views on q's "
+                             f"device with a contiguous last dimension")
+        dk, dv = (t.zero_().expand(B, splits, N, D) for t in split_scratch)  # ... and adds into its rows
     heads = B * k.shape[1]
     windowed = window is not None and document_ids is None and k.shape[1] == H  # no GQA walk: MHA, or an
     # MQA split of one query head per program
@@ -1169,11 +1169,12 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
     if persistent:
         costs = windowed_key_block_costs(N, CONSUMERS.value * TILE.value, block_m, window)
         work, work_start = device_schedule(heads, costs, min(programs, heads * n_kblocks), q.device)
-    elif window is None and document_ids is None and (k.shape[1] != H or splits > 1):  # GQA alone: each item walks
-        # its K/V head's query heads (or its split's, perhaps one) over the query tiles from its keys on: a plain grid
-        # in the order that balances best (plain_order)
+    elif unmasked and (k.shape[1] != H or splits > 1):  # GQA alone: each item walks its K/V head's query heads (or
+        # its split's, perhaps one) over the query tiles from its keys on: a plain grid in the order that balances
+        # best (plain_order), under the costs mqa_splits compared
         group = H // k.shape[1]
-        costs = tuple(group * c for c in causal_costs)
+        costs = split_costs(H, splits, N, block_m) if splits > 1 else tuple(
+            group * c for c in key_block_costs(N, CONSUMERS.value * TILE.value, block_m))
         work, work_start = device_plain_order(heads, costs, programs, q.device)
     else:
         work, work_start = device_one_each(heads, tuple(range(n_kblocks)), q.device)
@@ -1201,25 +1202,35 @@ def windowed_key_block_costs(n: int, keys: int, block_m: int, window: int) -> tu
 SPLIT_ADD_TILES = 3.0
 
 
-@functools.lru_cache(maxsize=64)
-def mqa_splits(B: int, H: int, kv_heads: int, n_kblocks: int, sms: int,
-               position_costs: tuple[float, ...] | None = None) -> int:
+def mqa_splits(B: int, H: int, kv_heads: int, n_kblocks: int, sms: int, causal_n: int | None = None,
+               block_m: int = 64) -> int:
     """Programs per key block of a one-K/V-head call (MQA): the plain grid has B·n_kblocks programs, each walking
     all H query heads, which leaves most SMs idle where B·n_kblocks is small (8K tokens at batch 1: 64 programs for
     132 SMs, 2.8x the MHA kernel's time). Splitting the query heads into `splits` parts of H / splits makes
     B·n_kblocks·splits programs, at the cost of one fp32 dK, dV that they add into atomically. Which divisor of H:
-    with position_costs (each key block's query tiles: causal, no masks), the one whose grid the schedule model
-    finishes first, an item costing its tiles times its heads plus SPLIT_ADD_TILES (fewer, longer items add less
-    but balance worse: 16:1 at 8K ran 1.007 ms with 4 splits, 1.029 with 8; at 32K 15.77 with 2, 15.56 with 4);
-    else (windows, documents: costs the host does not model here) the fewest that give two waves. 1 (no split)
-    with several K/V heads or when the grid fills the GPU already."""
+    for a causal call of causal_n tokens without masks, the one whose grid the schedule model finishes first
+    (split_costs: fewer, longer items add less but balance worse; 16:1 at 8K ran 1.007 ms with 4 splits, 1.029
+    with 8; at 32K 15.77 with 2, 15.56 with 4); else (windows, documents: costs the host does not model here) the
+    fewest that give two waves. 1 (no split) with several K/V heads or where the grid has two waves already."""
     if kv_heads != 1 or H == 1 or B * n_kblocks >= 2 * sms:
         return 1
+    if causal_n is not None:
+        return _modelled_splits(B, H, causal_n, block_m, sms)
+    return next((s for s in range(2, H + 1) if H % s == 0 and B * n_kblocks * s >= 2 * sms), H)
+
+
+@functools.lru_cache(maxsize=64)
+def _modelled_splits(B: int, H: int, n: int, block_m: int, sms: int) -> int:
+    """The divisor of H (from 2) whose split grid schedule.modelled_finish ends first; ties: the fewer splits."""
     divisors = [s for s in range(2, H + 1) if H % s == 0]
-    if position_costs is not None:
-        return min(divisors, key=lambda s: (modelled_finish(
-            B * s, tuple((H // s) * c + SPLIT_ADD_TILES for c in position_costs), sms), s))
-    return next((s for s in divisors if B * n_kblocks * s >= 2 * sms), H)
+    return min(divisors, key=lambda s: (modelled_finish(B * s, split_costs(H, s, n, block_m), sms), s))
+
+
+@functools.lru_cache(maxsize=64)
+def split_costs(H: int, splits: int, n: int, block_m: int) -> tuple[float, ...]:
+    """An MQA split's item at each key block position of a causal call, in tiles of work: its H / splits query
+    heads' query tiles, plus SPLIT_ADD_TILES for adding its dK, dV rows atomically."""
+    return tuple((H // splits) * c + SPLIT_ADD_TILES for c in key_block_costs(n, CONSUMERS.value * TILE.value, block_m))
 
 
 def launch_dkdv_dq_block(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,

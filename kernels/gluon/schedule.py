@@ -96,7 +96,6 @@ def plain_order(heads: int, position_costs: tuple[float, ...], programs: int) ->
     return tuple(_best_order(heads, position_costs, programs)[0])
 
 
-@functools.lru_cache(maxsize=64)
 def modelled_finish(heads: int, position_costs: tuple[float, ...], programs: int) -> float:
     """When plain_order's grid ends in the greedy replay, in tile-units: what a choice between grids compares."""
     return _best_order(heads, position_costs, programs)[2]
