@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from attention_reference import masked_attention, rel_err, rope64, visible_mask
+from minigpt.benchmarks.mask_bench import peak_extra_bytes
 from minigpt.model import Rotary
 from minigpt_kernels.flash_attention import flash_attention
 from minigpt_kernels.flash_attention_qkv import flash_attention_qkv
@@ -493,19 +494,13 @@ def test_mqa_fwd_bwd_takes_no_more_memory_than_mha(n, hq, head_dim):
     memory until dq is written; before, 2·N·D·4 bytes more, 4 MiB at 16 heads of 64 and 8K tokens: 1.13x MHA). The
     1 MiB of slack is for small allocations that differ between the two paths; the fp32 pair alone is 4 MiB or more."""
 
-    def peak_extra(hkv: int) -> int:
+    def peak_extra(hkv: int) -> int:  # as the mask benchmark measures it (peak_extra_bytes)
         q = torch.randn(1, hq, n, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         k, v = (torch.randn(1, hkv, n, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                 for _ in range(2))
         do = torch.randn_like(q)
         torch.autograd.grad(flash_attention(q, k, v, causal=True), (q, k, v), do)  # compiles the kernels first
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        o = flash_attention(q, k, v, causal=True)
-        grads = torch.autograd.grad(o, (q, k, v), do)
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base - sum(t.numel() * t.element_size() for t in (o, *grads))
+        return peak_extra_bytes(lambda q, k, v: flash_attention(q, k, v, causal=True), q, k, v, do)
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert launch.gluon_backward.mqa_splits(1, hq, 1, -(-n // 128), sms) > 1  # the one K/V head's grid is split
