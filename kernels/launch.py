@@ -476,7 +476,8 @@ def fused_heads_per_launch(B: int, H: int, kv_heads: int, N: int, D: int, sms: i
     the dQ accumulator shrinks to the group's, so the call's memory stays below MHA's: GQA 8:2 at head_dim 128 and 8K
     tokens (128 items) 0.66x the one launch's time, 16:2 at 64 0.66x (kernels/NOTES.md, session 19).
     cut_short_gqa=False keeps one launch: windows and documents (short items: a window of 1K at 8K ran 1.24x
-    slower cut) and callers that take the fp32 accumulator of every head (launch_backward_fused's fp32_dq)."""
+    slower cut), callers that take the fp32 accumulator of every head (launch_backward_fused's fp32_dq), and groups
+    of four query heads or more, whose one launch splits each group into dq's memory (launch_backward_fused)."""
     kv_group = H // kv_heads
     n_kblocks = -(-N // 128)
     if cut_short_gqa and 1 < kv_heads < H and N >= SHORT_GQA_CUT_FROM and B * kv_heads * n_kblocks < sms:
@@ -485,22 +486,24 @@ def fused_heads_per_launch(B: int, H: int, kv_heads: int, N: int, D: int, sms: i
     return max(kv_group, heads // kv_group * kv_group)
 
 
-def _fp32_pair_within(t: Tensor) -> tuple[Tensor, Tensor] | None:
-    """Two fp32 (B, 1, N, D) views inside the memory of t, a 2-byte (B, h, N, D) gradient of h >= 4 heads that is
-    written only later (dQ, copied from its accumulator after the dK/dV/dQ kernel): room for an MQA split's fp32
-    dK, dV, so that they need no memory of their own. None where t is laid out otherwise (or its 2-byte offsets and
-    strides would not land on 4-byte boundaries)."""
+def _fp32_pair_within(t: Tensor, kv_heads: int = 1) -> tuple[Tensor, Tensor] | None:
+    """Two fp32 (B, kv_heads, N, D) views inside the memory of t, a 2-byte (B, h, N, D) gradient of h >= 4·kv_heads
+    heads that is written only later (dQ, copied from its accumulator after the dK/dV/dQ kernel): room for a split's
+    fp32 dK, dV (mqa_splits), so that they need no memory of their own. None where t is laid out otherwise (or its
+    2-byte offsets and strides would not land on 4-byte boundaries)."""
     B, h, N, D = t.shape
     sb, sh, sn, sd = t.stride()
-    if (t.element_size() != 2 or h < 4 or sd != 1 or t.storage_offset() % 2
+    need = 4 * kv_heads  # 2-byte heads that hold two fp32 planes of kv_heads heads
+    if (t.element_size() != 2 or h < need or sd != 1 or t.storage_offset() % 2
             or any(x % 2 for x in (sb, sh, sn)) or (B > 1 and sb < h * N * D)):  # batches must not share memory
         return None
     if sh == D and sn >= h * D:  # (B, N, h·D) rows: per token, its heads' values back to back
-        rows = t.transpose(1, 2)[:, :, :4].flatten(2).view(torch.float32)  # (B, N, 2·D) fp32
-        return rows[..., :D].unsqueeze(1), rows[..., D:].unsqueeze(1)
+        rows = t.transpose(1, 2)[:, :, :need].flatten(2).view(torch.float32)  # (B, N, 2·kv_heads·D) fp32
+        planes = rows.unflatten(2, (2 * kv_heads, D)).transpose(1, 2)  # (B, 2·kv_heads, N, D)
+        return planes[:, :kv_heads], planes[:, kv_heads:]
     if sn == D and sh == N * D:  # (B, h, N, D): per head, its N·D values back to back
-        pair = t[:, :4].flatten(1).view(torch.float32).view(B, 2, N, D)
-        return pair[:, :1], pair[:, 1:]
+        planes = t[:, :need].flatten(1).view(torch.float32).view(B, 2 * kv_heads, N, D)
+        return planes[:, :kv_heads], planes[:, kv_heads:]
     return None
 
 
@@ -542,7 +545,9 @@ def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
                     masked=masked).tiles
     dq, dk, dv = _grad_outputs(out, False, ("dq", "dk", "dv"), (q, k, v))
     kv_group = H // k.shape[1]  # query heads per K/V head (GQA)
-    cut_short_gqa = window is None and q_doc_ids is None and not fp32_dq and 1 < k.shape[1] < H
+    # GQA alone over a short grid: one launch whose splits add dK, dV into dq's memory where the group has four query
+    # heads or more (_fp32_pair_within), else one launch per K/V head (each split like MQA)
+    cut_short_gqa = window is None and q_doc_ids is None and not fp32_dq and 1 < kv_group < 4
     sms = gluon_backward.sm_count(q.device) if cut_short_gqa else 0  # asked only for GQA (CPU tests stub the rest)
     group = fused_heads_per_launch(B, H, k.shape[1], N, D, sms, cut_short_gqa=cut_short_gqa)  # heads per launch
     keep_acc = fp32_dq and group == H
@@ -562,9 +567,9 @@ def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
         do_h, delta = launch_backward_delta(do[:, hs], o[:, hs], lse[:, hs])
         (lse_h, stride_lse), (delta, stride_delta) = _rows_in(lse[:, hs]), _rows_in(delta)
         (lse_h, stride_lse), (delta, stride_delta) = _rows_for_tma(lse_h, stride_lse), _rows_for_tma(delta, stride_delta)
-        one_kv_head = masked and kvs.stop - kvs.start == 1  # MQA, or a cut GQA group: perhaps split (mqa_splits),
-        # its fp32 dK, dV then in these heads' dq, which is written only below
-        scratch = dict(split_scratch=_fp32_pair_within(dq[:, hs])) if one_kv_head else {}
+        grouped = masked and kvs.stop - kvs.start < hs.stop - hs.start  # GQA, MQA: perhaps split (mqa_splits), its
+        # fp32 dK, dV then in these heads' dq, which is written only below
+        scratch = dict(split_scratch=_fp32_pair_within(dq[:, hs], kvs.stop - kvs.start)) if grouped else {}
         launch(do_h, q[:, hs], k[:, kvs], v[:, kvs], lse_h, stride_lse, delta, stride_delta, dk[:, kvs], dv[:, kvs],
                dq_acc, sm_scale, sm_scale * LOG2E, c.block_m, c.num_stages, **scratch)
         if keep_acc:

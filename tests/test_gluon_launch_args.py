@@ -90,7 +90,7 @@ def test_backward_launchers_bind_to_their_kernels(kernels):
     assert len(calls) == 5 and len(kernels["dq"].calls) == 1
     assert all(c["H"] == H for c in calls)
     split = calls[3]  # one K/V head, 6 key blocks for 4 SMs: split in two (mqa_splits), both reading the one head
-    assert split["K"].shape[1] == 2 and split["K"].stride(1) == 0 and split["group"] == H // 2
+    assert split["kv_splits"] == 2 and split["K"].shape[1] == 1 and split["group"] == H // 2
     assert split["ACCUMULATE_DKDV"] == bwd.DKDV_ATOMIC_ADD.value and split["DK"].dtype == torch.float32
     assert kernels["dq"].calls[0]["N"] == N and kernels["dq"].calls[0]["H"] == H
 
@@ -167,7 +167,7 @@ def test_a_split_into_single_query_heads_launches_longest_first(kernels, monkeyp
     bwd.launch_dkdv_dq_masked(do, q, k, v, lse, N, delta, N, torch.empty_like(k), torch.empty_like(v),
                               torch.zeros(B, H, N, D), 0.1, 0.14, 64, 2, None, None)
     call = kernels["dkdvdq"].calls[-1]
-    assert call["K"].shape[1] == 4 and call["group"] == 1  # 64 key blocks: 4 programs each, a query head each
+    assert call["kv_splits"] == 4 and call["group"] == 1  # 64 key blocks: 4 programs each, a query head each
     items = call["WORK"].tolist()
     n_kblocks = N // 128
     assert sorted(items) == list(range(4 * n_kblocks))
@@ -188,8 +188,8 @@ def test_an_mqa_split_adds_dk_dv_inside_dq_before_dq_is_written(kernels, monkeyp
     def add(*args, **kw):
         stand_in[None](*args, **kw)
         call = stand_in.calls[-1]
-        call["DK"][:, :1].add_(1.0)  # the splits' head stride is 0: one add reaches every split's rows
-        call["DV"][:, :1].add_(2.0)
+        call["DK"].add_(1.0)  # the one fp32 dK, dV every split adds into
+        call["DV"].add_(2.0)
         call["DQ_ACC"].add_(3.0)
 
     class Adding:
@@ -211,7 +211,7 @@ def test_an_mqa_split_adds_dk_dv_inside_dq_before_dq_is_written(kernels, monkeyp
         out = (out[0].transpose(1, 2), *out[1:])
     dq, dk, dv = launch.launch_backward_fused(do, q, k, v, o, lse, 0.1, cfg, out=out)
     call = stand_in.calls[-1]
-    assert call["K"].shape[1] > 1 and call["ACCUMULATE_DKDV"] == bwd.DKDV_ATOMIC_ADD.value  # split: 6 blocks, 4 SMs
+    assert call["kv_splits"] > 1 and call["ACCUMULATE_DKDV"] == bwd.DKDV_ATOMIC_ADD.value  # split: 6 blocks, 4 SMs
     inside = dq.untyped_storage().data_ptr(), dq.untyped_storage().data_ptr() + dq.untyped_storage().nbytes()
     for t in (call["DK"], call["DV"]):
         assert t.dtype == torch.float32 and inside[0] <= t.data_ptr() < inside[1]
@@ -248,3 +248,46 @@ def test_fp32_pairs_within_a_gradient_do_not_overlap():
     odd = torch.zeros(B * H * N * D + 1, dtype=torch.bfloat16)[1:].view(B, H, N, D)
     assert _fp32_pair_within(odd) is None  # fp32 views would start mid-element
     assert _fp32_pair_within(torch.zeros(1, H, N, D, dtype=torch.bfloat16).expand(B, H, N, D)) is None
+
+
+@pytest.mark.parametrize("hq, hkv, launches", [(8, 2, 1), (4, 2, 2)])
+def test_a_short_gqa_grid_splits_in_one_launch_where_dq_has_room(kernels, monkeypatch, hq, hkv, launches):
+    """GQA without masks over a grid shorter than the GPU (8:2 at 8K tokens: 128 items for 132 SMs): with four query
+    heads per K/V head or more, one launch splitting each group (kv_splits) whose fp32 dK, dV lie in dq's memory;
+    with fewer (4:2), one launch per K/V head as before. The stand-in adds 1 to dK, 2 to dV, 3 to dQ."""
+    from minigpt_kernels import dispatch, launch
+
+    stand_in = kernels["dkdvdq"]
+
+    def add(*args, **kw):
+        stand_in[None](*args, **kw)
+        call = stand_in.calls[-1]
+        call["DK"].add_(1.0 if call["kv_splits"] > 1 else 4.0)  # unsplit: the group's sum written once
+        call["DV"].add_(2.0 if call["kv_splits"] > 1 else 4.0)
+        call["DQ_ACC"].add_(3.0)
+
+    class Adding:
+        def __getitem__(self, grid):
+            return add
+
+    monkeypatch.setattr(bwd, "dkdvdq_kernel", Adding())
+    monkeypatch.setattr(bwd, "sm_count", lambda device: 132)
+    monkeypatch.setattr(launch.gluon_backward, "sm_count", lambda device: 132)
+    monkeypatch.setattr(launch, "specialized_ready", lambda *a, **kw: True)  # as if on an H100/H200
+    B, N, D = 1, 8192, 64
+    q, do, o = (torch.randn(B, hq, N, D, dtype=torch.float16) for _ in range(3))
+    k, v = torch.randn(B, hkv, N, D, dtype=torch.float16), torch.randn(B, hkv, N, D, dtype=torch.float16)
+    out = (torch.full_like(q, float("nan")), torch.empty_like(k), torch.empty_like(v))
+    cfg = dispatch.TileConfig(64, 128, 4, 2, tma=True, specialized=True)
+    dq, dk, dv = launch.launch_backward_fused(do, q, k, v, o, torch.zeros(B, hq, N), 0.1, cfg, out=out)
+    calls = stand_in.calls
+    assert len(calls) == launches
+    if launches == 1:
+        call = calls[0]
+        assert call["K"].shape[1] == hkv and call["kv_splits"] > 1 and call["group"] * call["kv_splits"] == hq // hkv
+        inside = dq.untyped_storage().data_ptr(), dq.untyped_storage().data_ptr() + dq.untyped_storage().nbytes()
+        assert all(inside[0] <= t.data_ptr() < inside[1] for t in (call["DK"], call["DV"]))
+        assert torch.equal(dk, torch.ones_like(dk)) and torch.equal(dv, torch.full_like(dv, 2.0))
+    else:
+        assert all(c["K"].shape[1] == 1 for c in calls)
+    assert torch.equal(dq, torch.full_like(dq, 3.0))

@@ -534,7 +534,7 @@ def _dkdv_consumer(shared, dkdv_out, ME: gl.constexpr, HEAD_DIM: gl.constexpr, B
     item's last matmul that reads it."""
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty, ds_smem, ds_ready,
      ds_free, DK, DV, H, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-     N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks, mask, group, n_q) = shared
+     N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks, mask, group, n_q, kv_splits) = shared
     first, count = program_items(WORK_START, PERSISTENT)
     s_layout: gl.constexpr = mma_layout(BLOCK_M, 4)
     d_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)
@@ -568,9 +568,9 @@ def _dkdv_consumer(shared, dkdv_out, ME: gl.constexpr, HEAD_DIM: gl.constexpr, B
                                       ds_free, kv_free, buf, True, g, num_tiles, ME, STAGES, zero_s, dk, dv, keys,
                                       cols, qk_scale, a_layout, BLOCK_M, tmask, WINDOWED, DOCS, FULL)
             g += num_tiles
-        _write_dkdv(dk, dv, DK, DV, (bh // heads).to(gl.int64), (bh % heads).to(gl.int64), stride_dkb, stride_dkh,
-                    stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM, ACCUMULATE_DKDV,
-                    dkdv_out, ME, DKDV_TMA)
+        _write_dkdv(dk, dv, DK, DV, (bh // heads).to(gl.int64), ((bh % heads) // kv_splits).to(gl.int64), stride_dkb,
+                    stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM,
+                    ACCUMULATE_DKDV, dkdv_out, ME, DKDV_TMA)
     if DKDV_TMA:
         tma.store_wait(0)
 
@@ -588,7 +588,7 @@ def _dkdv_dq_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.constexp
     producer (kv_free) after the item's last dQ matmul, the last that reads them."""
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty, ds_smem, ds_ready,
      ds_free, DK, DV, H, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-     N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks, mask, group, n_q) = shared
+     N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks, mask, group, n_q, kv_splits) = shared
     first, count = program_items(WORK_START, PERSISTENT)
     dq_smem, dq_desc, acc_rows_b, acc_rows_h, acc_cols_h = dqs[2], dqs[7], dqs[10], dqs[11], dqs[12]
     HALF: gl.constexpr = HEAD_DIM // 2
@@ -635,8 +635,9 @@ def _dkdv_dq_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.constexp
                                       tmask, WINDOWED, DOCS, FULL)
             mbarrier.arrive(kv_free.index(0), count=1)  # this consumer's last reads of K and V have retired
             g += num_tiles
-        _write_dkdv(dk, dv, DK, DV, (bh // heads).to(gl.int64), (bh % heads).to(gl.int64), stride_dkb, stride_dkh,
-                    stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM, ACCUMULATE_DKDV)
+        _write_dkdv(dk, dv, DK, DV, (bh // heads).to(gl.int64), ((bh % heads) // kv_splits).to(gl.int64), stride_dkb,
+                    stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM,
+                    ACCUMULATE_DKDV)
     tma.store_wait(0)
 
 
@@ -720,7 +721,7 @@ def _dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGE
     (Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
      stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_lse, stride_delta, B, H, N,
      k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty,
-     WORK, WORK_START, n_kblocks, mask, group, n_q) = loads
+     WORK, WORK_START, n_kblocks, mask, group, n_q, kv_splits) = loads
     first, count = program_items(WORK_START, PERSISTENT)
     dtype: gl.constexpr = q_smem.dtype
     KV_BUFS: gl.constexpr = k_smem.shape[0] // CONSUMERS  # 2, or 1 at head_dim 128
@@ -728,8 +729,8 @@ def _dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGE
     kv_bytes: gl.constexpr = 2 * TILE * HEAD_DIM * dtype.primitive_bitwidth // 8
     heads = _item_heads(H, group, GQA)
     n_rows = _query_count(N, n_q, FULL)
-    k_desc = all_heads(K, B, heads, N, stride_kb, stride_kh, stride_kn, TILE, HEAD_DIM)
-    v_desc = all_heads(V, B, heads, N, stride_vb, stride_vh, stride_vn, TILE, HEAD_DIM)
+    k_desc = all_heads(K, B, heads // kv_splits, N, stride_kb, stride_kh, stride_kn, TILE, HEAD_DIM)
+    v_desc = all_heads(V, B, heads // kv_splits, N, stride_vb, stride_vh, stride_vn, TILE, HEAD_DIM)
     descs = (all_heads(Q, B, H, n_rows, stride_qb, stride_qh, stride_qn, BLOCK_M, HEAD_DIM),
              all_heads(DO, B, H, n_rows, stride_dob, stride_doh, stride_don, BLOCK_M, HEAD_DIM),
              all_rows(LSE, B * H, n_rows, stride_lse, BLOCK_M),
@@ -745,9 +746,9 @@ def _dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGE
         mbarrier.wait(kv_free.index(buf), ((i // KV_BUFS) & 1) ^ 1)  # item i − KV_BUFS's users are done with it
         for c in gl.static_range(CONSUMERS):
             mbarrier.expect(kv_ready.index(buf * CONSUMERS + c), kv_bytes)
-            load_rows(k_desc, [b, h, start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
+            load_rows(k_desc, [b, h // kv_splits, start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
                       k_smem.index(buf * CONSUMERS + c), KV_BOX)
-            load_rows(v_desc, [b, h, start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
+            load_rows(v_desc, [b, h // kv_splits, start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
                       v_smem.index(buf * CONSUMERS + c), KV_BOX)
         if GQA:  # query head h·group + qh (its rows b·H + h·group + qh of LSE, delta), qh = 0 ... group − 1
             for qh in range(group):
@@ -766,7 +767,7 @@ def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
                               stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
                               stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                               stride_lse, stride_delta, B, H, N, n_kblocks, acc_rows, acc_cols, acc_rows_b, acc_rows_h,
-                              acc_cols_h, qk_scale, sm_scale, group, DOC_ENDS, stride_ends, window, n_q,
+                              acc_cols_h, qk_scale, sm_scale, group, kv_splits, DOC_ENDS, stride_ends, window, n_q,
                               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                               KV_BUFS: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                               PRODUCER_REGS: gl.constexpr, REDUCER_REGS: gl.constexpr, GQA: gl.constexpr,
@@ -781,7 +782,9 @@ def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
     register file beside two consumers holding dK and dV, 128 registers each; NOTES.md V) and REDUCER_REGS is unused.
     KV_BUFS: K/V buffers, 2 to load an item's keys during the last one's tail (head_dim 64 with many items per
     program), else 1. H: query heads. GQA: an item's bh is b·(H / group) + h over the K/V heads (K, V, DK, DV), and
-    it sums its dK, dV over the query heads h·group ... h·group + group − 1 (Q, DO, LSE, DELTA, DQ_ACC). WINDOWED:
+    it sums its dK, dV over the query heads h·group ... h·group + group − 1 (Q, DO, LSE, DELTA, DQ_ACC). kv_splits
+    (mqa_splits): the items' heads are each K/V head's group split kv_splits ways, so item head h reads K/V head
+    h // kv_splits and adds its dK, dV there (ACCUMULATE_DKDV = DKDV_ATOMIC_ADD); 1 otherwise. WINDOWED:
     query i sees key j only if i − window < j; DOCS: only if both lie in one document, i.e. (i >= j) i < DOC_ENDS[b,
     j], the end of j's document (B, N) int32, rows stride_ends apart (launch_dkdv_dq_masked finds them from the
     ids). Without them the last four are unused.
@@ -814,8 +817,8 @@ def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
     if DKDV_TMA:  # each consumer's dK, dV staged for their TMA copies out
         gl.static_assert(not SPLIT_DQ and ACCUMULATE_DKDV == DKDV_WRITE, "DKDV_TMA: head_dim 64, dK and dV written")
         out_dtype: gl.constexpr = DK.dtype.element_ty
-        dkdv_out = (all_heads(DK, B, H // group, N, stride_dkb, stride_dkh, stride_dkn, TILE, HEAD_DIM),
-                    all_heads(DV, B, H // group, N, stride_dvb, stride_dvh, stride_dvn, TILE, HEAD_DIM),
+        dkdv_out = (all_heads(DK, B, H // group // kv_splits, N, stride_dkb, stride_dkh, stride_dkn, TILE, HEAD_DIM),
+                    all_heads(DV, B, H // group // kv_splits, N, stride_dvb, stride_dvh, stride_dvn, TILE, HEAD_DIM),
                     gl.allocate_shared_memory(out_dtype, [2 * CONSUMERS, TILE, HEAD_DIM],
                                               gl.NVMMASharedLayout.get_default_for([TILE, HEAD_DIM], out_dtype)))
     else:
@@ -842,11 +845,11 @@ def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
 
     shared = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty, ds_smem,
               ds_ready, ds_free, DK, DV, H, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-              N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks, mask, group, n_q)
+              N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks, mask, group, n_q, kv_splits)
     loads = (Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
              stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_lse, stride_delta, B, H, N,
              k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty,
-             WORK, WORK_START, n_kblocks, mask, group, n_q)
+             WORK, WORK_START, n_kblocks, mask, group, n_q, kv_splits)
     dqs = (k_smem, ds_smem, dq_smem, kv_ready, kv_free, ds_ready, ds_free, dq_desc, N, H, acc_rows_b, acc_rows_h,
            acc_cols_h, sm_scale, WORK, WORK_START, n_kblocks, mask, group, n_q)
     if SPLIT_DQ:
@@ -1064,9 +1067,10 @@ def _launch_dkdvdq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, str
                    block_m: int, stages: int, work: Tensor, work_start: Tensor, persistent: bool,
                    window: int | None = None, document_ids: Tensor | None = None, full: bool = False,
                    accumulate_dkdv: bool = False, acc_geometry: AccGeometry | None = None,
-                   atomic_dkdv: bool = False) -> None:
+                   kv_splits: int = 1) -> None:
     """dkdvdq_kernel on a work list. q, do: (B, H, N_Q, D); k, v: (B, Hkv, N_K, D), N_Q = N_K unless `full`.
-    accumulate_dkdv: dk, dv (fp32) receive dK, dV added (DKDV_ADD); atomic_dkdv: added atomically (DKDV_ATOMIC_ADD).
+    accumulate_dkdv: dk, dv (fp32) receive dK, dV added (DKDV_ADD); kv_splits > 1: each K/V head's group runs as
+    kv_splits virtual heads, which add into dk, dv (fp32) atomically (DKDV_ATOMIC_ADD; mqa_splits).
     acc_geometry: dq_acc's (dq_acc_geometry); None: dq_acc dense in (B, H, N, D) or (B, N, H, D) memory."""
     B, H, n_q, D = q.shape
     N = k.shape[2]  # keys (and queries, but where full)
@@ -1083,14 +1087,17 @@ def _launch_dkdvdq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, str
     else:
         raise ValueError("the dK/dV/dQ kernel: dq_acc must be dense (B, H, N, D) or (B, N, H, D) memory")
     n_kblocks = -(-N // (CONSUMERS.value * TILE.value))
+    atomic_dkdv = kv_splits > 1
+    virtual_heads = k.shape[1] * kv_splits  # the items' heads
     dkdvdq_kernel[(work_start.numel() - 1,)](
         q, k, v, do, lse, delta, dk, dv, dq_acc, work, work_start, *strides3(q), *strides3(k), *strides3(v),
         *strides3(do), *strides3(dk), *strides3(dv), stride_lse, stride_delta, B, H, N, n_kblocks, *acc_shape,
-        *acc_steps, qk_scale, sm_scale, H // k.shape[1], ends, ends.stride(0) if document_ids is not None else 0,
+        *acc_steps, qk_scale, sm_scale, H // virtual_heads, kv_splits, ends,
+        ends.stride(0) if document_ids is not None else 0,
         window or 0, n_q, HEAD_DIM=D, BLOCK_M=block_m, STAGES=stages,
         KV_BUFS=2 if persistent and D == 64 else 1, PERSISTENT=persistent,
         CONSUMER_REGS=SPLIT_CONSUMER_REGS if D > 64 else FUSED_CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, REDUCER_REGS=REDUCER_REGS, GQA=k.shape[1] != H, WINDOWED=window is not None,
+        PRODUCER_REGS=PRODUCER_REGS, REDUCER_REGS=REDUCER_REGS, GQA=virtual_heads != H, WINDOWED=window is not None,
         DOCS=document_ids is not None, FULL=full,
         ACCUMULATE_DKDV=(DKDV_ATOMIC_ADD if atomic_dkdv else DKDV_ADD if accumulate_dkdv else DKDV_WRITE).value,
         DKDV_TMA=staged_by_tma(D, dk, dv, accumulate=accumulate_dkdv or atomic_dkdv), num_warps=4)
@@ -1132,36 +1139,41 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
                           persistent: bool | None = None,
                           split_scratch: tuple[Tensor, Tensor] | None = None) -> None:
     """launch_dkdv_dq's contract with GQA (k, v, dk, dv with H / group heads: dK, dV of a K/V head sum over its
-    group's query heads, in one program per key block; with one K/V head and a short grid, in mqa_splits programs
-    per key block, each over a part of the group, adding into one fp32 dK, dV atomically) and the masks: `window`
-    (query i sees key j only if i − window < j) and `document_ids` ((B, N) int32/int64, non-decreasing, rows with a
-    contiguous last dimension; only keys of the query's document). Each key block visits only the query tiles that
-    see its keys, found on the device (each token's document end by torch.searchsorted, then one load per key); lse
-    and delta are the query heads' rows. A window without document ids, with as many K/V heads as query heads, runs
-    persistent from MASKED_PERSISTENT_WAVES waves of key blocks: one program per SM over a schedule balanced on the
-    host (windowed_key_block_costs); persistent=False keeps the plain grid. Everything else is a plain grid
-    (documents, GQA, MQA splits: persistent measured slower or equal there, or not measured; kernels/NOTES.md),
-    GQA alone (no window or documents) in the launch order schedule.plain_order models best. split_scratch: two fp32
-    (B, 1, N, D) views (any strides, a contiguous last dimension) that mqa_splits' dK, dV may use (zeroed here), e.g.
-    memory of an output written only later; None: new buffers."""
+    group's query heads, in one program per key block; over a short grid (one K/V head, or GQA without masks), in
+    mqa_splits programs per key block, each over a part of the group, adding into one fp32 dK, dV atomically) and the
+    masks: `window` (query i sees key j only if i − window < j) and `document_ids` ((B, N) int32/int64,
+    non-decreasing, rows with a contiguous last dimension; only keys of the query's document). Each key block visits
+    only the query tiles that see its keys, found on the device (each token's document end by torch.searchsorted,
+    then one load per key); lse and delta are the query heads' rows. A window without document ids, one query head
+    per item, runs persistent from MASKED_PERSISTENT_WAVES waves of key blocks: one program per SM over a schedule
+    balanced on the host (windowed_key_block_costs); persistent=False keeps the plain grid. Everything else is a
+    plain grid (documents, GQA, splits: persistent measured slower or equal there, or not measured;
+    kernels/NOTES.md), GQA alone (no window or documents) in the launch order schedule.plain_order models best.
+    split_scratch: two fp32 (B, Hkv, N, D) views (any strides, a contiguous last dimension) that the splits' dK, dV
+    may use (zeroed here), e.g. memory of an output written only later; None: new buffers for one K/V head, no
+    split for several."""
     B, H, N, D = q.shape
+    kv_heads = k.shape[1]
     n_kblocks = -(-N // (CONSUMERS.value * TILE.value))
     programs = sm_count(q.device)
     unmasked = window is None and document_ids is None
-    splits = mqa_splits(B, H, k.shape[1], n_kblocks, programs, N if unmasked else None, block_m)
-    if splits > 1:  # one K/V head: its group split over `splits` programs per key block, adding into one fp32 dK, dV
-        k, v = k.expand(B, splits, N, D), v.expand(B, splits, N, D)  # head stride 0: every split reads the one head
+    splits = mqa_splits(B, H, kv_heads, n_kblocks, programs, N if unmasked else None, block_m)
+    if kv_heads > 1 and split_scratch is None:  # GQA splits only into memory lent: with fp32 dK, dV of its own it
+        splits = 1  # would take more than MHA's
+    if splits > 1:  # each K/V head's group split over `splits` programs per key block, adding into one fp32 dK, dV
         dk_out, dv_out = dk, dv
         if split_scratch is None:
-            split_scratch = tuple(torch.empty((B, 1, N, D), dtype=torch.float32, device=q.device) for _ in range(2))
-        elif len(split_scratch) != 2 or any(t.shape != (B, 1, N, D) or t.dtype != torch.float32 or t.stride(-1) != 1
-                                            or t.device != q.device for t in split_scratch):
-            raise ValueError(f"the dK/dV/dQ kernel: split_scratch must be two fp32 ({B}, 1, {N}, {D}) views on q's "
-                             f"device with a contiguous last dimension")
-        dk, dv = (t.zero_().expand(B, splits, N, D) for t in split_scratch)  # ... and adds into its rows
-    heads = B * k.shape[1]
-    windowed = window is not None and document_ids is None and k.shape[1] == H  # no GQA walk: MHA, or an
-    # MQA split of one query head per program
+            split_scratch = tuple(torch.empty((B, kv_heads, N, D), dtype=torch.float32, device=q.device)
+                                  for _ in range(2))
+        elif len(split_scratch) != 2 or any(t.shape != (B, kv_heads, N, D) or t.dtype != torch.float32
+                                            or t.stride(-1) != 1 or t.device != q.device for t in split_scratch):
+            raise ValueError(f"the dK/dV/dQ kernel: split_scratch must be two fp32 ({B}, {kv_heads}, {N}, {D}) views "
+                             f"on q's device with a contiguous last dimension")
+        dk, dv = (t.zero_() for t in split_scratch)
+    heads = B * kv_heads * splits  # the items' (batch, virtual head) pairs
+    group = H // (kv_heads * splits)  # query heads per item
+    windowed = window is not None and document_ids is None and group == 1  # no GQA walk: MHA, or a split of one
+    # query head per program
     if persistent is None:
         persistent = windowed and heads * n_kblocks >= MASKED_PERSISTENT_WAVES * programs
     elif persistent and not windowed:
@@ -1169,21 +1181,20 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
     if persistent:
         costs = windowed_key_block_costs(N, CONSUMERS.value * TILE.value, block_m, window)
         work, work_start = device_schedule(heads, costs, min(programs, heads * n_kblocks), q.device)
-    elif unmasked and (k.shape[1] != H or splits > 1):  # GQA alone: each item walks its K/V head's query heads (or
+    elif unmasked and (kv_heads != H or splits > 1):  # GQA alone: each item walks its K/V head's query heads (or
         # its split's, perhaps one) over the query tiles from its keys on: a plain grid in the order that balances
         # best (plain_order; its costs leave out the split's SPLIT_ADD_TILES, as measured: with them the order
         # changes at 16:1 16K, 16:1 8K batch 2 and 32:1 8K, not measured)
-        group = H // k.shape[1]
         costs = tuple(group * c for c in key_block_costs(N, CONSUMERS.value * TILE.value, block_m))
         work, work_start = device_plain_order(heads, costs, programs, q.device)
     else:
         work, work_start = device_one_each(heads, tuple(range(n_kblocks)), q.device)
     _launch_dkdvdq(do, q, k, v, lse, stride_lse, delta, stride_delta, dk, dv, dq_acc, sm_scale, qk_scale, block_m,
                    stages, work, work_start, persistent=persistent, window=window, document_ids=document_ids,
-                   atomic_dkdv=splits > 1)
+                   kv_splits=splits)
     if splits > 1:  # dK = Σ over the splits' query heads, summed in fp32 and rounded once
-        dk_out.copy_(dk[:, :1])
-        dv_out.copy_(dv[:, :1])
+        dk_out.copy_(dk)
+        dv_out.copy_(dv)
 
 
 @functools.lru_cache(maxsize=64)
@@ -1204,24 +1215,29 @@ SPLIT_ADD_TILES = 3.0
 
 def mqa_splits(B: int, H: int, kv_heads: int, n_kblocks: int, sms: int, causal_n: int | None = None,
                block_m: int = 64) -> int:
-    """Programs per key block of a one-K/V-head call (MQA): the plain grid has B·n_kblocks programs, each walking
-    all H query heads, which leaves most SMs idle where B·n_kblocks is small (8K tokens at batch 1: 64 programs for
-    132 SMs, 2.8x the MHA kernel's time). Splitting the query heads into `splits` parts of H / splits makes
-    B·n_kblocks·splits programs, at the cost of one fp32 dK, dV that they add into atomically. Which divisor of H:
-    for a causal call of causal_n tokens without masks, the one whose grid the schedule model finishes first
-    (split_costs: fewer, longer items add less but balance worse; 16:1 at 8K ran 1.007 ms with 4 splits, 1.029
-    with 8; at 32K 15.77 with 2, 15.56 with 4); else (windows, documents: costs the host does not model here) the
-    fewest that give two waves. 1 (no split) with several K/V heads or where the grid has two waves already."""
-    if kv_heads != 1 or H == 1 or B * n_kblocks >= 2 * sms:
+    """Programs per key block and K/V head: the plain grid has B·kv_heads·n_kblocks programs, each walking its K/V
+    head's group of H / kv_heads query heads, which leaves most SMs idle where that grid is short (MQA at 8K tokens,
+    batch 1: 64 programs for 132 SMs, 2.8x the MHA kernel's time; GQA 8:2: 128). Splitting each group into `splits`
+    parts makes splits times the programs, at the cost of one fp32 dK, dV that they add into atomically. Which
+    divisor of the group: for a causal call of causal_n tokens without masks, the one whose grid the schedule model
+    finishes first (split_costs: fewer, longer items add less but balance worse; 16:1 at 8K ran 1.007 ms with 4
+    splits, 1.029 with 8; at 32K 15.77 with 2, 15.56 with 4); with windows or documents (costs the host does not
+    model here), for one K/V head only, the fewest that give two waves (GQA with masks keeps its grid: a window of
+    1K with GQA 8:2 at 8K ran 1.24x slower cut per K/V head). 1 (no split) where the grid has two waves already."""
+    group = H // kv_heads
+    if group == 1 or B * kv_heads * n_kblocks >= 2 * sms:
         return 1
     if causal_n is not None:
-        return _modelled_splits(B, H, causal_n, block_m, sms)
+        return _modelled_splits(B * kv_heads, group, causal_n, block_m, sms)
+    if kv_heads != 1:
+        return 1
     return next((s for s in range(2, H + 1) if H % s == 0 and B * n_kblocks * s >= 2 * sms), H)
 
 
 @functools.lru_cache(maxsize=64)
 def _modelled_splits(B: int, H: int, n: int, block_m: int, sms: int) -> int:
-    """The divisor of H (from 2) whose split grid schedule.modelled_finish ends first; ties: the fewer splits."""
+    """The divisor of H (from 2) whose split grid schedule.modelled_finish ends first; ties: the fewer splits. B:
+    the call's (batch, K/V head) pairs; H: the query heads of each."""
     divisors = [s for s in range(2, H + 1) if H % s == 0]
     return min(divisors, key=lambda s: (modelled_finish(B * s, split_costs(H, s, n, block_m), sms), s))
 
