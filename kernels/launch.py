@@ -469,18 +469,19 @@ SHORT_GQA_CUT_FROM = 4096
 def fused_heads_per_launch(B: int, H: int, kv_heads: int, N: int, D: int, sms: int, *,
                            cut_short_gqa: bool = True) -> int:
     """Query heads per launch of the five-matmul backward: as many as FUSED_DQ_ACC_BYTES of fp32 dQ accumulator hold
-    (at least one head's), in whole GQA groups so that a K/V head's dK, dV are summed in one launch. With GQA whose
-    grid of (batch, K/V head, key block) items would not fill the GPU (fewer than `sms`: each item walks its whole
-    group, so the longest, key block 0, sets the time), one K/V head's group per launch instead: the launch is then
-    a one-K/V-head call, which gluon/backward.mqa_splits spreads over more programs adding into one fp32 dK, dV, and
-    the dQ accumulator shrinks to the group's, so the call's memory stays below MHA's: GQA 8:2 at head_dim 128 and 8K
-    tokens (128 items) 0.66x the one launch's time, 16:2 at 64 0.66x (kernels/NOTES.md, session 19).
-    cut_short_gqa=False keeps one launch: windows and documents (short items: a window of 1K at 8K ran 1.24x
-    slower cut), callers that take the fp32 accumulator of every head (launch_backward_fused's fp32_dq), and groups
-    of four query heads or more, whose one launch splits each group into dq's memory (launch_backward_fused)."""
+    (at least one head's), in whole GQA groups so that a K/V head's dK, dV are summed in one launch. A short GQA grid
+    (fewer (batch, K/V head, key block) items than `sms`: each item walks its whole group, so the longest, key block
+    0, sets the time) is split over more programs (gluon/backward.mqa_splits) adding into fp32 dK, dV. Groups of
+    four query heads or more keep one launch: its splits add into dq's memory (_fp32_pair_within: four 2-byte heads
+    hold one fp32 pair). Smaller groups get one launch per K/V head, each a one-K/V-head call whose fp32 pair fits
+    in its group's dq, so the call's memory stays below MHA's: GQA 8:2 at head_dim 128 and 8K tokens (128 items)
+    0.66x the unsplit launch's time, 16:2 at 64 0.66x (kernels/NOTES.md, session 19). cut_short_gqa=False keeps one
+    launch: windows and documents (short items: a window of 1K at 8K ran 1.24x slower cut) and callers that take
+    the fp32 accumulator of every head (launch_backward_fused's fp32_dq)."""
     kv_group = H // kv_heads
     n_kblocks = -(-N // 128)
-    if cut_short_gqa and 1 < kv_heads < H and N >= SHORT_GQA_CUT_FROM and B * kv_heads * n_kblocks < sms:
+    if (cut_short_gqa and 1 < kv_heads < H and kv_group < 4 and N >= SHORT_GQA_CUT_FROM
+            and B * kv_heads * n_kblocks < sms):
         return kv_group
     heads = max(1, min(H, FUSED_DQ_ACC_BYTES // (B * N * D * 4)))
     return max(kv_group, heads // kv_group * kv_group)
@@ -547,8 +548,9 @@ def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
     kv_group = H // k.shape[1]  # query heads per K/V head (GQA)
     # GQA alone over a short grid: one launch whose splits add dK, dV into dq's memory where the group has four query
     # heads or more (_fp32_pair_within), else one launch per K/V head (each split like MQA)
-    cut_short_gqa = window is None and q_doc_ids is None and not fp32_dq and 1 < kv_group < 4
-    sms = gluon_backward.sm_count(q.device) if cut_short_gqa else 0  # asked only for GQA (CPU tests stub the rest)
+    cut_short_gqa = window is None and q_doc_ids is None and not fp32_dq
+    sms = gluon_backward.sm_count(q.device) if cut_short_gqa and 1 < kv_group < 4 else 0  # asked only where it may
+    # cut (CPU tests stub the rest)
     group = fused_heads_per_launch(B, H, k.shape[1], N, D, sms, cut_short_gqa=cut_short_gqa)  # heads per launch
     keep_acc = fp32_dq and group == H
     acc = torch.empty(B * group * N * D, dtype=torch.float32, device=q.device)

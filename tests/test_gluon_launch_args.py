@@ -80,8 +80,8 @@ def test_backward_launchers_bind_to_their_kernels(kernels):
     bwd.launch_dkdv_dq(*args)
     bwd.launch_dkdv_dq_persistent(*args)
     bwd.launch_dkdv_dq_masked(*args, 200, None)
-    bwd.launch_dkdv_dq_masked(do, q, k[:, :1], v[:, :1], lse, 304, delta, 304, dk[:, :1], dv[:, :1], acc, 0.1, 0.14,
-                              64, 2, None, None)  # one K/V head: the MQA split
+    bwd.launch_dkdv_dq_masked(do[:1], q[:1], k[:1, :1], v[:1, :1], lse[:1], 304, delta[:1], 304, dk[:1, :1],
+                              dv[:1, :1], acc[:1], 0.1, 0.14, 64, 2, None, None)  # one K/V head: the MQA split
     bwd.launch_dkdv_dq_block(do, q[:, :, :256], k[:, :, :256], v[:, :, :256], lse, 304, delta, 304, dk[:, :, :256],
                              dv[:, :, :256], acc, ((B * H * 256, D), (H * 256, 256, 0)), 0.1, 0.14, 64, 2,
                              causal=False, accumulate_dkdv=False)
@@ -89,7 +89,7 @@ def test_backward_launchers_bind_to_their_kernels(kernels):
     calls = kernels["dkdvdq"].calls
     assert len(calls) == 5 and len(kernels["dq"].calls) == 1
     assert all(c["H"] == H for c in calls)
-    split = calls[3]  # one K/V head, 6 key blocks for 4 SMs: split in two (mqa_splits), both reading the one head
+    split = calls[3]  # one K/V head, 3 key blocks for 4 SMs: split in two (mqa_splits), both reading the one head
     assert split["kv_splits"] == 2 and split["K"].shape[1] == 1 and split["group"] == H // 2
     assert split["ACCUMULATE_DKDV"] == bwd.DKDV_ATOMIC_ADD.value and split["DK"].dtype == torch.float32
     assert kernels["dq"].calls[0]["N"] == N and kernels["dq"].calls[0]["H"] == H
@@ -135,21 +135,24 @@ def test_o_leaves_by_tma_only_where_the_forward_can_stage_it(kernels):
     assert staged_by_tma(64, q, accumulate=False) and not staged_by_tma(128, q, accumulate=False)
 
 
-def test_short_gqa_grids_launch_one_kv_head_at_a_time():
+def test_short_gqa_grids_of_small_groups_launch_one_kv_head_at_a_time():
     """The five-matmul backward's heads per launch: one K/V head's group where a one-launch grid of (batch, K/V head,
-    key block) items would leave SMs idle (GQA 8:2 at 8K tokens: 128 items for 132 SMs), so that the launch is
-    split over programs (mqa_splits) with a dQ accumulator of the group's heads; otherwise as many heads as the
-    accumulator's budget holds, in whole groups."""
+    key block) items would leave SMs idle (GQA 4:2 at 8K tokens: 128 items for 132 SMs) and the group is too small
+    to hold its fp32 dK, dV in dq's memory (fewer than four query heads), so that each launch is split over programs
+    (mqa_splits) with a dQ accumulator of the group's heads; groups of four or more keep one launch (split in it);
+    otherwise as many heads as the accumulator's budget holds, in whole groups."""
     from minigpt_kernels.launch import FUSED_DQ_ACC_BYTES, fused_heads_per_launch
 
-    assert fused_heads_per_launch(1, 8, 2, 8192, 128, 132) == 4  # 128 items < 132 SMs
+    assert fused_heads_per_launch(1, 4, 2, 8192, 128, 132) == 2  # 128 items < 132 SMs, groups of 2
+    assert fused_heads_per_launch(1, 6, 2, 8192, 64, 132) == 3  # groups of 3
+    assert fused_heads_per_launch(1, 8, 2, 8192, 128, 132) == 8  # groups of 4: one launch, split in it
     assert fused_heads_per_launch(1, 16, 4, 8192, 64, 132) == 16  # 256 items: one launch, as before
-    assert fused_heads_per_launch(2, 8, 2, 8192, 128, 132) == 8  # batch 2: 256 items
-    assert fused_heads_per_launch(1, 8, 2, 32768, 128, 132) == 8  # 512 items
+    assert fused_heads_per_launch(2, 4, 2, 8192, 128, 132) == 4  # batch 2: 256 items
+    assert fused_heads_per_launch(1, 4, 2, 32768, 128, 132) == 4  # 512 items
     assert fused_heads_per_launch(1, 8, 8, 8192, 128, 132) == 8  # MHA
     assert fused_heads_per_launch(1, 16, 1, 8192, 64, 132) == 16  # MQA: one launch, split in it (mqa_splits)
-    assert fused_heads_per_launch(4, 8, 2, 1024, 128, 132) == 8  # 64 items, but short rows: one launch
-    assert fused_heads_per_launch(1, 8, 2, 8192, 128, 132, cut_short_gqa=False) == 8  # masks, fp32 dQ: one launch
+    assert fused_heads_per_launch(4, 4, 2, 1024, 128, 132) == 4  # 64 items, but short rows: one launch
+    assert fused_heads_per_launch(1, 4, 2, 8192, 128, 132, cut_short_gqa=False) == 4  # masks, fp32 dQ: one launch
     n = FUSED_DQ_ACC_BYTES // (2 * 128 * 4)  # the accumulator's budget holds 2 heads of n rows ...
     assert fused_heads_per_launch(1, 32, 8, n, 128, 16) == 4  # ... rounded up to a whole group of 4
 
@@ -197,6 +200,7 @@ def test_an_mqa_split_adds_dk_dv_inside_dq_before_dq_is_written(kernels, monkeyp
             return add
 
     monkeypatch.setattr(bwd, "dkdvdq_kernel", Adding())
+    monkeypatch.setattr(bwd, "sm_count", lambda device: 8)  # 6 items, 8 SMs: split (mqa_splits)
     monkeypatch.setattr(launch, "specialized_ready", lambda *a, **kw: True)  # as if on an H100/H200
     B, H, N, D = 2, 8, 300, 64
     shape = (B, H, N, D) if layout == "heads" else (B, N, H, D)
@@ -211,7 +215,7 @@ def test_an_mqa_split_adds_dk_dv_inside_dq_before_dq_is_written(kernels, monkeyp
         out = (out[0].transpose(1, 2), *out[1:])
     dq, dk, dv = launch.launch_backward_fused(do, q, k, v, o, lse, 0.1, cfg, out=out)
     call = stand_in.calls[-1]
-    assert call["kv_splits"] > 1 and call["ACCUMULATE_DKDV"] == bwd.DKDV_ATOMIC_ADD.value  # split: 6 blocks, 4 SMs
+    assert call["kv_splits"] > 1 and call["ACCUMULATE_DKDV"] == bwd.DKDV_ATOMIC_ADD.value
     inside = dq.untyped_storage().data_ptr(), dq.untyped_storage().data_ptr() + dq.untyped_storage().nbytes()
     for t in (call["DK"], call["DV"]):
         assert t.dtype == torch.float32 and inside[0] <= t.data_ptr() < inside[1]

@@ -350,14 +350,21 @@ def test_the_masked_gluon_backward_matches_float32_and_the_triton_path(N, Hq, Hk
 # ------------------------------------------------------------------------------------------------
 # flash_attention_qkv: the qkv projection (B, N, Hq + 2·Hkv, D), RoPE inside, GQA and masks
 # ------------------------------------------------------------------------------------------------
-def adds_dkdv_atomically(B: int, hq: int, hkv: int, n: int, head_dim: int, cut: bool) -> bool:
-    """Whether the five-matmul backward sums this call's dK, dV over programs (atomically, in a varying order): its
-    launches hold one K/V head each (MQA, or GQA cut per K/V head) and mqa_splits splits their grid. cut: whether
-    the call may cut a short GQA grid (flash_attention without masks; not the qkv path, which takes the fp32 dQ)."""
+def adds_dkdv_atomically(B: int, hq: int, hkv: int, n: int, head_dim: int, cut: bool, masked: bool) -> bool:
+    """Whether the five-matmul backward sums this call's dK, dV over programs (atomically, in a varying order):
+    mqa_splits splits a launch's grid, where the launch has one K/V head (MQA, or GQA cut per K/V head) or its group
+    of four query heads or more lends dq's memory to the split's fp32 dK, dV (launch._fp32_pair_within). cut: whether
+    the call may cut a short GQA grid (flash_attention without masks; not the qkv path, which takes the fp32 dQ);
+    masked: a window or document ids (the split count then from the rule of two waves, not the model)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     per_launch = launch.fused_heads_per_launch(B, hq, hkv, n, head_dim, sms, cut_short_gqa=cut)
+    group = hq // hkv
+    kv_per_launch = per_launch // group
+    if kv_per_launch > 1 and group < 4:  # no room in dq: no split
+        return False
     n_kblocks = -(-n // 128)
-    return per_launch == hq // hkv and launch.gluon_backward.mqa_splits(B, per_launch, 1, n_kblocks, sms) > 1
+    return launch.gluon_backward.mqa_splits(B, per_launch, kv_per_launch, n_kblocks, sms,
+                                            None if masked else n) > 1
 
 
 def assert_agree_but_for_the_order(got: torch.Tensor, want: torch.Tensor, eps: float, rotated: bool = False) -> None:
@@ -420,10 +427,11 @@ def test_flash_attention_qkv_gqa_and_masks_vs_the_pair_and_float32(B, n, hq, hkv
     want = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window=window, document_ids=ids)
     (want_grad,) = torch.autograd.grad(want, qkv, do)
     assert o.shape == (B, hq, n, head_dim) and torch.equal(o, want)
-    if HOPPER and (adds_dkdv_atomically(B, hq, hkv, n, head_dim, cut=False)  # either call's split programs add dK,
-                   or adds_dkdv_atomically(B, hq, hkv, n, head_dim, cut=window is None and ids is None)):  # dV in a
-        # varying order (mqa_splits), the other in one program's registers (or split otherwise): sums of the same
-        # terms in another order (assert_agree_but_for_the_order)
+    masks = window is not None or ids is not None
+    if HOPPER and (adds_dkdv_atomically(B, hq, hkv, n, head_dim, cut=False, masked=masks)  # either call's split
+                   or adds_dkdv_atomically(B, hq, hkv, n, head_dim, cut=not masks, masked=masks)):  # programs add
+        # dK, dV in a varying order (mqa_splits), the other in one program's registers (or split otherwise): sums of
+        # the same terms in another order (assert_agree_but_for_the_order)
         eps = torch.finfo(dtype).eps
         assert_agree_but_for_the_order(grad[:, :, hq + hkv:], want_grad[:, :, hq + hkv:], eps)  # dV
         assert_agree_but_for_the_order(grad[:, :, hq:hq + hkv], want_grad[:, :, hq:hq + hkv], eps, rotated=True)  # dK

@@ -1220,10 +1220,11 @@ def mqa_splits(B: int, H: int, kv_heads: int, n_kblocks: int, sms: int, causal_n
     batch 1: 64 programs for 132 SMs, 2.8x the MHA kernel's time; GQA 8:2: 128). Splitting each group into `splits`
     parts makes splits times the programs, at the cost of one fp32 dK, dV that they add into atomically. Which
     divisor of the group: for a causal call of causal_n tokens without masks, the one whose grid the schedule model
-    finishes first (split_costs: fewer, longer items add less but balance worse; 16:1 at 8K ran 1.007 ms with 4
-    splits, 1.029 with 8; at 32K 15.77 with 2, 15.56 with 4); with windows or documents (costs the host does not
-    model here), for one K/V head only, the fewest that give two waves (GQA with masks keeps its grid: a window of
-    1K with GQA 8:2 at 8K ran 1.24x slower cut per K/V head). 1 (no split) where the grid has two waves already."""
+    finishes first, no split included (split_costs: fewer, longer items add less but balance worse; 16:1 at 8K ran
+    1.007 ms with 4 splits, 1.029 with 8; at 32K 15.77 with 2, 15.56 with 4); with windows or documents (costs the
+    host does not model here), for one K/V head only, the fewest that give two waves (GQA with masks keeps its grid:
+    a window of 1K with GQA 8:2 at 8K ran 1.24x slower cut per K/V head). 1 (no split) where the grid has two waves
+    already."""
     group = H // kv_heads
     if group == 1 or B * kv_heads * n_kblocks >= 2 * sms:
         return 1
@@ -1236,10 +1237,14 @@ def mqa_splits(B: int, H: int, kv_heads: int, n_kblocks: int, sms: int, causal_n
 
 @functools.lru_cache(maxsize=64)
 def _modelled_splits(B: int, H: int, n: int, block_m: int, sms: int) -> int:
-    """The divisor of H (from 2) whose split grid schedule.modelled_finish ends first; ties: the fewer splits. B:
-    the call's (batch, K/V head) pairs; H: the query heads of each."""
-    divisors = [s for s in range(2, H + 1) if H % s == 0]
-    return min(divisors, key=lambda s: (modelled_finish(B * s, split_costs(H, s, n, block_m), sms), s))
+    """The split count (1, or a divisor of H) whose grid schedule.modelled_finish ends first; ties: the fewer splits.
+    B: the call's (batch, K/V head) pairs; H: the query heads of each. One split adds nothing atomically (its items
+    write dK, dV): GQA 16:4 at 8K tokens (256 items on 132 SMs) ran 1.05x slower split in two."""
+    def finish(s: int) -> float:
+        costs = split_costs(H, s, n, block_m) if s > 1 else tuple(H * c for c in key_block_costs(
+            n, CONSUMERS.value * TILE.value, block_m))
+        return modelled_finish(B * s, costs, sms)
+    return min((s for s in range(1, H + 1) if H % s == 0), key=lambda s: (finish(s), s))
 
 
 @functools.lru_cache(maxsize=64)
