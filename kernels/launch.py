@@ -526,9 +526,9 @@ def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
     causal sequence against itself (gluon_masks_ready): one program per key block and K/V head (a plain grid;
     persistent for an MHA window alone) sums dK, dV over the head's group of query heads (a single K/V head over a
     short grid: split over programs, mqa_splits, whose fp32 dK, dV borrow dq's memory until dq is written,
-    _fp32_pair_within; GQA alone over a grid shorter than the GPU: one launch per K/V head, each so split,
-    fused_heads_per_launch) and visits only the query tiles that see its keys (gluon/backward.py,
-    launch_dkdv_dq_masked)."""
+    _fp32_pair_within; GQA alone over a grid shorter than the GPU: split too, in one launch where each group has
+    four query heads or more, else one launch per K/V head, fused_heads_per_launch) and visits only the query tiles
+    that see its keys (gluon/backward.py, launch_dkdv_dq_masked)."""
     if do.stride(-1) != 1:
         do = do.contiguous()
     B, H, N, D = q.shape
