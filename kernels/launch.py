@@ -466,12 +466,17 @@ FUSED_DQ_ACC_BYTES = 256 << 20
 SHORT_GQA_CUT_FROM = 4096
 
 
+# 2-byte heads of dq whose memory holds one fp32 plane of dK and one of dV (_fp32_pair_within): a group needs this many
+# query heads per K/V head for its split to add into dq's memory instead of a buffer of its own
+DQ_HEADS_PER_FP32_PAIR = 4
+
+
 def fused_heads_per_launch(B: int, H: int, kv_heads: int, N: int, D: int, sms: int, *,
                            cut_short_gqa: bool = True) -> int:
     """Query heads per launch of the five-matmul backward: as many as FUSED_DQ_ACC_BYTES of fp32 dQ accumulator hold
     (at least one head's), in whole GQA groups so that a K/V head's dK, dV are summed in one launch. A short GQA grid
     (fewer (batch, K/V head, key block) items than `sms`: each item walks its whole group, so the longest, key block
-    0, sets the time) is split over more programs (gluon/backward.mqa_splits) adding into fp32 dK, dV. Groups of
+    0, sets the time) is split over more programs (gluon/backward.group_splits) adding into fp32 dK, dV. Groups of
     four query heads or more keep one launch: its splits add into dq's memory (_fp32_pair_within: four 2-byte heads
     hold one fp32 pair). Smaller groups get one launch per K/V head, each a one-K/V-head call whose fp32 pair fits
     in its group's dq, so the call's memory stays below MHA's: GQA 8:2 at head_dim 128 and 8K tokens (128 items)
@@ -480,7 +485,7 @@ def fused_heads_per_launch(B: int, H: int, kv_heads: int, N: int, D: int, sms: i
     the fp32 accumulator of every head (launch_backward_fused's fp32_dq)."""
     kv_group = H // kv_heads
     n_kblocks = -(-N // 128)
-    if (cut_short_gqa and 1 < kv_heads < H and kv_group < 4 and N >= SHORT_GQA_CUT_FROM
+    if (cut_short_gqa and 1 < kv_heads < H and kv_group < DQ_HEADS_PER_FP32_PAIR and N >= SHORT_GQA_CUT_FROM
             and B * kv_heads * n_kblocks < sms):
         return kv_group
     heads = max(1, min(H, FUSED_DQ_ACC_BYTES // (B * N * D * 4)))
@@ -490,11 +495,11 @@ def fused_heads_per_launch(B: int, H: int, kv_heads: int, N: int, D: int, sms: i
 def _fp32_pair_within(t: Tensor, kv_heads: int = 1) -> tuple[Tensor, Tensor] | None:
     """Two fp32 (B, kv_heads, N, D) views inside the memory of t, a 2-byte (B, h, N, D) gradient of h >= 4·kv_heads
     heads that is written only later (dQ, copied from its accumulator after the dK/dV/dQ kernel): room for a split's
-    fp32 dK, dV (mqa_splits), so that they need no memory of their own. None where t is laid out otherwise (or its
+    fp32 dK, dV (group_splits), so that they need no memory of their own. None where t is laid out otherwise (or its
     2-byte offsets and strides would not land on 4-byte boundaries)."""
     B, h, N, D = t.shape
     sb, sh, sn, sd = t.stride()
-    need = 4 * kv_heads  # 2-byte heads that hold two fp32 planes of kv_heads heads
+    need = DQ_HEADS_PER_FP32_PAIR * kv_heads  # 2-byte heads that hold two fp32 planes of kv_heads heads
     if (t.element_size() != 2 or h < need or sd != 1 or t.storage_offset() % 2
             or any(x % 2 for x in (sb, sh, sn)) or (B > 1 and sb < h * N * D)):  # batches must not share memory
         return None
@@ -525,7 +530,7 @@ def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
     dq, if given, is then left holding scratch); otherwise dq as usual. Masks and GQA (the module docstring) of a
     causal sequence against itself (gluon_masks_ready): one program per key block and K/V head (a plain grid;
     persistent for an MHA window alone) sums dK, dV over the head's group of query heads (a single K/V head over a
-    short grid: split over programs, mqa_splits, whose fp32 dK, dV borrow dq's memory until dq is written,
+    short grid: split over programs, group_splits, whose fp32 dK, dV borrow dq's memory until dq is written,
     _fp32_pair_within; GQA alone over a grid shorter than the GPU: split too, in one launch where each group has
     four query heads or more, else one launch per K/V head, fused_heads_per_launch) and visits only the query tiles
     that see its keys (gluon/backward.py, launch_dkdv_dq_masked)."""
@@ -549,8 +554,8 @@ def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
     # GQA alone over a short grid: one launch whose splits add dK, dV into dq's memory where the group has four query
     # heads or more (_fp32_pair_within), else one launch per K/V head (each split like MQA)
     cut_short_gqa = window is None and q_doc_ids is None and not fp32_dq
-    sms = gluon_backward.sm_count(q.device) if cut_short_gqa and 1 < kv_group < 4 else 0  # asked only where it may
-    # cut (CPU tests stub the rest)
+    may_cut = cut_short_gqa and 1 < kv_group < DQ_HEADS_PER_FP32_PAIR
+    sms = gluon_backward.sm_count(q.device) if may_cut else 0  # asked only where it may cut (CPU tests stub the rest)
     group = fused_heads_per_launch(B, H, k.shape[1], N, D, sms, cut_short_gqa=cut_short_gqa)  # heads per launch
     keep_acc = fp32_dq and group == H
     acc = torch.empty(B * group * N * D, dtype=torch.float32, device=q.device)
@@ -569,7 +574,7 @@ def launch_backward_fused(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
         do_h, delta = launch_backward_delta(do[:, hs], o[:, hs], lse[:, hs])
         (lse_h, stride_lse), (delta, stride_delta) = _rows_in(lse[:, hs]), _rows_in(delta)
         (lse_h, stride_lse), (delta, stride_delta) = _rows_for_tma(lse_h, stride_lse), _rows_for_tma(delta, stride_delta)
-        grouped = masked and kvs.stop - kvs.start < hs.stop - hs.start  # GQA, MQA: perhaps split (mqa_splits), its
+        grouped = masked and kvs.stop - kvs.start < hs.stop - hs.start  # GQA, MQA: perhaps split (group_splits), its
         # fp32 dK, dV then in these heads' dq, which is written only below
         scratch = dict(split_scratch=_fp32_pair_within(dq[:, hs], kvs.stop - kvs.start)) if grouped else {}
         launch(do_h, q[:, hs], k[:, kvs], v[:, kvs], lse_h, stride_lse, delta, stride_delta, dk[:, kvs], dv[:, kvs],

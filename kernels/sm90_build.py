@@ -119,7 +119,7 @@ def table_variants() -> list[Variant]:
                                    dict(c, GQA=True, WINDOWED=True, DOCS=True)))
                 out.append(Variant(f"dkdvdq masked MQA split D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel,
                                    dict(c, GQA=True, WINDOWED=True, DOCS=True, DKDV_TMA=False,
-                                        ACCUMULATE_DKDV=bwd.DKDV_ATOMIC_ADD.value), fp32=("DK", "DV")))  # mqa_splits
+                                        ACCUMULATE_DKDV=bwd.DKDV_ATOMIC_ADD.value), fp32=("DK", "DV")))  # group_splits
                 out.append(Variant(f"dkdvdq masked persistent D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel,
                                    dict(c, PERSISTENT=True, KV_BUFS=2 if d == 64 else 1, WINDOWED=True)))  # MHA window
             else:

@@ -354,11 +354,11 @@ def test_a_gqa_backward_plain_grid_launches_in_the_order_that_balances(heads, n,
                                                      (1, 16, 1, 8, 16), (1, 16, 4, 64, 1), (4, 16, 1, 128, 1),
                                                      (1, 1, 1, 8, 1), (1, 6, 1, 50, 6), (1, 6, 1, 100, 3)])
 def test_a_one_kv_head_backward_splits_its_group_until_two_waves(B, H, kv, n_kblocks, want):
-    """MQA's masked backward (gluon/backward.py mqa_splits) with windows or documents (no costs given): the fewest
+    """MQA's masked backward (gluon/backward.py group_splits) with windows or documents (no costs given): the fewest
     divisor-of-H splits of the query heads that give two waves of programs on 132 SMs, all H where none does, none
     with several K/V heads or a full grid."""
     backward = pytest.importorskip("minigpt_kernels.gluon.backward")
-    splits = backward.mqa_splits(B, H, kv, n_kblocks, 132)
+    splits = backward.group_splits(B, H, kv, n_kblocks, 132)
     assert splits == want and H % splits == 0
 
 
@@ -371,17 +371,17 @@ def test_a_causal_one_kv_head_backward_splits_where_the_model_finishes_first(B, 
     call cut per K/V head (2 splits ran 1.6x slower); 4 also past two waves (40K: 24.29 ms against 26.30 unsplit,
     64K: 62.60 against 64.44); none where the grid is so long that its tail costs less than the adds."""
     backward = pytest.importorskip("minigpt_kernels.gluon.backward")
-    assert backward.mqa_splits(B, H, 1, -(-n // 128), 132, n) == want
+    assert backward.group_splits(B, H, 1, -(-n // 128), 132, n) == want
 
 
 @pytest.mark.parametrize("B,H,kv,n,want", [(1, 8, 2, 8192, 2), (1, 16, 2, 8192, 2), (1, 16, 4, 8192, 1),
                                             (1, 8, 2, 4096, 4), (2, 8, 2, 4096, 2)])
 def test_a_short_gqa_grid_splits_only_where_the_model_finishes_first(B, H, kv, n, want):
-    """GQA without masks over a grid short of two waves (gluon/backward.mqa_splits with several K/V heads): the split
+    """GQA without masks over a grid short of two waves (gluon/backward.group_splits with several K/V heads): the split
     count, no split included, whose grid the schedule model finishes first: GQA 16:4 at 8K (256 items on 132 SMs)
     keeps its grid (measured on an H200: 0.99 ms, 1.05 split in two), 8:2 at 8K (128 items) splits in two."""
     backward = pytest.importorskip("minigpt_kernels.gluon.backward")
-    assert backward.mqa_splits(B, H, kv, -(-n // 128), 132, n) == want
+    assert backward.group_splits(B, H, kv, -(-n // 128), 132, n) == want
 
 
 @pytest.mark.parametrize("n, window", [(1000, 1), (1000, 64), (4097, 300), (4096, 1000), (777, 5000)])

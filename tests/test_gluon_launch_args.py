@@ -89,7 +89,7 @@ def test_backward_launchers_bind_to_their_kernels(kernels):
     calls = kernels["dkdvdq"].calls
     assert len(calls) == 5 and len(kernels["dq"].calls) == 1
     assert all(c["H"] == H for c in calls)
-    split = calls[3]  # one K/V head, 3 key blocks for 4 SMs: split in two (mqa_splits), both reading the one head
+    split = calls[3]  # one K/V head, 3 key blocks for 4 SMs: split in two (group_splits), both reading the one head
     assert split["kv_splits"] == 2 and split["K"].shape[1] == 1 and split["group"] == H // 2
     assert split["ACCUMULATE_DKDV"] == bwd.DKDV_ATOMIC_ADD.value and split["DK"].dtype == torch.float32
     assert kernels["dq"].calls[0]["N"] == N and kernels["dq"].calls[0]["H"] == H
@@ -139,7 +139,7 @@ def test_short_gqa_grids_of_small_groups_launch_one_kv_head_at_a_time():
     """The five-matmul backward's heads per launch: one K/V head's group where a one-launch grid of (batch, K/V head,
     key block) items would leave SMs idle (GQA 4:2 at 8K tokens: 128 items for 132 SMs) and the group is too small
     to hold its fp32 dK, dV in dq's memory (fewer than four query heads), so that each launch is split over programs
-    (mqa_splits) with a dQ accumulator of the group's heads; groups of four or more keep one launch (split in it);
+    (group_splits) with a dQ accumulator of the group's heads; groups of four or more keep one launch (split in it);
     otherwise as many heads as the accumulator's budget holds, in whole groups."""
     from minigpt_kernels.launch import FUSED_DQ_ACC_BYTES, fused_heads_per_launch
 
@@ -150,7 +150,7 @@ def test_short_gqa_grids_of_small_groups_launch_one_kv_head_at_a_time():
     assert fused_heads_per_launch(2, 4, 2, 8192, 128, 132) == 4  # batch 2: 256 items
     assert fused_heads_per_launch(1, 4, 2, 32768, 128, 132) == 4  # 512 items
     assert fused_heads_per_launch(1, 8, 8, 8192, 128, 132) == 8  # MHA
-    assert fused_heads_per_launch(1, 16, 1, 8192, 64, 132) == 16  # MQA: one launch, split in it (mqa_splits)
+    assert fused_heads_per_launch(1, 16, 1, 8192, 64, 132) == 16  # MQA: one launch, split in it (group_splits)
     assert fused_heads_per_launch(4, 4, 2, 1024, 128, 132) == 4  # 64 items, but short rows: one launch
     assert fused_heads_per_launch(1, 4, 2, 8192, 128, 132, cut_short_gqa=False) == 4  # masks, fp32 dQ: one launch
     n = FUSED_DQ_ACC_BYTES // (2 * 128 * 4)  # the accumulator's budget holds 2 heads of n rows ...
@@ -179,7 +179,7 @@ def test_a_split_into_single_query_heads_launches_longest_first(kernels, monkeyp
 
 @pytest.mark.parametrize("layout", ["heads", "tokens"])
 def test_an_mqa_split_adds_dk_dv_inside_dq_before_dq_is_written(kernels, monkeypatch, layout):
-    """MQA's split (mqa_splits) sums dK, dV in fp32 over its programs; launch_backward_fused gives it two fp32 views
+    """MQA's split (group_splits) sums dK, dV in fp32 over its programs; launch_backward_fused gives it two fp32 views
     inside dq's memory (plain (B, H, N, D), or the model's (B, N, H, D) rows), which dq's copy from the accumulator
     overwrites only after dK, dV were rounded out of them, so the call takes no more memory than MHA's. The kernel's
     stand-in adds 1 to every dK, 2 to every dV and 3 to every dQ: dq, dk, dv must come back exactly that, from a dq
@@ -200,7 +200,7 @@ def test_an_mqa_split_adds_dk_dv_inside_dq_before_dq_is_written(kernels, monkeyp
             return add
 
     monkeypatch.setattr(bwd, "dkdvdq_kernel", Adding())
-    monkeypatch.setattr(bwd, "sm_count", lambda device: 8)  # 6 items, 8 SMs: split (mqa_splits)
+    monkeypatch.setattr(bwd, "sm_count", lambda device: 8)  # 6 items, 8 SMs: split (group_splits)
     monkeypatch.setattr(launch, "specialized_ready", lambda *a, **kw: True)  # as if on an H100/H200
     B, H, N, D = 2, 8, 300, 64
     shape = (B, H, N, D) if layout == "heads" else (B, N, H, D)

@@ -288,7 +288,7 @@ BACKWARD_CASES = [
     (3000, 2, 2, 64, 5000, "none", "heads", False), (6000, 6, 3, 128, 300, "ragged", "heads", False),
     (2048, 4, 4, 64, 129, "none", "rows", False), (1000, 8, 2, 128, 64, "ragged", "rows", False),
     (3001, 4, 1, 128, 2, "tokens", "rows", False), (2500, 8, 2, 64, 700, "one", "rows", False),
-    # one K/V head over a short grid: the group split over programs (mqa_splits: 4 splits of 16 heads, 4 of 8)
+    # one K/V head over a short grid: the group split over programs (group_splits: 4 splits of 16 heads, 4 of 8)
     (8192, 16, 1, 64, None, "ragged", "rows", False), (4097, 8, 1, 128, 300, "none", "heads", False),
     # GQA alone over a short grid (2 · 2 K/V heads · 32 key blocks for 132 SMs): a launch per K/V head, each split
     (4096, 8, 2, 128, None, "none", "heads", False), (4096, 8, 2, 64, None, "none", "rows", False)]
@@ -301,7 +301,7 @@ BACKWARD_CASES = [
 def test_the_masked_gluon_backward_matches_float32_and_the_triton_path(N, Hq, Hkv, D, window, docs, layout, split,
                                                                        monkeypatch):
     """Causal masked and GQA calls of a sequence against itself run the five-matmul Gluon backward on sm_90 (each key
-    block over the query tiles that see it, dK/dV summed over the GQA group in one program, or over mqa_splits
+    block over the query tiles that see it, dK/dV summed over the GQA group in one program, or over group_splits
     programs for one K/V head over a short grid): its gradients against
     float32 masked SDPA's and against the forced Triton path's (the seven-matmul backward)."""
     gluon_backward = launch.gluon_backward
@@ -352,7 +352,7 @@ def test_the_masked_gluon_backward_matches_float32_and_the_triton_path(N, Hq, Hk
 # ------------------------------------------------------------------------------------------------
 def adds_dkdv_atomically(B: int, hq: int, hkv: int, n: int, head_dim: int, cut: bool, masked: bool) -> bool:
     """Whether the five-matmul backward sums this call's dK, dV over programs (atomically, in a varying order):
-    mqa_splits splits a launch's grid, where the launch has one K/V head (MQA, or GQA cut per K/V head) or its group
+    group_splits splits a launch's grid, where the launch has one K/V head (MQA, or GQA cut per K/V head) or its group
     of four query heads or more lends dq's memory to the split's fp32 dK, dV (launch._fp32_pair_within). cut: whether
     the call may cut a short GQA grid (flash_attention without masks; not the qkv path, which takes the fp32 dQ);
     masked: a window or document ids (the split count then from the rule of two waves, not the model)."""
@@ -360,10 +360,10 @@ def adds_dkdv_atomically(B: int, hq: int, hkv: int, n: int, head_dim: int, cut: 
     per_launch = launch.fused_heads_per_launch(B, hq, hkv, n, head_dim, sms, cut_short_gqa=cut)
     group = hq // hkv
     kv_per_launch = per_launch // group
-    if kv_per_launch > 1 and group < 4:  # no room in dq: no split
+    if kv_per_launch > 1 and group < launch.DQ_HEADS_PER_FP32_PAIR:  # no room in dq: no split
         return False
     n_kblocks = -(-n // 128)
-    return launch.gluon_backward.mqa_splits(B, per_launch, kv_per_launch, n_kblocks, sms,
+    return launch.gluon_backward.group_splits(B, per_launch, kv_per_launch, n_kblocks, sms,
                                             None if masked else n) > 1
 
 
@@ -430,7 +430,7 @@ def test_flash_attention_qkv_gqa_and_masks_vs_the_pair_and_float32(B, n, hq, hkv
     masks = window is not None or ids is not None
     if HOPPER and (adds_dkdv_atomically(B, hq, hkv, n, head_dim, cut=False, masked=masks)  # either call's split
                    or adds_dkdv_atomically(B, hq, hkv, n, head_dim, cut=not masks, masked=masks)):  # programs add
-        # dK, dV in a varying order (mqa_splits), the other in one program's registers (or split otherwise): sums of
+        # dK, dV in a varying order (group_splits), the other in one program's registers (or split otherwise): sums of
         # the same terms in another order (assert_agree_but_for_the_order)
         eps = torch.finfo(dtype).eps
         assert_agree_but_for_the_order(grad[:, :, hq + hkv:], want_grad[:, :, hq + hkv:], eps)  # dV
@@ -511,6 +511,6 @@ def test_mqa_fwd_bwd_takes_no_more_memory_than_mha(n, hq, head_dim):
         return peak_extra_bytes(lambda q, k, v: flash_attention(q, k, v, causal=True), q, k, v, do)
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert launch.gluon_backward.mqa_splits(1, hq, 1, -(-n // 128), sms) > 1  # the one K/V head's grid is split
+    assert launch.gluon_backward.group_splits(1, hq, 1, -(-n // 128), sms) > 1  # the one K/V head's grid is split
     mqa, mha = peak_extra(1), peak_extra(hq)
     assert mqa <= mha + (1 << 20), (mqa / 2**20, mha / 2**20)

@@ -40,13 +40,13 @@ load per key instead of searching per item. A tile runs without the elementwise 
 key of the consumer (past its last key and below end_key0). With GQA an item is a K/V head's key block: its roles walk
 the group's query heads in turn through the same ring (counters run on), the producer naming each query head in its
 copies' coordinates (its TMA descriptors span every head and are made once per program), so dK and dV sum over the
-group in registers and no per-query-head K/V copy exists. A launch with one K/V head over a grid of under two waves
-(MQA, or a GQA call cut to one K/V head per launch) splits the group instead (`mqa_splits`, S chosen by the
-schedule model): the one head is passed S times with head stride 0, each virtual head walks H/S query heads, and all
-S add their dK, dV into one fp32 dK, dV by atomic adds (ACCUMULATE_DKDV = DKDV_ATOMIC_ADD; S partial copies of dK,
-dV took 2.02× the MHA kernel's memory at 8K tokens), rounded into the caller's dtype after the launch; that fp32 pair
-may live in memory the caller writes only later (`split_scratch`: dq's, launch.launch_backward_fused). The order of
-the S additions varies from run to run, as dQ's reduce-adds do: this backward is not the deterministic one.
+group in registers and no per-query-head K/V copy exists. A launch whose grid leaves SMs idle (MQA, or GQA without
+masks) splits each group instead (`group_splits`, S chosen by the schedule model): the kernel runs S virtual heads per
+K/V head (`kv_splits`: virtual head h reads K/V head h // S), each walking its share of the group's query heads, and
+all S add their dK, dV into one fp32 dK, dV by atomic adds (ACCUMULATE_DKDV = DKDV_ATOMIC_ADD; S partial copies of
+dK, dV took 2.02× the MHA kernel's memory at 8K tokens), rounded into the caller's dtype after the launch; that fp32
+pair may live in memory the caller writes only later (`split_scratch`: dq's, launch.launch_backward_fused). The order
+of the S additions varies from run to run, as dQ's reduce-adds do: this backward is not the deterministic one.
 
 Ring attention's blocks (`launch_dkdv_dq_block`, for launch.launch_backward_block; the same kernel with the
 constexprs FULL and ACCUMULATE_DKDV, which leave the code compiled without them as it was): a block off the
@@ -91,7 +91,7 @@ from minigpt_kernels.gluon.schedule import (MASKED_PERSISTENT_WAVES, device_one_
 TILE = gl.constexpr(64)  # keys (dK/dV) or query rows (dQ) per consumer warpgroup: the M of one wgmma
 CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program (the warp_specialize lists below name two)
 # How a program's dK, dV reach memory (the constexpr ACCUMULATE_DKDV): written; added by a load, an add and a store
-# (ring attention's travelling fp32 accumulator: one program owns the rows); added atomically (fp32: mqa_splits'
+# (ring attention's travelling fp32 accumulator: one program owns the rows); added atomically (fp32: group_splits'
 # programs share the rows of the one K/V head)
 DKDV_WRITE, DKDV_ADD, DKDV_ATOMIC_ADD = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
 # registers per thread in the dK/dV/dQ kernel: 2 consumer warpgroups + the dQ warpgroup + the producer warp share the
@@ -215,7 +215,7 @@ def _write_dkdv(dk, dv, DK, DV, b, h, stride_dkb, stride_dkh, stride_dkn, stride
     """dK (scaled: dS was taken w.r.t. the scaled scores) and dV of this consumer's 64 keys; keys past N not written.
     ACCUMULATE (DKDV_*): DKDV_WRITE stores them; DKDV_ADD adds them to what DK, DV (fp32) hold (ring attention's
     travelling accumulator), a load, an add and a store, since one program owns a key block's rows (with GQA its K/V
-    head's, the group summed); DKDV_ATOMIC_ADD adds them atomically (fp32; mqa_splits' virtual heads share rows).
+    head's, the group summed); DKDV_ATOMIC_ADD adds them atomically (fp32; group_splits' virtual heads share rows).
     DKDV_TMA (DKDV_WRITE of 2-byte, TMA-aligned outputs at head_dim 64: staged_by_tma): into this consumer (ME)'s two
     shared staging buffers instead, copied out by TMA while the consumer goes on (by_tma = (dK's descriptor, dV's,
     the staging buffers); the descriptors end at N)."""
@@ -783,7 +783,7 @@ def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
     KV_BUFS: K/V buffers, 2 to load an item's keys during the last one's tail (head_dim 64 with many items per
     program), else 1. H: query heads. GQA: an item's bh is b·(H / group) + h over the K/V heads (K, V, DK, DV), and
     it sums its dK, dV over the query heads h·group ... h·group + group − 1 (Q, DO, LSE, DELTA, DQ_ACC). kv_splits
-    (mqa_splits): the items' heads are each K/V head's group split kv_splits ways, so item head h reads K/V head
+    (group_splits): the items' heads are each K/V head's group split kv_splits ways, so item head h reads K/V head
     h // kv_splits and adds its dK, dV there (ACCUMULATE_DKDV = DKDV_ATOMIC_ADD); 1 otherwise. WINDOWED:
     query i sees key j only if i − window < j; DOCS: only if both lie in one document, i.e. (i >= j) i < DOC_ENDS[b,
     j], the end of j's document (B, N) int32, rows stride_ends apart (launch_dkdv_dq_masked finds them from the
@@ -792,7 +792,7 @@ def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
     LSE, DELTA, DQ_ACC) against N keys (K, V, DK, DV), every key block over every query tile from query 0; not with
     WINDOWED or DOCS. Else n_q is unused (one length N). ACCUMULATE_DKDV (_write_dkdv): DKDV_WRITE writes dK, dV
     (any float dtype); DKDV_ADD adds them to what DK, DV (fp32) hold; DKDV_ATOMIC_ADD adds them atomically (fp32:
-    the MQA split's programs share rows). Neither flag changes the code compiled without it. DKDV_TMA (head_dim 64,
+    a split's programs share rows). Neither flag changes the code compiled without it. DKDV_TMA (head_dim 64,
     DKDV_WRITE, DK and DV 2-byte and TMA-aligned): dK, dV leave through shared memory by TMA, not by stores from
     registers."""
     gl.static_assert(not (FULL and (WINDOWED or DOCS)), "FULL (no causal mask) takes no window or documents")
@@ -1070,7 +1070,7 @@ def _launch_dkdvdq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, str
                    kv_splits: int = 1) -> None:
     """dkdvdq_kernel on a work list. q, do: (B, H, N_Q, D); k, v: (B, Hkv, N_K, D), N_Q = N_K unless `full`.
     accumulate_dkdv: dk, dv (fp32) receive dK, dV added (DKDV_ADD); kv_splits > 1: each K/V head's group runs as
-    kv_splits virtual heads, which add into dk, dv (fp32) atomically (DKDV_ATOMIC_ADD; mqa_splits).
+    kv_splits virtual heads, which add into dk, dv (fp32) atomically (DKDV_ATOMIC_ADD; group_splits).
     acc_geometry: dq_acc's (dq_acc_geometry); None: dq_acc dense in (B, H, N, D) or (B, N, H, D) memory."""
     B, H, n_q, D = q.shape
     N = k.shape[2]  # keys (and queries, but where full)
@@ -1140,7 +1140,7 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
                           split_scratch: tuple[Tensor, Tensor] | None = None) -> None:
     """launch_dkdv_dq's contract with GQA (k, v, dk, dv with H / group heads: dK, dV of a K/V head sum over its
     group's query heads, in one program per key block; over a short grid (one K/V head, or GQA without masks), in
-    mqa_splits programs per key block, each over a part of the group, adding into one fp32 dK, dV atomically) and the
+    group_splits programs per key block, each over a part of the group, adding into one fp32 dK, dV atomically) and the
     masks: `window` (query i sees key j only if i − window < j) and `document_ids` ((B, N) int32/int64,
     non-decreasing, rows with a contiguous last dimension; only keys of the query's document). Each key block visits
     only the query tiles that see its keys, found on the device (each token's document end by torch.searchsorted,
@@ -1157,7 +1157,7 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
     n_kblocks = -(-N // (CONSUMERS.value * TILE.value))
     programs = sm_count(q.device)
     unmasked = window is None and document_ids is None
-    splits = mqa_splits(B, H, kv_heads, n_kblocks, programs, N if unmasked else None, block_m)
+    splits = group_splits(B, H, kv_heads, n_kblocks, programs, N if unmasked else None, block_m)
     if kv_heads > 1 and split_scratch is None:  # GQA splits only into memory lent: with fp32 dK, dV of its own it
         splits = 1  # would take more than MHA's
     if splits > 1:  # each K/V head's group split over `splits` programs per key block, adding into one fp32 dK, dV
@@ -1208,31 +1208,32 @@ def windowed_key_block_costs(n: int, keys: int, block_m: int, window: int) -> tu
     return tuple(out)
 
 
-# mqa_splits' model: an item's atomic adds of its dK, dV rows, in tiles of work (fit to 16:1 at 8K and 32K tokens,
+# group_splits' model: an item's atomic adds of its dK, dV rows, in tiles of work (fit to 16:1 at 8K and 32K tokens,
 # head_dim 64, and 8:1 at 8K, head_dim 128, on an H200: kernels/NOTES.md, session 20)
 SPLIT_ADD_TILES = 3.0
 
 
-def mqa_splits(B: int, H: int, kv_heads: int, n_kblocks: int, sms: int, causal_n: int | None = None,
-               block_m: int = 64) -> int:
-    """Programs per key block and K/V head: the plain grid has B·kv_heads·n_kblocks programs, each walking its K/V
-    head's group of H / kv_heads query heads, which leaves most SMs idle where that grid is short (MQA at 8K tokens,
-    batch 1: 64 programs for 132 SMs, 2.8x the MHA kernel's time; GQA 8:2: 128). Splitting each group into `splits`
-    parts makes splits times the programs, at the cost of one fp32 dK, dV that they add into atomically. Which
-    divisor of the group: for a causal call of causal_n tokens without masks, the one whose grid the schedule model
-    finishes first, no split included (split_costs: fewer, longer items add less but balance worse; 16:1 at 8K ran
-    1.007 ms with 4 splits, 1.029 with 8; at 32K 15.77 with 2, 15.56 with 4); with windows or documents (costs the
-    host does not model here), for one K/V head only, the fewest that give two waves (GQA with masks keeps its grid:
-    a window of 1K with GQA 8:2 at 8K ran 1.24x slower cut per K/V head). 1 (no split) where the grid has two waves
-    already, but for a causal one-K/V-head call without masks, which the model still splits where it finishes
-    first (16:1 at 40K tokens, 320 items: 24.29 ms in 4 splits against 26.30 unsplit; MHA 24.19)."""
+def group_splits(B: int, H: int, kv_heads: int, n_kblocks: int, sms: int, causal_n: int | None = None,
+                 block_m: int = 64) -> int:
+    """Programs per key block and K/V head (the kernel's kv_splits): the plain grid has B·kv_heads·n_kblocks
+    programs, each walking its K/V head's group of H / kv_heads query heads, which leaves most SMs idle where that
+    grid is short (MQA at 8K tokens, batch 1: 64 programs for 132 SMs, 2.8x the MHA kernel's time; GQA 8:2: 128).
+    Splitting each group into `splits` parts makes splits times the programs, at the cost of one fp32 dK, dV that
+    they add into atomically. Which divisor of the group: for a causal call of causal_n tokens without masks, the one
+    whose grid the schedule model finishes first, no split included (split_costs: fewer, longer items add less but
+    balance worse; 16:1 at 8K ran 1.007 ms with 4 splits, 1.029 with 8; at 32K 15.77 with 2, 15.56 with 4); with
+    windows or documents (costs the host does not model here), for one K/V head only, the fewest that give two waves
+    (GQA with masks keeps its grid: a window of 1K with GQA 8:2 at 8K ran 1.24x slower cut per K/V head). 1 (no
+    split) where the grid has two waves already, but for a causal one-K/V-head call without masks, which the model
+    still splits where it finishes first (16:1 at 40K tokens, 320 items: 24.29 ms in 4 splits against 26.30
+    unsplit; MHA 24.19; GQA past two waves measured no steadier gain, kernels/NOTES.md session 21)."""
     group = H // kv_heads
-    waves = B * kv_heads * n_kblocks >= 2 * sms
-    if group == 1 or (waves and not (kv_heads == 1 and causal_n is not None)):
+    if group == 1:
         return 1
-    if causal_n is not None:
+    waves = B * kv_heads * n_kblocks >= 2 * sms
+    if causal_n is not None and (kv_heads == 1 or not waves):
         return _modelled_splits(B * kv_heads, group, causal_n, block_m, sms)
-    if kv_heads != 1:
+    if waves or kv_heads != 1:
         return 1
     return next((s for s in range(2, H + 1) if H % s == 0 and B * n_kblocks * s >= 2 * sms), H)
 
@@ -1240,20 +1241,18 @@ def mqa_splits(B: int, H: int, kv_heads: int, n_kblocks: int, sms: int, causal_n
 @functools.lru_cache(maxsize=64)
 def _modelled_splits(B: int, H: int, n: int, block_m: int, sms: int) -> int:
     """The split count (1, or a divisor of H) whose grid schedule.modelled_finish ends first; ties: the fewer splits.
-    B: the call's (batch, K/V head) pairs; H: the query heads of each. One split adds nothing atomically (its items
-    write dK, dV): GQA 16:4 at 8K tokens (256 items on 132 SMs) ran 1.05x slower split in two."""
-    def finish(s: int) -> float:
-        costs = split_costs(H, s, n, block_m) if s > 1 else tuple(H * c for c in key_block_costs(
-            n, CONSUMERS.value * TILE.value, block_m))
-        return modelled_finish(B * s, costs, sms)
-    return min((s for s in range(1, H + 1) if H % s == 0), key=lambda s: (finish(s), s))
+    B: the call's (batch, K/V head) pairs; H: the query heads of each."""
+    return min((s for s in range(1, H + 1) if H % s == 0),
+               key=lambda s: (modelled_finish(B * s, split_costs(H, s, n, block_m), sms), s))
 
 
 @functools.lru_cache(maxsize=64)
 def split_costs(H: int, splits: int, n: int, block_m: int) -> tuple[float, ...]:
-    """An MQA split's item at each key block position of a causal call, in tiles of work: its H / splits query
-    heads' query tiles, plus SPLIT_ADD_TILES for adding its dK, dV rows atomically."""
-    return tuple((H // splits) * c + SPLIT_ADD_TILES for c in key_block_costs(n, CONSUMERS.value * TILE.value, block_m))
+    """A split's item at each key block position of a causal call, in tiles of work: its H / splits query heads'
+    query tiles, plus SPLIT_ADD_TILES for adding its dK, dV rows atomically where there is more than one split (one
+    split's items write dK, dV: GQA 16:4 at 8K tokens, 256 items on 132 SMs, ran 1.05x slower split in two)."""
+    add = SPLIT_ADD_TILES if splits > 1 else 0.0
+    return tuple((H // splits) * c + add for c in key_block_costs(n, CONSUMERS.value * TILE.value, block_m))
 
 
 def launch_dkdv_dq_block(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
