@@ -367,9 +367,9 @@ def test_a_one_kv_head_backward_splits_its_group_until_two_waves(B, H, kv, n_kbl
 def test_a_causal_one_kv_head_backward_splits_where_the_model_finishes_first(B, H, n, want):
     """Without masks the split is the divisor of H whose grid the schedule model finishes first, each item paying
     SPLIT_ADD_TILES for its atomic adds: 4 at 8K and 32K tokens with 16 query heads (measured on an H200: 8K 1.007
-    ms with 4 splits, 1.029 with 8, 1.053 with 16; 32K 15.77 with 2, 15.56 with 4, 15.62 with 8), 4 for a GQA 8:2
-    call cut per K/V head (2 splits ran 1.6x slower); 4 also past two waves (40K: 24.29 ms against 26.30 unsplit,
-    64K: 62.60 against 64.44); none where the grid is so long that its tail costs less than the adds."""
+    ms with 4 splits, 1.029 with 8, 1.053 with 16; 32K 15.77 with 2, 15.56 with 4, 15.62 with 8), 4 for 4:1 (as a
+    GQA 8:2 launch cut per K/V head, 2 splits ran 1.6x slower); 4 also past two waves (40K: 24.29 ms against 26.30
+    unsplit, 64K: 62.60 against 64.44); none where the grid is so long that its tail costs less than the adds."""
     backward = pytest.importorskip("minigpt_kernels.gluon.backward")
     assert backward.group_splits(B, H, 1, -(-n // 128), 132, n) == want
 

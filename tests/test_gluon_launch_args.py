@@ -177,6 +177,25 @@ def test_a_split_into_single_query_heads_launches_longest_first(kernels, monkeyp
     assert [i % n_kblocks for i in items[:4]] == [0, 0, 0, 0]  # every head's key block 0 first
 
 
+def adding_dkdvdq(monkeypatch, stand_in) -> None:
+    """Replace the dK/dV/dQ kernel by one that records its call (stand_in) and adds 1 to every dK, 2 to every dV and 3
+    to every dQ it is given: a split's programs all add into one fp32 dK, dV, so the call's dk, dv come back exactly
+    1 and 2 once rounded out of them."""
+
+    def add(*args, **kw):
+        stand_in[None](*args, **kw)
+        call = stand_in.calls[-1]
+        call["DK"].add_(1.0)
+        call["DV"].add_(2.0)
+        call["DQ_ACC"].add_(3.0)
+
+    class Adding:
+        def __getitem__(self, grid):
+            return add
+
+    monkeypatch.setattr(bwd, "dkdvdq_kernel", Adding())
+
+
 @pytest.mark.parametrize("layout", ["heads", "tokens"])
 def test_an_mqa_split_adds_dk_dv_inside_dq_before_dq_is_written(kernels, monkeypatch, layout):
     """MQA's split (group_splits) sums dK, dV in fp32 over its programs; launch_backward_fused gives it two fp32 views
@@ -187,19 +206,7 @@ def test_an_mqa_split_adds_dk_dv_inside_dq_before_dq_is_written(kernels, monkeyp
     from minigpt_kernels import dispatch, launch
 
     stand_in = kernels["dkdvdq"]
-
-    def add(*args, **kw):
-        stand_in[None](*args, **kw)
-        call = stand_in.calls[-1]
-        call["DK"].add_(1.0)  # the one fp32 dK, dV every split adds into
-        call["DV"].add_(2.0)
-        call["DQ_ACC"].add_(3.0)
-
-    class Adding:
-        def __getitem__(self, grid):
-            return add
-
-    monkeypatch.setattr(bwd, "dkdvdq_kernel", Adding())
+    adding_dkdvdq(monkeypatch, stand_in)
     monkeypatch.setattr(bwd, "sm_count", lambda device: 8)  # 6 items, 8 SMs: split (group_splits)
     monkeypatch.setattr(launch, "specialized_ready", lambda *a, **kw: True)  # as if on an H100/H200
     B, H, N, D = 2, 8, 300, 64
@@ -258,23 +265,11 @@ def test_fp32_pairs_within_a_gradient_do_not_overlap():
 def test_a_short_gqa_grid_splits_in_one_launch_where_dq_has_room(kernels, monkeypatch, hq, hkv, launches):
     """GQA without masks over a grid shorter than the GPU (8:2 at 8K tokens: 128 items for 132 SMs): with four query
     heads per K/V head or more, one launch splitting each group (kv_splits) whose fp32 dK, dV lie in dq's memory;
-    with fewer (4:2), one launch per K/V head as before. The stand-in adds 1 to dK, 2 to dV, 3 to dQ."""
+    with fewer (4:2), one launch per K/V head, each split. The stand-in adds 1 to dK, 2 to dV, 3 to dQ."""
     from minigpt_kernels import dispatch, launch
 
     stand_in = kernels["dkdvdq"]
-
-    def add(*args, **kw):
-        stand_in[None](*args, **kw)
-        call = stand_in.calls[-1]
-        call["DK"].add_(1.0 if call["kv_splits"] > 1 else 4.0)  # unsplit: the group's sum written once
-        call["DV"].add_(2.0 if call["kv_splits"] > 1 else 4.0)
-        call["DQ_ACC"].add_(3.0)
-
-    class Adding:
-        def __getitem__(self, grid):
-            return add
-
-    monkeypatch.setattr(bwd, "dkdvdq_kernel", Adding())
+    adding_dkdvdq(monkeypatch, stand_in)
     monkeypatch.setattr(bwd, "sm_count", lambda device: 132)
     monkeypatch.setattr(launch.gluon_backward, "sm_count", lambda device: 132)
     monkeypatch.setattr(launch, "specialized_ready", lambda *a, **kw: True)  # as if on an H100/H200
@@ -291,7 +286,7 @@ def test_a_short_gqa_grid_splits_in_one_launch_where_dq_has_room(kernels, monkey
         assert call["K"].shape[1] == hkv and call["kv_splits"] > 1 and call["group"] * call["kv_splits"] == hq // hkv
         inside = dq.untyped_storage().data_ptr(), dq.untyped_storage().data_ptr() + dq.untyped_storage().nbytes()
         assert all(inside[0] <= t.data_ptr() < inside[1] for t in (call["DK"], call["DV"]))
-        assert torch.equal(dk, torch.ones_like(dk)) and torch.equal(dv, torch.full_like(dv, 2.0))
     else:
-        assert all(c["K"].shape[1] == 1 for c in calls)
+        assert all(c["K"].shape[1] == 1 and c["kv_splits"] > 1 for c in calls)
+    assert torch.equal(dk, torch.ones_like(dk)) and torch.equal(dv, torch.full_like(dv, 2.0))
     assert torch.equal(dq, torch.full_like(dq, 3.0))
