@@ -478,11 +478,12 @@ def fused_heads_per_launch(B: int, H: int, kv_heads: int, N: int, D: int, sms: i
     (fewer (batch, K/V head, key block) items than `sms`: each item walks its whole group, so the longest, key block
     0, sets the time) is split over more programs (gluon/backward.group_splits) adding into fp32 dK, dV. Groups of
     four query heads or more keep one launch: its splits add into dq's memory (_fp32_pair_within: four 2-byte heads
-    hold one fp32 pair). Smaller groups get one launch per K/V head, each a one-K/V-head call whose fp32 pair fits
-    in its group's dq, so the call's memory stays below MHA's: GQA 8:2 at head_dim 128 and 8K tokens (128 items)
-    0.66x the unsplit launch's time, 16:2 at 64 0.66x (kernels/NOTES.md, session 19). cut_short_gqa=False keeps one
-    launch: windows and documents (short items: a window of 1K at 8K ran 1.24x slower cut) and callers that take
-    the fp32 accumulator of every head (launch_backward_fused's fp32_dq)."""
+    hold one fp32 pair). Smaller groups get one launch per K/V head, each a one-K/V-head call whose fp32 pair is a
+    buffer of its own while the dQ accumulator shrinks to the group's, so the call's memory stays at most MHA's: GQA
+    8:2 at head_dim 128 and 8K tokens (128 items), cut so, ran 0.66x the unsplit launch's time, 16:2 at 64 0.66x
+    (kernels/NOTES.md, session 19). cut_short_gqa=False keeps one launch: windows and documents (short items: a
+    window of 1K at 8K ran 1.24x slower cut) and callers that take the fp32 accumulator of every head
+    (launch_backward_fused's fp32_dq)."""
     kv_group = H // kv_heads
     n_kblocks = -(-N // 128)
     if (cut_short_gqa and 1 < kv_heads < H and kv_group < DQ_HEADS_PER_FP32_PAIR and N >= SHORT_GQA_CUT_FROM
