@@ -366,7 +366,7 @@ def adds_dkdv_atomically(B: int, hq: int, hkv: int, n: int, head_dim: int, cut: 
         return False
     n_kblocks = -(-n // 128)
     return launch.gluon_backward.group_splits(B, per_launch, kv_per_launch, n_kblocks, sms,
-                                            None if masked else n) > 1
+                                              None if masked else n) > 1
 
 
 def assert_agree_but_for_the_order(got: torch.Tensor, want: torch.Tensor, eps: float, rotated: bool = False) -> None:
