@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-import triton
 from triton import knobs
+from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
 from minigpt_kernels.device import INTERPRET
@@ -29,6 +29,11 @@ ENABLED = True  # False: every launch through kernel[grid] (an A/B of the host t
 
 # per kernel: key -> (compiled kernel, how to order a call's arguments as the kernel's parameters)
 _compiled: dict[int, dict[tuple, tuple[Any, tuple[tuple[int, Any], ...]]]] = {}
+
+
+def _stream() -> int:
+    """The current device's current CUDA stream, as Triton's own launches ask for it."""
+    return driver.active.get_current_stream(driver.active.get_current_device())
 
 
 def _hooked(hook: Any) -> bool:
@@ -79,7 +84,7 @@ def launch_kernel(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any)
         return
     compiled, order = hit
     values = [args[where] if kind == 0 else kwargs[where] if kind == 1 else where for kind, where in order]
-    stream = torch.cuda.current_stream().cuda_stream
+    stream = _stream()
     compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
                  compiled.function, compiled.packed_metadata, None, None, None, *values)
 
