@@ -8,11 +8,11 @@ tokens it is part of what makes gpt2-small's step host-bound (kernels/NOTES.md, 
 
 `launch_kernel(kernel, grid, *args, **kwargs)` does the same launch. The first call with a given key goes through
 `kernel[grid]` and keeps the CompiledKernel it returns; later calls with the same key hand the arguments straight to
-it. The key is stricter than Triton's own: every non-tensor argument by value (ints, floats, bools, constexprs, launch
-options), every tensor by dtype, device and whether its address is 16-byte aligned, which is all Triton specializes a
-pointer on. So a hit is always a call that Triton would have served from the same compiled kernel. Under the
-interpreter, with a launch hook set (a profiler), for anything but a JITFunction (a test's spy) or with ENABLED off,
-every call goes through `kernel[grid]`.
+it. The key is stricter than Triton's own: the current device, every non-tensor argument by type and value (ints,
+floats, bools, constexprs, launch options), every tensor by dtype and whether its address is 16-byte aligned, which
+is all Triton specializes a pointer on. So a hit is always a call that Triton would have served from the same
+compiled kernel. Under the interpreter, with a launch hook set (a profiler), for anything but a JITFunction (a test's
+spy) or with ENABLED off, every call goes through `kernel[grid]`.
 """
 from __future__ import annotations
 
@@ -31,22 +31,19 @@ ENABLED = True  # False: every launch through kernel[grid] (an A/B of the host t
 _compiled: dict[int, dict[tuple, tuple[Any, tuple[tuple[int, Any], ...]]]] = {}
 
 
-def _stream() -> int:
-    """The current device's current CUDA stream, as Triton's own launches ask for it."""
-    return driver.active.get_current_stream(driver.active.get_current_device())
+# The current CUDA device, as Triton keys its compiled kernels: torch.cuda.current_device without its lazy-init check
+# (a CUDA tensor exists, so CUDA is up); a CPU build has only the latter.
+_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+
+
+def _stream(device: int) -> int:
+    """The device's current CUDA stream, as Triton's own launches ask for it."""
+    return driver.active.get_current_stream(device)
 
 
 def _hooked(hook: Any) -> bool:
     """Whether a launch hook is set: None, or an empty chain of them (triton 3.6's default), is none."""
     return bool(getattr(hook, "calls", hook))
-
-
-def _spec(arg: Any) -> Any:
-    """What a compiled kernel depends on of one argument: a tensor's dtype, device and alignment; anything else's
-    value."""
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.device.index, arg.data_ptr() % 16 == 0
-    return type(arg), arg
 
 
 def _order(kernel: Any, n_args: int, kwargs: dict[str, Any]) -> tuple[tuple[int, Any], ...]:
@@ -72,7 +69,13 @@ def launch_kernel(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any)
         kernel[grid](*args, **kwargs)
         return
     cache = _compiled.setdefault(id(kernel), {})  # kernels are module-level: their ids live as long as they do
-    key = (tuple(map(_spec, args)), tuple((name, _spec(value)) for name, value in kwargs.items()))
+    # Triton keeps a cache per current device; a tensor counts by dtype and 16-byte alignment, anything else by type
+    # and value (True, 1 and 1.0 compile differently)
+    device = _device()
+    key = (device,
+           *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else (a.__class__, a) for a in args],
+           *[(n, a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else (n, a.__class__, a)
+             for n, a in kwargs.items()])
     try:
         hit = cache.get(key)
     except TypeError:  # an argument that cannot be a key (not one of ours today): Triton's own path
@@ -84,7 +87,7 @@ def launch_kernel(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any)
         return
     compiled, order = hit
     values = [args[where] if kind == 0 else kwargs[where] if kind == 1 else where for kind, where in order]
-    stream = _stream()
+    stream = _stream(device)
     compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
                  compiled.function, compiled.packed_metadata, None, None, None, *values)
 

@@ -45,7 +45,8 @@ def on_gpu(monkeypatch):
     """launch_kernel as it runs on a GPU (not the interpreter's pass-through), with a stand-in stream."""
     monkeypatch.setattr(relaunch, "INTERPRET", False)
     monkeypatch.setattr(relaunch, "_compiled", {})  # the stand-ins are not module-level: their ids may repeat
-    monkeypatch.setattr(relaunch, "_stream", lambda: 7)
+    monkeypatch.setattr(relaunch, "_stream", lambda device: 7)
+    monkeypatch.setattr(relaunch, "_device", lambda: 0)
 
 
 def test_a_repeated_call_goes_straight_to_the_compiled_kernel_in_parameter_order(on_gpu):
