@@ -252,6 +252,15 @@ def plan(kernel: str, head_dim: int, seq_len: int | None, dtype: torch.dtype, ca
         path = os.environ.get(PATH_ENV) or "auto"
     if path not in PATHS:
         raise ValueError(f"{PATH_ENV}={path!r}: allowed values are {', '.join(PATHS)}")
+    return _plan(kernel, head_dim, seq_len, dtype, causal, deterministic, capability, gluon_inputs, batch_heads,
+                 interpret, path, masked, VIA_DS_MAX_BYTES)
+
+
+@functools.lru_cache(maxsize=1024)  # every layer of a step asks the same few questions: answered once each
+def _plan(kernel: str, head_dim: int, seq_len: int | None, dtype: torch.dtype, causal: bool, deterministic: bool,
+          capability: tuple[int, int] | None, gluon_inputs: bool, batch_heads: int, interpret: bool, path: str,
+          masked: bool, max_ds_bytes: int) -> Plan:
+    """plan, its defaults resolved (the table and the settings as arguments: a cache key)."""
     if masked:  # the Gluon forward and five-matmul backward (not deterministic) where the inputs fit, else Triton
         gluon_ok = gluon_inputs and (kernel == "fwd" or (kernel == "bwd" and not deterministic))
         if (path == "via_ds" or (path == "gluon" and not gluon_ok)) and kernel in ("fwd", "bwd"):
@@ -266,7 +275,7 @@ def plan(kernel: str, head_dim: int, seq_len: int | None, dtype: torch.dtype, ca
         return _forward(head_dim, seq_len, dtype, causal, capability, gluon_inputs, interpret, path, masked)
     if kernel == "bwd":
         return _backward(head_dim, seq_len, dtype, causal, deterministic, capability, gluon_inputs, batch_heads,
-                         interpret, path, VIA_DS_MAX_BYTES, masked)
+                         interpret, path, max_ds_bytes, masked)
     raise ValueError(f"plan: kernel must be one of fwd, bwd, dq, dkdv; got {kernel!r}")
 
 

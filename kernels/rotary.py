@@ -26,6 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from minigpt_kernels.device import INTERPRET
+from minigpt_kernels.relaunch import launch_kernel
 
 BLOCK_TOKENS = 32  # tokens per program (each program rotates one query head of them, and its K/V head if it leads)
 
@@ -98,7 +99,8 @@ def _launch(packed: Tensor, q: Tensor, k: Tensor, v: Tensor | None, cos: Tensor,
     n_blocks = triton.cdiv(N, BLOCK_TOKENS)
     with_v = v is not None
     v = v if with_v else k  # a stand-in the kernel does not touch
-    _qkv_rotary_kernel[(n_blocks * B * n_head,)](
+    launch_kernel(
+        _qkv_rotary_kernel, (n_blocks * B * n_head,),
         packed, q, k, v, cos, sin, N, n_head, n_blocks, *packed.stride()[:3],
         *(st for t in (q, k, v) for st in t.stride()[:3]), cos.stride(0),
         BACKWARD=backward, WITH_V=with_v, GROUP=n_head // n_kv_head, HALF=D // 2, BLOCK=BLOCK_TOKENS, num_warps=4)

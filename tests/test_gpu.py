@@ -495,6 +495,34 @@ def test_flash_attention_qkv_deterministic_writes_the_gradients_into_dqkv(B, N, 
     assert torch.isfinite(runs[0]).all() and torch.equal(runs[0], want_dqkv) and torch.equal(runs[0], runs[1])
 
 
+@pytest.mark.parametrize("B,N,H,D", [(2, 1000, 4, 64), (1, 4100, 3, 64), (1, 777, 2, 128), (2, 2048, 2, 128)])
+def test_relaunched_kernels_match_triton_launches(B, N, H, D, monkeypatch):
+    """kernels/relaunch.py: after its first call each kernel is launched straight from its compiled form; the model's
+    fwd+bwd (flash_attention_qkv, whichever backward the shape takes) gives the output and dK, dV bitwise those of
+    Triton's own launches, dQ too except where the five-matmul backward sums it atomically (then within 1e-2)."""
+    from minigpt.model import Rotary
+    from minigpt_kernels import relaunch
+    from minigpt_kernels.flash_attention_qkv import flash_attention_qkv
+
+    g = torch.Generator(device="cuda").manual_seed(N + D + 2)
+    qkv = torch.randn(B, N, 3, H, D, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    cos, sin = Rotary(D).cuda()(N)
+    do = torch.randn(B, H, N, D, device="cuda", generator=g).to(torch.bfloat16)
+    runs = {}
+    for enabled in (False, True):
+        monkeypatch.setattr(relaunch, "ENABLED", enabled)
+        monkeypatch.setattr(relaunch, "_compiled", {})
+        runs[enabled] = []
+        for _ in range(3):  # enabled: the first call compiles or looks up through Triton, the next two relaunch
+            o = flash_attention_qkv(qkv, cos, sin)
+            runs[enabled].append((o.detach(), torch.autograd.grad(o, qkv, do)[0]))
+        assert bool(relaunch._compiled) == enabled
+    o_want, d_want = runs[False][0]
+    for o, dqkv in runs[True]:
+        assert torch.equal(o, o_want) and torch.equal(dqkv[:, :, 1:], d_want[:, :, 1:])
+        assert rel_err(dqkv[:, :, 0], d_want[:, :, 0]) < 1e-2
+
+
 def test_torch_compile_with_flash_has_no_graph_break():
     from minigpt.attention import get_attention
     from minigpt.config import ModelConfig

@@ -85,6 +85,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from minigpt_kernels.device import staged_by_tma, strides3
 from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, all_heads, all_rows, head_rows,
                                           load_rows, mma_layout, program_items, store_rows, tma_load)
+from minigpt_kernels.relaunch import launch_kernel
 from minigpt_kernels.gluon.schedule import (MASKED_PERSISTENT_WAVES, device_one_each, device_plain_order,
                                              device_schedule, modelled_finish, sm_count)
 
@@ -1089,7 +1090,7 @@ def _launch_dkdvdq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, str
     n_kblocks = -(-N // (CONSUMERS.value * TILE.value))
     atomic_dkdv = kv_splits > 1
     virtual_heads = k.shape[1] * kv_splits  # the items' heads
-    dkdvdq_kernel[(work_start.numel() - 1,)](
+    launch_kernel(dkdvdq_kernel, (work_start.numel() - 1,),
         q, k, v, do, lse, delta, dk, dv, dq_acc, work, work_start, *strides3(q), *strides3(k), *strides3(v),
         *strides3(do), *strides3(dk), *strides3(dv), stride_lse, stride_delta, B, H, N, n_kblocks, *acc_shape,
         *acc_steps, qk_scale, sm_scale, H // virtual_heads, kv_splits, ends,
@@ -1298,7 +1299,8 @@ def launch_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
     delta = rowsum(dO ∘ O) into delta's rows (fp32, t + (b·H + h)·stride). block_n: keys per streamed tile."""
     B, H, N, D = q.shape
     grid = (-(-N // (CONSUMERS.value * TILE.value)), B * H)
-    dq_kernel[grid](q, k, v, do, o, lse, delta, dq, *strides3(q), *strides3(k), *strides3(v), *strides3(do),
-                     *strides3(o), *strides3(dq), stride_lse, stride_delta, H, N, qk_scale, sm_scale,
-                     HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS[CONSUMERS.value],
-                     PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+    launch_kernel(dq_kernel, grid, q, k, v, do, o, lse, delta, dq, *strides3(q), *strides3(k), *strides3(v),
+                  *strides3(do),
+                  *strides3(o), *strides3(dq), stride_lse, stride_delta, H, N, qk_scale, sm_scale,
+                  HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS[CONSUMERS.value],
+                  PRODUCER_REGS=PRODUCER_REGS, num_warps=4)

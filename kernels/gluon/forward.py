@@ -56,6 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from minigpt_kernels.device import staged_by_tma
+from minigpt_kernels.relaunch import launch_kernel
 from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, all_heads, load_rows, mma_layout,
                                           program_items, store_rows)
 from minigpt_kernels.dispatch import fold_tiles
@@ -624,7 +625,7 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: f
         # that a work item reads its key span with four loads and each row its first key with one (NOTES.md)
         starts = torch.searchsorted(document_ids, document_ids, out_int32=True)
         ends = torch.searchsorted(document_ids, document_ids, right=True, out_int32=True)
-    pingpong_fwd_kernel[(work_start.numel() - 1,)](
+    launch_kernel(pingpong_fwd_kernel, (work_start.numel() - 1,),
         q, k, v, o, lse, work, work_start, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), B, H, N,
         -(-N // (consumers * ROWS_PER_CONSUMER.value)), qk_scale, H // k.shape[1], window or 0, starts, ends,
