@@ -12,6 +12,7 @@ import datetime as dt
 import json
 import os
 import platform
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -20,6 +21,7 @@ import torch
 
 from minigpt.attention import SDPA_KERNELS, attention_names, get_provider
 from minigpt.benchmarks.mask_cases import GROUPS
+from minigpt.config import ConfigError
 from minigpt.files import atomic_write_text, markdown_table
 from minigpt.metrics import attention_flops, git_commit, versions
 
@@ -223,6 +225,11 @@ def write_explore(explore: list[dict], out_dir: Path) -> Path:
     return atomic_write_text(path, json.dumps({"env": env, "explore": explore}, indent=1) + "\n")
 
 
+def argv_has(argv: list[str] | None, flag: str) -> bool:
+    """Whether the command line (argv, or sys.argv's) names `flag` (to tell a default from a choice)."""
+    return any(a == flag or a.startswith(flag + "=") for a in (sys.argv[1:] if argv is None else argv))
+
+
 def main(argv: list[str] | None = None) -> int:
     """`minigpt-bench` / scripts/bench_attention.py: parse the arguments, run, print the table."""
     p = argparse.ArgumentParser(prog="bench_attention", description="Attention kernels on the GPU: ours (flash) vs "
@@ -255,8 +262,31 @@ def main(argv: list[str] | None = None) -> int:
                    "<out>/grad_accuracy_<GPU>.{json,md} (minigpt/benchmarks/grad_accuracy.py)")
     p.add_argument("--keys", type=int, nargs="+", help="with --accuracy: the keys every row sees (default 65536 "
                    "262144 1048576; 512 with --tiny)")
+    p.add_argument("--step", action="store_true", help="instead of the table: the trainer's step per attention "
+                   "backend (--step-backends), gpt2-small at 16K tokens per step, in rounds alternating between the "
+                   "backends in one process -> <out>/step_<GPU>.{json,md} (minigpt/benchmarks/step_bench.py; --seq "
+                   "default 1024 2048 4096 8192)")
+    p.add_argument("--step-backends", nargs="+", default=["flash", "sdpa"], choices=attention_names())
+    p.add_argument("--step-model", default="gpt2-small", help="with --step: the model config (configs/model)")
+    p.add_argument("--step-rounds", type=int, default=12, help="with --step: rounds per sequence length")
+    p.add_argument("--step-steps", type=int, default=15, help="with --step: steps per round")
+    p.add_argument("--step-tokens", type=int, default=16384, help="with --step: tokens per step (batch = tokens "
+                   "// seq)")
     p.add_argument("--out", type=Path, default=Path("runs/bench"))
     args = p.parse_args(argv)
+    if args.step:
+        from minigpt.benchmarks.step_bench import step_bench, write_step_results
+
+        seqs = args.seq if argv_has(argv, "--seq") else [1024, 2048, 4096, 8192]
+        try:
+            rows = step_bench(seqs, args.step_backends, tokens=args.step_tokens, model=args.step_model,
+                              rounds=args.step_rounds, steps=args.step_steps,
+                              progress=lambda line: print(line, flush=True))
+        except ConfigError as e:  # a setting the trainer refuses: its one line
+            p.error(f"--step: {e}")
+        command = "python scripts/bench_attention.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        print(write_step_results(rows, args.out, args.step_model, args.step_tokens, command).read_text())
+        return 0
     suite = "--accuracy" if args.accuracy else "--masks" if args.masks else None
     if suite and not torch.cuda.is_available() and not (args.tiny and os.environ.get("TRITON_INTERPRET") == "1"):
         p.error(f"{suite} needs a CUDA GPU; to dry-run the code on CPU: TRITON_INTERPRET=1 ... {suite} --tiny")
