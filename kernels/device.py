@@ -18,6 +18,12 @@ def capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for the launchers' grids. Host code does not call triton.cdiv: it is a constexpr_function, whose
+    every call unwraps its arguments (µs per call, and a launch makes several)."""
+    return -(-a // b)
+
+
 def strides3(t: Tensor) -> tuple[int, int, int]:
     """A (B, H, N, D) tensor's batch, head and row strides (its last dimension is contiguous)."""
     return t.stride()[:3]

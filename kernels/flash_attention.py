@@ -37,29 +37,35 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"flash_attention: q's heads ({q.shape[1]}) must be a multiple of k and v's ({k.shape[1]})")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"flash_attention: q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"flash_attention: dtype {q.dtype} not supported; use float16, bfloat16 or float32")
-    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"flash_attention: head_dim {q.shape[-1]} not supported; use one of {SUPPORTED_HEAD_DIMS}")
-    if q.shape[2] < 1:
-        raise ValueError("flash_attention: seq must be >= 1")
     if not (q.device == k.device == v.device):
         raise ValueError(f"flash_attention: q, k, v on different devices ({q.device}, {k.device}, {v.device})")
-    if q.device.type != "cuda" and not INTERPRET:
-        raise ValueError(f"flash_attention: needs CUDA tensors (got {q.device}); set TRITON_INTERPRET=1 to run on CPU")
+    check_kind(q.dtype, q.shape[-1], q.shape[2], q.device)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"flash_attention: {name}'s last dimension must be contiguous (stride 1), got strides {t.stride()}")
 
 
-def check_masks(q: Tensor, window: int | None, document_ids: Tensor | None) -> None:
-    """The masks of flash_attention: ValueError naming what breaks. No look at the ids' values here (that would
-    sync with the GPU and break a compiled graph): MINIGPT_CHECK_MASKS=1 has the launchers check they do not
-    decrease."""
+def check_kind(dtype: torch.dtype, head_dim: int, seq: int, device: torch.device) -> None:
+    """check_inputs' part that holds for all of q, k, v at once (flash_attention_qkv's inputs are one tensor): a dtype
+    and head_dim the kernels take, seq >= 1, on a GPU (or under Triton's interpreter)."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"flash_attention: dtype {dtype} not supported; use float16, bfloat16 or float32")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"flash_attention: head_dim {head_dim} not supported; use one of {SUPPORTED_HEAD_DIMS}")
+    if seq < 1:
+        raise ValueError("flash_attention: seq must be >= 1")
+    if device.type != "cuda" and not INTERPRET:
+        raise ValueError(f"flash_attention: needs CUDA tensors (got {device}); set TRITON_INTERPRET=1 to run on CPU")
+
+
+def check_masks(q: Tensor, window: int | None, document_ids: Tensor | None, seq: int | None = None) -> None:
+    """The masks of flash_attention for q (B, H, seq, D), or any tensor of q's batch and device with the length
+    given as `seq`: ValueError naming what breaks. No look at the ids' values here (that would sync with the GPU
+    and break a compiled graph): MINIGPT_CHECK_MASKS=1 has the launchers check they do not decrease."""
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"flash_attention: window must be an int >= 1 (or None), got {window!r}")
     if document_ids is not None:
-        check_doc_ids("document_ids", document_ids, q, q.shape[2])
+        check_doc_ids("document_ids", document_ids, q, q.shape[2] if seq is None else seq)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from minigpt_kernels.flash_attention import check_inputs, check_masks, traced
+from minigpt_kernels.flash_attention import check_kind, check_masks, traced
 from minigpt_kernels.launch import launch_backward, launch_forward
 from minigpt_kernels.rotary import check_layout, qkv_rotary_forward, rotary_fits, rotate_back_into
 
@@ -96,11 +96,10 @@ def flash_attention_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, *, n_kv_head: int
     window, document_ids, deterministic: as for flash_attention (the causal mask always applies).
     Returns o (B, Hq, N, D) in q's (B, N, Hq, D) memory order, as flash_attention does for the model's views.
     Inputs it does not take raise ValueError naming the problem."""
-    packed, n_head, n_kv_head = check_layout(qkv, cos, sin, "flash_attention_qkv", n_kv_head)
-    q, k, v = _heads(packed, n_head, n_kv_head)
-    check_inputs(q, k, v)
-    check_masks(q, window, document_ids)
-    N, D = packed.shape[1], packed.shape[3]
+    packed, _, n_kv_head = check_layout(qkv, cos, sin, "flash_attention_qkv", n_kv_head)
+    _, N, _, D = packed.shape
+    check_kind(packed.dtype, D, N, packed.device)  # check_inputs' shapes and strides hold by check_layout's
+    check_masks(packed, window, document_ids, seq=N)
     cos, sin = cos.reshape(N, D // 2), sin.reshape(N, D // 2)
     return FlashAttentionQKV.apply(packed, cos, sin, n_kv_head, 1.0 / math.sqrt(D), window, document_ids,
                                    deterministic)

@@ -38,7 +38,7 @@ import torch
 import triton
 from torch import Tensor
 
-from minigpt_kernels.device import INTERPRET, capability, strides3, tma_ready, tma_scratch
+from minigpt_kernels.device import INTERPRET, capability, cdiv, strides3, tma_ready, tma_scratch
 from minigpt_kernels.dispatch import PATH_ENV, TileConfig, ds_head_elements, fold_tiles, plan
 from minigpt_kernels.relaunch import launch_kernel
 from minigpt_kernels.triton_kernels import (
@@ -247,7 +247,7 @@ def _mask_args(q: Tensor, k: Tensor, causal: bool, window: int | None, q_doc_ids
     masks = window is not None or docs or (causal and (shift != 0 or N_Q != N_K))
     counts = None
     if _tile_counts is not None:
-        counts = torch.zeros((B * H, triton.cdiv(N_Q, blocks[0]), triton.cdiv(N_K, blocks[1])), dtype=torch.int32,
+        counts = torch.zeros((B * H, cdiv(N_Q, blocks[0]), cdiv(N_K, blocks[1])), dtype=torch.int32,
                              device=q.device)
         _tile_counts.append((kernel, counts, blocks))
     ids = (q_doc_ids, k_doc_ids, q_doc_ids.stride(0), k_doc_ids.stride(0)) if masks and docs else (q, q, 0, 0)
@@ -395,7 +395,7 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, sm_scale: floa
         launch(q, k, v, o, lse, sm_scale * LOG2E, cfg.block_m // 64, cfg.block_n, cfg.num_stages, causal=causal,
                accumulate=accumulate, stride_lse=stride_lse)
         return o, lse
-    grid = (triton.cdiv(N_Q, cfg.block_m), B * H)
+    grid = (cdiv(N_Q, cfg.block_m), B * H)
     launch_kernel(fwd_kernel, grid, q, k, v, o, lse, *strides3(q), *strides3(k), *strides3(v), *strides3(o),
                   _row_stride(lse),
                   H, N_Q, N_K, sm_scale * LOG2E, *margs, CAUSAL=causal, CONTINUE=accumulate, HEAD_DIM=D,
@@ -598,7 +598,7 @@ def launch_backward_delta(do: Tensor, o: Tensor, lse: Tensor) -> tuple[Tensor, T
     if do.stride(-1) != 1:
         do = do.contiguous()
     delta = torch.empty_like(lse, memory_format=torch.contiguous_format)
-    launch_kernel(bwd_delta_kernel, (triton.cdiv(N, 128), B * H), o, do, delta, *strides3(o), *strides3(do), H, N,
+    launch_kernel(bwd_delta_kernel, (cdiv(N, 128), B * H), o, do, delta, *strides3(o), *strides3(do), H, N,
                                                     HEAD_DIM=D, BLOCK_M=128, num_warps=4)
     return do, delta
 
@@ -631,7 +631,7 @@ def launch_backward_dkdv(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tenso
                          f"got {c} and {ds.numel()} {ds.dtype}")
     margs, mflags = _mask_args(q, k, causal, window, q_doc_ids, k_doc_ids, q_offset, k_offset, "dkdv",
                                (c.block_m, c.block_n))
-    launch_kernel(bwd_dkdv_kernel, (triton.cdiv(N_K, c.block_n), B * k.shape[1]),
+    launch_kernel(bwd_dkdv_kernel, (cdiv(N_K, c.block_n), B * k.shape[1]),
         q, k, v, do, lse, delta, dk, dv,
         dk if ds is None else ds,  # DS: any pointer when nothing is stored
         *strides3(q), *strides3(k), *strides3(v), *strides3(do),
@@ -679,7 +679,7 @@ def launch_backward_via_ds(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tenso
     with _unfilled():  # every element is written before it is read: no NaN fill in deterministic mode
         ds = torch.empty(B * H * ds_head_elements(N, c.block_m), dtype=q.dtype, device=q.device)
     launch_backward_dkdv(do, q, k, v, lse, delta, True, sm_scale, c, out=(dk, dv), ds=ds)
-    launch_kernel(bwd_dq_from_ds_kernel, (triton.cdiv(N, c.block_m), B * H),
+    launch_kernel(bwd_dq_from_ds_kernel, (cdiv(N, c.block_m), B * H),
         ds, k, dq, *strides3(k), *strides3(dq), H, N, sm_scale, HEAD_DIM=D, BLOCK=c.block_m,
         num_warps=dc.num_warps, num_stages=dc.num_stages)
     return dq, dk, dv
@@ -725,7 +725,7 @@ def launch_backward_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
         return dq
     margs, mflags = _mask_args(q, k, causal, window, q_doc_ids, k_doc_ids, q_offset, k_offset, "dq",
                                (c.block_m, c.block_n))
-    launch_kernel(bwd_dq_kernel, (triton.cdiv(N_Q, c.block_m), B * H),
+    launch_kernel(bwd_dq_kernel, (cdiv(N_Q, c.block_m), B * H),
         q, k, v, do, lse, delta, dq, o, *strides3(q), *strides3(k), *strides3(v), *strides3(do),
         *strides3(dq), *(strides3(o) if o is not None else (0, 0, 0)), stride_lse, stride_delta,
         H, N_Q, N_K, sm_scale * LOG2E, sm_scale, *margs,

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from minigpt_kernels.device import INTERPRET
+from minigpt_kernels.device import INTERPRET, cdiv
 from minigpt_kernels.relaunch import launch_kernel
 
 BLOCK_TOKENS = 32  # tokens per program (each program rotates one query head of them, and its K/V head if it leads)
@@ -96,7 +96,7 @@ def _launch(packed: Tensor, q: Tensor, k: Tensor, v: Tensor | None, cos: Tensor,
     dimension; v None: left out (backward only). One program per query head and block of tokens."""
     B, N, _, D = packed.shape
     n_head, n_kv_head = q.shape[2], k.shape[2]
-    n_blocks = triton.cdiv(N, BLOCK_TOKENS)
+    n_blocks = cdiv(N, BLOCK_TOKENS)
     with_v = v is not None
     v = v if with_v else k  # a stand-in the kernel does not touch
     launch_kernel(
