@@ -230,6 +230,20 @@ def argv_has(argv: list[str] | None, flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in (sys.argv[1:] if argv is None else argv))
 
 
+def without_out(argv: list[str]) -> list[str]:
+    """The command line as a results file records it: without --out and its folder (a machine path, not what was
+    measured)."""
+    kept, skip = [], False
+    for a in argv:
+        if skip or a.startswith("--out="):
+            skip = False
+            continue
+        skip = a == "--out"
+        if not skip:
+            kept.append(a)
+    return kept
+
+
 def main(argv: list[str] | None = None) -> int:
     """`minigpt-bench` / scripts/bench_attention.py: parse the arguments, run, print the table."""
     p = argparse.ArgumentParser(prog="bench_attention", description="Attention kernels on the GPU: ours (flash) vs "
@@ -284,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                               progress=lambda line: print(line, flush=True))
         except ConfigError as e:  # a setting the trainer refuses: its one line
             p.error(f"--step: {e}")
-        command = "python scripts/bench_attention.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        command = "python scripts/bench_attention.py " + " ".join(without_out(sys.argv[1:] if argv is None else argv))
         print(write_step_results(rows, args.out, args.step_model, args.step_tokens, command).read_text())
         return 0
     suite = "--accuracy" if args.accuracy else "--masks" if args.masks else None

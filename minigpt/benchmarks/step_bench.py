@@ -9,7 +9,8 @@ backend see the same drift, so their ratio holds. Each backend gets the trainer'
 model, optimizer, data, regional compile by default on a GPU) from the same config but for `attention`; after
 warm-up steps the rounds run, each timing `steps` calls of minigpt.train.train_step back to back (the trainer's
 step: data, fwd+bwd under autocast, clipping, AdamW, and its loss read back, one host sync per step). The table
-gives each backend's median and fastest round, in ms per step, and its median over sdpa's.
+gives each backend's median and fastest round, in ms per step, its median over sdpa's, and how far that ratio
+strays round by round (the noise a verdict must clear).
 """
 from __future__ import annotations
 
@@ -84,15 +85,21 @@ def step_bench(seq_lens: list[int], backends: list[str], tokens: int = 16384, mo
 
 
 def step_table(rows: list[StepRow], env: dict) -> str:
-    """One line per (sequence length, backend): ms per step, median and fastest round, and median / sdpa's."""
-    sdpa = {r.seq_len: r.median_ms for r in rows if r.backend == "sdpa"}
-    table = [[r.seq_len, r.batch, r.backend, f"{r.median_ms:.2f}", f"{r.min_ms:.2f}", len(r.rounds),
-              f"{r.median_ms / sdpa[r.seq_len]:.3f}" if r.seq_len in sdpa else None] for r in rows]
+    """One line per (sequence length, backend): ms per step, median and fastest round, median / sdpa's, and the
+    spread of that ratio round by round (a round of each backend against sdpa's of the same round)."""
+    sdpa = {r.seq_len: r for r in rows if r.backend == "sdpa"}
+    table = []
+    for r in rows:
+        base = sdpa.get(r.seq_len)
+        paired = [a / b for a, b in zip(r.rounds, base.rounds)] if base and r is not base else []
+        table.append([r.seq_len, r.batch, r.backend, f"{r.median_ms:.2f}", f"{r.min_ms:.2f}", len(r.rounds),
+                      f"{r.median_ms / base.median_ms:.3f}" if base else None,
+                      f"{min(paired):.2f}–{max(paired):.2f}" if paired else None])
     return (f"The trainer's step ({env['model']}, {env['tokens']} tokens per step), rounds alternating between the "
             f"backends in one process; {env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}, "
             f"commit {env['commit']}. Command: `{env['command']}`.\n\n"
             + markdown_table(["seq_len", "batch", "attention", "ms/step (median)", "fastest round", "rounds",
-                              "/ sdpa"], table))
+                              "/ sdpa", "/ sdpa, round by round"], table))
 
 
 def write_step_results(rows: list[StepRow], out_dir: Path, model: str, tokens: int, command: str) -> Path:
