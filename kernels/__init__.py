@@ -3,6 +3,7 @@
     flash_attention.py     the face: flash_attention, flash_attention_with_lse, input checks, custom ops, autograd
     dispatch.py            which kernel and tiles run a call: one table, plan() -> Plan; MINIGPT_FLASH_PATH forces a path
     launch.py              the launchers (forward, backward and its kernels one by one, for ring attention)
+    relaunch.py            a kernel's later launches straight to its compiled form (Triton's per-call binding skipped)
     triton_kernels.py      the Triton kernels: forward with online softmax, FlashAttention-2 backward, dQ from stored dS
                            (masks: sliding window, document ids, blocks at offsets; GQA; their tile spans)
     gluon/                 the Hopper (sm_90) kernels in Gluon: forward.py (ping-pong, persistent), backward.py
