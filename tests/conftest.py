@@ -122,8 +122,9 @@ class RecordingLogger:
 # the layout rules, the tools' help and the mask benchmark's pair counts. Everything else is marked `slow` here (run
 # it with `python -m pytest -m slow`; .ci/run runs both).
 # A new test is slow until it is named here: keep this tier fast.
-FAST_FILES = {"test_config.py", "test_data.py", "test_dispatch.py", "test_figures.py", "test_imports.py", "test_relaunch.py",
-              "test_results_rules.py", "test_ring_plan.py", "test_usage.py", "test_gluon_launch_args.py"}
+FAST_FILES = {"test_config.py", "test_data.py", "test_dispatch.py", "test_figures.py", "test_imports.py",
+              "test_relaunch.py", "test_results_rules.py", "test_ring_plan.py", "test_usage.py",
+              "test_gluon_launch_args.py"}
 FAST_TESTS = (
     "test_flash_attention.py::test_matches_float64_reference[n130-d32-float16-causal]",
     "test_flash_attention_qkv.py::test_layouts_it_does_not_take_raise_a_value_error_naming_the_problem",

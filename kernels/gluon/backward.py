@@ -85,9 +85,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from minigpt_kernels.device import staged_by_tma, strides3
 from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, all_heads, all_rows, head_rows,
                                           load_rows, mma_layout, program_items, store_rows, tma_load)
-from minigpt_kernels.relaunch import launch_kernel
 from minigpt_kernels.gluon.schedule import (MASKED_PERSISTENT_WAVES, device_one_each, device_plain_order,
                                              device_schedule, modelled_finish, sm_count)
+from minigpt_kernels.relaunch import launch_kernel
 
 TILE = gl.constexpr(64)  # keys (dK/dV) or query rows (dQ) per consumer warpgroup: the M of one wgmma
 CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program (the warp_specialize lists below name two)
@@ -1300,7 +1300,6 @@ def launch_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
     B, H, N, D = q.shape
     grid = (-(-N // (CONSUMERS.value * TILE.value)), B * H)
     launch_kernel(dq_kernel, grid, q, k, v, do, o, lse, delta, dq, *strides3(q), *strides3(k), *strides3(v),
-                  *strides3(do),
-                  *strides3(o), *strides3(dq), stride_lse, stride_delta, H, N, qk_scale, sm_scale,
+                  *strides3(do), *strides3(o), *strides3(dq), stride_lse, stride_delta, H, N, qk_scale, sm_scale,
                   HEAD_DIM=D, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS[CONSUMERS.value],
                   PRODUCER_REGS=PRODUCER_REGS, num_warps=4)

@@ -56,12 +56,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from minigpt_kernels.device import staged_by_tma
-from minigpt_kernels.relaunch import launch_kernel
 from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, all_heads, load_rows, mma_layout,
                                           program_items, store_rows)
 from minigpt_kernels.dispatch import fold_tiles
 from minigpt_kernels.gluon.schedule import (MASKED_PERSISTENT_WAVES, device_dealt, device_one_each, device_schedule,
                                             sm_count)
+from minigpt_kernels.relaunch import launch_kernel
 
 ROWS_PER_CONSUMER = gl.constexpr(64)  # query rows per consumer warpgroup: the M of one wgmma
 
