@@ -116,3 +116,14 @@ def test_a_missing_argument_raises_like_triton(on_gpu):
     kernel, x = _Kernel(), torch.zeros(64)
     with pytest.raises(TypeError, match="factor"):
         relaunch.launch_kernel(kernel, (1,), x, x, 64)
+
+
+def test_tensors_count_by_dtype_and_alignment_not_identity_positional_or_keyword(on_gpu):
+    kernel = _Kernel()
+    for _ in range(3):  # fresh tensors each call, one by keyword: the key keeps no tensor and still hits
+        relaunch.launch_kernel(kernel, (2,), torch.zeros(64), out=torch.zeros(64), n=64, factor=0.5, BLOCK=32)
+    assert [c[0] for c in kernel.calls] == ["triton", "direct", "direct"]
+    assert relaunch.cached_launches(kernel) == 1
+    key = next(iter(relaunch._compiled[id(kernel)]))
+    parts = [p for item in key for p in (item if isinstance(item, tuple) else (item,))]
+    assert not any(isinstance(p, torch.Tensor) for p in parts)
