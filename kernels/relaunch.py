@@ -11,8 +11,9 @@ tokens it is part of what makes gpt2-small's step host-bound (kernels/NOTES.md, 
 it. The key is stricter than Triton's own: the current device, every non-tensor argument by type and value (ints,
 floats, bools, constexprs, launch options), every tensor by dtype and whether its address is 16-byte aligned, which
 is all Triton specializes a pointer on. So a hit is always a call that Triton would have served from the same
-compiled kernel. Under the interpreter, with a launch hook set (a profiler), for anything but a JITFunction (a test's
-spy) or with ENABLED off, every call goes through `kernel[grid]`.
+compiled kernel. (Triton's check that the globals a kernel read still hold their values is skipped with the rest:
+ours read module constants only.) Under the interpreter, with a launch hook set (a profiler), for anything but a
+JITFunction (a test's spy) or with ENABLED off, every call goes through `kernel[grid]`.
 """
 from __future__ import annotations
 

@@ -225,11 +225,6 @@ def write_explore(explore: list[dict], out_dir: Path) -> Path:
     return atomic_write_text(path, json.dumps({"env": env, "explore": explore}, indent=1) + "\n")
 
 
-def argv_has(argv: list[str] | None, flag: str) -> bool:
-    """Whether the command line (argv, or sys.argv's) names `flag` (to tell a default from a choice)."""
-    return any(a == flag or a.startswith(flag + "=") for a in (sys.argv[1:] if argv is None else argv))
-
-
 def without_out(argv: list[str]) -> list[str]:
     """The command line as a results file records it: without --out and its folder (a machine path, not what was
     measured)."""
@@ -250,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "SDPA's backends and naive, in one process; <out>/attention_<GPU>.{json,md} (default "
                                 "runs/bench, git-ignored; publish with --out results).")
     p.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--seq", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--seq", type=int, nargs="+", help="sequence lengths (default 1024 2048 4096 8192 16384; with "
+                   "--step 1024 2048 4096 8192)")
     p.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
     p.add_argument("--explore", action="store_true", help="time candidate tile configs of our kernels first")
     p.add_argument("--explore-only", action="store_true", help="only the tile exploration, no provider table")
@@ -291,9 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.step:
         from minigpt.benchmarks.step_bench import step_bench, write_step_results
 
-        seqs = args.seq if argv_has(argv, "--seq") else [1024, 2048, 4096, 8192]
         try:
-            rows = step_bench(seqs, args.step_backends, tokens=args.step_tokens, model=args.step_model,
+            rows = step_bench(args.seq or [1024, 2048, 4096, 8192], args.step_backends, tokens=args.step_tokens, model=args.step_model,
                               rounds=args.step_rounds, steps=args.step_steps,
                               progress=lambda line: print(line, flush=True))
         except ConfigError as e:  # a setting the trainer refuses: its one line
@@ -342,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.explore_only:
             print("wrote", write_explore(explore, args.out))
             return 0
-    rows = bench_attention(head_dims=args.head_dim, seq_lens=args.seq, providers=args.providers,
+    rows = bench_attention(head_dims=args.head_dim, seq_lens=args.seq or [1024, 2048, 4096, 8192, 16384],
+                           providers=args.providers,
                            progress=lambda r: print(f"{r.provider:15s} D={r.head_dim:3d} N={r.seq_len:6d} {r.mode:8s} "
                                                     f"{'' if r.ms is None else f'{r.ms:8.3f} ms {r.tflops:6.1f} TFLOP/s'} "
                                                     f"{r.note}", flush=True))

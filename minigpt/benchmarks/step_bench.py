@@ -47,7 +47,7 @@ def _sync(device: torch.device) -> None:
 
 
 def step_bench(seq_lens: list[int], backends: list[str], tokens: int = 16384, model: str = "gpt2-small",
-               rounds: int = 12, steps: int = 15, warmup: int = 10, overrides: list[str] | None = None,
+               rounds: int = 12, steps: int = 15, warmup: int = 10,
                progress: Callable[[str], None] = print) -> list[StepRow]:
     """Per sequence length, each backend's training step (batch = tokens // seq_len sequences) timed in `rounds`
     rounds of `steps` steps, the backends' order rotating from round to round."""
@@ -58,7 +58,7 @@ def step_bench(seq_lens: list[int], backends: list[str], tokens: int = 16384, mo
             runs = {}
             for name in backends:
                 cfg = compose([f"model={model}", f"attention={name}", f"seq_len={seq_len}", f"batch_size={batch}",
-                               "save_checkpoints=false", "logger=none", *(overrides or [])], run_dir=run_dir)
+                               "save_checkpoints=false", "logger=none"], run_dir=run_dir)
                 t = build(cfg, asdict(cfg), RunSummary())
                 for step in range(warmup):  # compiles, autotunes, fills the allocator's cache
                     train_step(t, step)
