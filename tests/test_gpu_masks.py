@@ -277,6 +277,37 @@ def test_persistent_document_forward_matches_the_plain_grid(N, Hq, Hkv, D, windo
     assert torch.equal(o, o_plain), (N, window, docs)
 
 
+@pytest.mark.skipif(not HOPPER, reason="the masked Gluon backward is written for sm_90 (wgmma)")
+@pytest.mark.parametrize("N, Hq, Hkv, D, window, docs", [
+    (32768, 8, 8, 64, None, "ragged"), (8197, 8, 8, 64, 300, "ragged"), (6000, 12, 12, 64, None, "one"),
+    (5000, 16, 16, 64, 1, "ragged"), (4096, 16, 16, 64, None, "tokens"), (16384, 8, 2, 64, None, "ragged"),
+    (8192, 16, 16, 128, None, "ragged")])
+def test_persistent_document_backward_matches_the_plain_grid(N, Hq, Hkv, D, window, docs, monkeypatch):
+    """The backward with document ids at head_dim 64, one query head per item, on one program per SM (the plain
+    grid's order dealt out, schedule.device_dealt) computes each key block as the plain grid does: dK, dV bitwise
+    equal, dQ (added by TMA in an order that varies) within bf16's tolerance; odd lengths, with and without a window,
+    documents ragged, of one token, or one. GQA (an item walks a group) and head_dim 128 keep the plain grid."""
+    dealt = []
+    real = launch.gluon_backward.device_dealt
+    monkeypatch.setattr(launch.gluon_backward, "device_dealt", lambda *a: dealt.append(1) or real(*a))
+    qkv, q, k, v = qkv_rows(2, N, Hq, Hkv, D, torch.bfloat16, seed=N + D + 1)
+    do = torch.randn(q.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(N)).bfloat16()
+    ids = documents(docs, 2, N, seed=N + 1)
+
+    def run(waves):  # 0: persistent where the launcher takes it; 10**9: a plain grid
+        monkeypatch.setattr(launch.gluon_backward, "MASKED_PERSISTENT_WAVES", waves)
+        o = flash_attention(q, k, v, causal=True, window=window, document_ids=ids)
+        (g,) = torch.autograd.grad(o, qkv, do)
+        return g.split((Hq, Hkv, Hkv), dim=2)
+
+    dq_plain, dk_plain, dv_plain = run(10**9)
+    assert not dealt
+    dq, dk, dv = run(0)
+    assert bool(dealt) == (D == 64 and Hq == Hkv), "MHA at head_dim 64 runs persistent, else a plain grid"
+    assert torch.equal(dk, dk_plain) and torch.equal(dv, dv_plain), (N, window, docs)
+    assert rel_err(dq.float(), dq_plain.float()) < TOL[torch.bfloat16], (N, window, docs)
+
+
 # (N, Hq, Hkv, D, window, documents, layout, split): odd lengths, windows of 1 to wider than N, documents of one
 # token, ragged or one, GQA groups 1, 2, 4 and one K/V head; "rows": q, k, v head-transposed views of one
 # (B, N, Hq + 2·Hkv, D) leaf (the model's), "heads": contiguous (B, H, N, D) leaves; split: a dQ accumulator cap of

@@ -31,22 +31,23 @@ Two kernels, each splitting its warps by role (`gl.warp_specialize`) like the pi
   issued and dS_j is computed while the dQ matmul runs. Each consumer also writes its rows' delta for the Triton
   dK/dV kernel.
 
-Masks and GQA (`launch_dkdv_dq_masked`, a plain grid, or persistent for a window alone; the same kernel with the
-constexprs GQA, WINDOWED, DOCS, which leave the dense code as it was): query i sees key j iff j <= i < end_j, end_j =
-min(j + window, the end of j's document), so each key block [start_n, start_n + 128) is seen by the queries [start_n,
-end of its last key) and visits only those query tiles. The documents' ends come from one binary search per token on the
-device before the launch (torch.searchsorted of the non-decreasing ids: no host sync), so the kernel reads them with one
-load per key instead of searching per item. A tile runs without the elementwise mask where every row of it sees every
-key of the consumer (past its last key and below end_key0). With GQA an item is a K/V head's key block: its roles walk
-the group's query heads in turn through the same ring (counters run on), the producer naming each query head in its
-copies' coordinates (its TMA descriptors span every head and are made once per program), so dK and dV sum over the
-group in registers and no per-query-head K/V copy exists. A launch whose grid leaves SMs idle (MQA, or GQA without
-masks) splits each group instead (`group_splits`, S chosen by the schedule model): the kernel runs S virtual heads per
-K/V head (`kv_splits`: virtual head h reads K/V head h // S), each walking its share of the group's query heads, and
-all S add their dK, dV into one fp32 dK, dV by atomic adds (ACCUMULATE_DKDV = DKDV_ATOMIC_ADD; S partial copies of
-dK, dV took 2.02× the MHA kernel's memory at 8K tokens), rounded into the caller's dtype after the launch; that fp32
-pair may live in memory the caller writes only later (`split_scratch`: dq's, launch.launch_backward_fused). The order
-of the S additions varies from run to run, as dQ's reduce-adds do: this backward is not the deterministic one.
+Masks and GQA (`launch_dkdv_dq_masked`, a plain grid, or persistent for a window alone and for documents at head_dim 64,
+one query head per item; the same kernel with the constexprs GQA, WINDOWED, DOCS, which leave the dense code as it was):
+query i sees key j iff j <= i < end_j, end_j = min(j + window, the end of j's document), so each key block [start_n,
+start_n + 128) is seen by the queries [start_n, end of its last key) and visits only those query tiles. The documents'
+ends come from one binary search per token on the device before the launch (torch.searchsorted of the non-decreasing
+ids: no host sync), so the kernel reads them with one load per key instead of searching per item. A tile runs without
+the elementwise mask where every row of it sees every key of the consumer (past its last key and below end_key0). With
+GQA an item is a K/V head's key block: its roles walk the group's query heads in turn through the same ring (counters
+run on), the producer naming each query head in its copies' coordinates (its TMA descriptors span every head and are
+made once per program), so dK and dV sum over the group in registers and no per-query-head K/V copy exists. A launch
+whose grid leaves SMs idle (MQA, or GQA without masks) splits each group instead (`group_splits`, S chosen by the
+schedule model): the kernel runs S virtual heads per K/V head (`kv_splits`: virtual head h reads K/V head h // S), each
+walking its share of the group's query heads, and all S add their dK, dV into one fp32 dK, dV by atomic adds
+(ACCUMULATE_DKDV = DKDV_ATOMIC_ADD; S partial copies of dK, dV took 2.02× the MHA kernel's memory at 8K tokens), rounded
+into the caller's dtype after the launch; that fp32 pair may live in memory the caller writes only later
+(`split_scratch`: dq's, launch.launch_backward_fused). The order of the S additions varies from run to run, as dQ's
+reduce-adds do: this backward is not the deterministic one.
 
 Ring attention's blocks (`launch_dkdv_dq_block`, for launch.launch_backward_block; the same kernel with the
 constexprs FULL and ACCUMULATE_DKDV, which leave the code compiled without them as it was): a block off the
@@ -85,7 +86,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from minigpt_kernels.device import staged_by_tma, strides3
 from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, all_heads, all_rows, head_rows,
                                           load_rows, mma_layout, program_items, store_rows, tma_load)
-from minigpt_kernels.gluon.schedule import (MASKED_PERSISTENT_WAVES, device_one_each, device_plain_order,
+from minigpt_kernels.gluon.schedule import (MASKED_PERSISTENT_WAVES, device_dealt, device_one_each, device_plain_order,
                                              device_schedule, modelled_finish, sm_count)
 from minigpt_kernels.relaunch import launch_kernel
 
@@ -1145,11 +1146,13 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
     masks: `window` (query i sees key j only if i − window < j) and `document_ids` ((B, N) int32/int64,
     non-decreasing, rows with a contiguous last dimension; only keys of the query's document). Each key block visits
     only the query tiles that see its keys, found on the device (each token's document end by torch.searchsorted,
-    then one load per key); lse and delta are the query heads' rows. A window without document ids, one query head
-    per item, runs persistent from MASKED_PERSISTENT_WAVES waves of key blocks: one program per SM over a schedule
-    balanced on the host (windowed_key_block_costs); persistent=False keeps the plain grid. Everything else is a
-    plain grid (documents, GQA, splits: persistent measured slower or equal there, or not measured;
-    kernels/NOTES.md), GQA alone (no window or documents) in the launch order schedule.plain_order models best.
+    then one load per key); lse and delta are the query heads' rows. With one query head per item, a window without
+    document ids runs persistent from MASKED_PERSISTENT_WAVES waves of key blocks, one program per SM over a
+    schedule balanced on the host (windowed_key_block_costs), and so do document ids at head_dim 64, over the plain
+    grid's order dealt out (schedule.device_dealt: the spans come from ids only the device reads); persistent=False
+    keeps the plain grid. Everything else is a plain grid (documents at head_dim 128, GQA, splits: persistent
+    measured slower or equal there, or not measured; kernels/NOTES.md), GQA alone (no window or documents) in the
+    launch order schedule.plain_order models best.
     split_scratch: two fp32 (B, Hkv, N, D) views (any strides, a contiguous last dimension) that the splits' dK, dV
     may use (zeroed here), e.g. memory of an output written only later; None: new buffers for one K/V head, no
     split for several."""
@@ -1173,13 +1176,19 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
         dk, dv = (t.zero_() for t in split_scratch)
     heads = B * kv_heads * splits  # the items' (batch, virtual head) pairs
     group = H // (kv_heads * splits)  # query heads per item
-    windowed = window is not None and document_ids is None and group == 1  # no GQA walk: MHA, or a split of one
-    # query head per program
+    # persistent where an item walks one query head (MHA, or a split of one query head per program): a window alone
+    # on a schedule balanced on the host, documents at head_dim 64 dealt out (at 128 a mix of lengths ran 1.19×
+    # slower dealt than as a plain grid, kernels/NOTES.md session 24)
+    windowed = window is not None and document_ids is None and group == 1
+    documents = document_ids is not None and group == 1 and D == 64
     if persistent is None:
-        persistent = windowed and heads * n_kblocks >= MASKED_PERSISTENT_WAVES * programs
-    elif persistent and not windowed:
-        raise ValueError("the dK/dV/dQ kernel runs a masked launch persistent only for a window alone, one head each")
-    if persistent:
+        persistent = (windowed or documents) and heads * n_kblocks >= MASKED_PERSISTENT_WAVES * programs
+    elif persistent and not (windowed or documents):
+        raise ValueError("the dK/dV/dQ kernel runs a masked launch persistent only for a window alone or for "
+                         "documents at head_dim 64, one query head per item")
+    if persistent and documents:
+        work, work_start = device_dealt(heads, tuple(range(n_kblocks)), min(programs, heads * n_kblocks), q.device)
+    elif persistent:
         costs = windowed_key_block_costs(N, CONSUMERS.value * TILE.value, block_m, window)
         work, work_start = device_schedule(heads, costs, min(programs, heads * n_kblocks), q.device)
     elif unmasked and (kv_heads != H or splits > 1):  # GQA alone: each item walks its K/V head's query heads (or

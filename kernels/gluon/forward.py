@@ -681,14 +681,14 @@ def launch_forward_masked(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
                           block_n: int, stages: int, window: int | None, document_ids: Tensor | None, *,
                           stride_lse: int | None = None, persistent: bool | None = None) -> None:
     """launch_forward_pingpong's causal fresh contract with GQA (k, v with H / group heads) and the masks: `window`
-    (keys i − window < j) and `document_ids` ((B, N) int32/int64, non-decreasing, rows with a contiguous last
-    dimension; keys of the row's document). Each query tile visits only the key tiles its rows see, found on the
-    device (each token's document bounds by torch.searchsorted, then four loads per item). From
-    MASKED_PERSISTENT_WAVES waves of query tiles it runs one program per SM: a window alone over a schedule balanced
-    on the host (windowed_query_tile_costs), document ids at head_dim 64 over the plain grid's order dealt out in
-    turn (device_dealt: the tiles per item depend on ids only the device reads; at head_dim 128 persistent measured
-    slower, kernels/NOTES.md). persistent=False keeps the plain grid, as ring attention asks; True forces one program
-    per SM."""
+    (keys i − window < j) and `document_ids` ((B, N) int32/int64, non-decreasing, rows with a contiguous last dimension;
+    keys of the row's document). Each query tile visits only the key tiles its rows see, found on the device (each
+    token's document bounds by torch.searchsorted, then four loads per item). From MASKED_PERSISTENT_WAVES waves of
+    query tiles it runs one program per SM: a window alone over a schedule balanced on the host
+    (windowed_query_tile_costs), document ids at head_dim 64 over the plain grid's order dealt out (device_dealt: the
+    tiles per item depend on ids only the device reads; at head_dim 128 persistent measured slower on a mix of document
+    lengths, kernels/NOTES.md session 24). persistent=False keeps the plain grid, as ring attention asks; True forces
+    one program per SM."""
     B, H, N, D = q.shape
     rows = consumers * ROWS_PER_CONSUMER.value
     n_qtiles = -(-N // rows)

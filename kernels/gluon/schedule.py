@@ -139,11 +139,27 @@ def device_one_each(heads: int, positions: tuple[int, ...], device: torch.device
     return _work_list(_head_after_head(heads, positions), None, device)
 
 
+def dealt(heads: int, positions: tuple[int, ...], programs: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A plain grid's items (head after head, each head's at `positions` in that order) dealt out to `programs`
+    persistent programs round by round, every other round backwards: program p takes items p and 2·programs − 1 − p
+    of the first two rounds, and so on. Returns (items, starts). Round by round, so the items in flight together are
+    the ones a plain grid runs together (its L2 reuse); backwards every other round, so a program that took a long
+    item takes a short one next. Dealt forwards only, a program keeps meeting the same positions wherever their
+    period shares factors with the programs' count: a 1K document is 8 query tiles and 132 SMs are 4 mod 8, so each
+    program met 2 of the 8 positions, and 1K documents at 32K tokens ended 1.24× later than balanced in the model
+    (1.02× dealt back and forth; kernels/NOTES.md, session 24)."""
+    order = _head_after_head(heads, positions)
+    lists: list[list[int]] = [[] for _ in range(programs)]
+    for r, first in enumerate(range(0, len(order), programs)):
+        turn = range(programs) if r % 2 == 0 else range(programs - 1, -1, -1)
+        for p, it in zip(turn, order[first:first + programs]):
+            lists[p].append(it)
+    return _flatten(lists)
+
+
 @functools.lru_cache(maxsize=32)
 def device_dealt(heads: int, positions: tuple[int, ...], programs: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """device_one_each's order dealt out to `programs` persistent programs in turn: program p takes items p,
-    p + programs, p + 2·programs, ... For work whose cost only the device knows (document masks: each query tile's
-    key span comes from the ids), so no schedule is balanced on the host: the items start in the order a plain grid
-    starts them, without a program's set-up per item."""
-    order = _head_after_head(heads, positions)
-    return _work_list(*_flatten([order[p::programs] for p in range(programs)]), device)
+    """`dealt`'s work list on the device, made once per shape. For work whose cost only the device knows (document
+    masks: a query tile's key span, a key block's query span come from the ids), so no schedule is balanced on the
+    host: the items start about when a plain grid would start them, without a program's set-up per item."""
+    return _work_list(*dealt(heads, positions, programs), device)
