@@ -53,7 +53,7 @@ PLANS = {
     'J': [(1, 'triton:32x16w4s1')],
     'K': [(1, 'triton:16x32w4s1+32x16w4s1')],
     'L': [(1, 'triton:64x64w4s3T'), (1024, 'gluon:128x128w4s3TGP'), (2048, 'gluon:192x128w4s3TGP'), (131072, 'gluon:192x128w4s3TG')],
-    'M': [(1, 'triton:64x64w4s3Tr168+128x64w8s3T'), (4096, 'gluon:64x128w4s3TGP'), (16384, 'gluon:64x128w4s3TG')],
+    'M': [(1, 'triton:64x64w4s3Tr168+128x64w8s3T'), (2048, 'gluon:64x128w4s3TGP'), (16384, 'gluon:64x128w4s3TG')],
     'N': [(1, 'triton:64x64w4s3T'), (1024, 'gluon:128x128w4s3TGP')],
     'O': [(1, 'via_ds:64x64w4s2T+64x64w4s3'), (1025, 'triton:64x64w4s2T+128x64w8s4T'), (2048, 'gluon:64x128w4s3TGP'), (8192, 'gluon:64x128w4s2TG')],
     'P': [(1, 'via_ds:64x64w4s2T+64x64w4s3'), (1025, 'triton:64x64w4s2T+128x64w8s4T'), (4096, 'triton:64x64w4s2T+128x64w4s3TG')],
