@@ -213,7 +213,7 @@ def test_fused_backward_runs_head_group_by_head_group(persistent, monkeypatch):
 
 
 @pytest.mark.skipif(not HOPPER, reason="the warp-specialized backward is written for sm_90 (wgmma)")
-@pytest.mark.parametrize("head_dim,seq", [(64, 4096), (64, 8192), (128, 1024), (128, 2048), (128, 8192)])
+@pytest.mark.parametrize("head_dim,seq", [(64, 2048), (64, 4096), (64, 8192), (128, 1024), (128, 2048), (128, 8192)])
 def test_long_causal_backward_runs_the_specialized_kernels(head_dim, seq, monkeypatch):
     """Where the table says so (from 2K tokens at head_dim 64 and 128), flash_attention's backward runs the
     five-matmul backward (a spy counts its launches and the persistent kernel's; dK, dV equal a forced launch's
