@@ -59,8 +59,8 @@ from minigpt_kernels.device import staged_by_tma
 from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, all_heads, load_rows, mma_layout,
                                           program_items, store_rows)
 from minigpt_kernels.dispatch import fold_tiles
-from minigpt_kernels.gluon.schedule import (MASKED_PERSISTENT_WAVES, device_dealt, device_one_each, device_schedule,
-                                            sm_count)
+from minigpt_kernels.gluon.schedule import (DOCUMENTS_PERSISTENT_HEAD_DIMS, MASKED_PERSISTENT_WAVES, device_dealt,
+                                            device_one_each, device_schedule, sm_count)
 from minigpt_kernels.relaunch import launch_kernel
 
 ROWS_PER_CONSUMER = gl.constexpr(64)  # query rows per consumer warpgroup: the M of one wgmma
@@ -695,7 +695,7 @@ def launch_forward_masked(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
     programs = sm_count(q.device)
     windowed = window is not None and document_ids is None
     if persistent is None:
-        persistent = (windowed or (document_ids is not None and D == 64)) \
+        persistent = (windowed or (document_ids is not None and D in DOCUMENTS_PERSISTENT_HEAD_DIMS)) \
             and B * H * n_qtiles >= MASKED_PERSISTENT_WAVES * programs
     if persistent and windowed:
         costs = windowed_query_tile_costs(N, rows, block_n, window)

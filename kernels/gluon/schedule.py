@@ -125,6 +125,9 @@ def sm_count(device: torch.device) -> int:
 # are short (a 1K window's query tile sees 8-9 key tiles), so a program's set-up (barriers, device-side TMA
 # descriptors, the first loads) weighs on each one where a plain grid starts a program per item
 MASKED_PERSISTENT_WAVES = 4
+# document ids run persistent (their items dealt out, `dealt`) at these head dims, forward and backward; at 128 a mix
+# of lengths ran slower dealt than as a plain grid (kernels/NOTES.md, session 24)
+DOCUMENTS_PERSISTENT_HEAD_DIMS = (64,)
 
 
 def _head_after_head(heads: int, positions: tuple[int, ...]) -> list[int]:

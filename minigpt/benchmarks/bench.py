@@ -288,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         from minigpt.benchmarks.step_bench import step_bench, write_step_results
 
         try:
-            rows = step_bench(args.seq or [1024, 2048, 4096, 8192], args.step_backends, tokens=args.step_tokens, model=args.step_model,
-                              rounds=args.step_rounds, steps=args.step_steps,
+            rows = step_bench(args.seq or [1024, 2048, 4096, 8192], args.step_backends, tokens=args.step_tokens,
+                              model=args.step_model, rounds=args.step_rounds, steps=args.step_steps,
                               progress=lambda line: print(line, flush=True))
         except ConfigError as e:  # a setting the trainer refuses: its one line
             p.error(f"--step: {e}")
