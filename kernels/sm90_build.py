@@ -69,7 +69,7 @@ def table_variants() -> list[Variant]:
                      CONSUMER_REGS=common.CONSUMER_REGS[consumers], PRODUCER_REGS=common.PRODUCER_REGS,
                      SKIP=causal and cfg.persistent and fwd.consumers_can_stop_early(consumers, cfg.block_n),
                      PERSISTENT=cfg.persistent, GQA=False, WINDOWED=False, DOCS=False, CAUSAL=causal,
-                     CONTINUE=False, FOLD=0, O_TMA=d == 64)  # 2-byte o: device.staged_by_tma
+                     CONTINUE=False, FOLD=0, O_TMA=d == 64, QUEUE=False)  # 2-byte o: device.staged_by_tma
             # long rows fold their accumulator (dispatch.fold_tiles), with two stages at head_dim 128
             folded = dict(c, FOLD=fold_tiles(FOLD_FROM_KEYS, cfg.block_n),
                           STAGES=min(cfg.num_stages, 2) if d == 128 else cfg.num_stages)
@@ -84,12 +84,16 @@ def table_variants() -> list[Variant]:
                                    dict(masked, PERSISTENT=True, DOCS=False)))
                 out.append(Variant(f"fwd masked persistent D{d} C{consumers} documents", kernel,
                                    dict(masked, PERSISTENT=True)))
+                out.append(Variant(f"fwd masked queue D{d} C{consumers} documents", kernel,
+                                   dict(masked, PERSISTENT=True, QUEUE=True)))
                 masked_folded = dict(masked, FOLD=folded["FOLD"], STAGES=folded["STAGES"])
                 out.append(Variant(f"fwd masked D{d} C{consumers} fold", kernel, masked_folded))
                 out.append(Variant(f"fwd masked persistent D{d} C{consumers} fold", kernel,
                                    dict(masked_folded, PERSISTENT=True, DOCS=False)))
                 out.append(Variant(f"fwd masked persistent D{d} C{consumers} documents fold", kernel,
                                    dict(masked_folded, PERSISTENT=True)))
+                out.append(Variant(f"fwd masked queue D{d} C{consumers} documents fold", kernel,
+                                   dict(masked_folded, PERSISTENT=True, QUEUE=True)))
                 continue
             name = f"fwd {mode} D{d} C{consumers}" if causal else f"fwd non-causal {mode} D{d} C{consumers}"
             out.append(Variant(name, kernel, c))

@@ -69,6 +69,30 @@ def test_forward_launchers_bind_to_the_kernel(kernels):
     assert calls[2]["group"] == 2 and calls[2]["GQA"] and calls[2]["WINDOWED"] and calls[3]["DOCS"]
 
 
+def test_documents_forward_at_head_dim_128_takes_its_items_from_a_zeroed_queue(kernels):
+    """With document ids and enough query tiles, the masked forward at head_dim 128 runs one program per SM (here
+    4), which take the plain grid's items (every query tile, the last ones of each head first) from a work queue
+    zeroed for the launch: its counter and a pair of ticket slots per program. At head_dim 64 the same items are dealt
+    out to the programs; persistent=False keeps the plain grid."""
+    q, k, v = _qkv(B=2, H=4, N=1000, D=128)
+    o, lse = torch.empty_like(q), torch.empty(q.shape[:3])
+    ids = torch.arange(1000).div(70, rounding_mode="floor").int().expand(2, -1).contiguous()
+    n_qtiles = -(-1000 // 128)
+    fwd.launch_forward_masked(q, k, v, o, lse, 0.2, 2, 128, 2, None, ids)
+    call = kernels["fwd"].calls[-1]
+    assert call["QUEUE"] and call["grid"] == (4,), call["grid"]
+    assert call["WORK_START"].tolist() == [0] * (1 + 2 * 4)
+    assert call["WORK"].tolist() == [bh * n_qtiles + t for bh in range(8) for t in reversed(range(n_qtiles))]
+    q64, k64, v64 = (t[..., :64].contiguous() for t in (q, k, v))
+    fwd.launch_forward_masked(q64, k64, v64, torch.empty_like(q64), lse, 0.2, 2, 128, 2, None, ids)
+    call = kernels["fwd"].calls[-1]
+    assert not call["QUEUE"] and call["PERSISTENT"] and call["grid"] == (4,)
+    assert sorted(call["WORK"].tolist()) == list(range(8 * n_qtiles))
+    fwd.launch_forward_masked(q, k, v, o, lse, 0.2, 2, 128, 2, None, ids, persistent=False)
+    call = kernels["fwd"].calls[-1]
+    assert not call["QUEUE"] and not call["PERSISTENT"] and call["grid"] == (8 * n_qtiles,)
+
+
 def test_backward_launchers_bind_to_their_kernels(kernels):
     q, k, v = _qkv(D=128)
     B, H, N, D = q.shape

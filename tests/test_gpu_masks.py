@@ -256,12 +256,17 @@ def test_persistent_windowed_launches_match_the_plain_grid(N, Hq, Hkv, D, window
     (4096, 16, 4, 64, None, "tokens"), (6000, 12, 3, 64, None, "one"), (5000, 16, 16, 64, 1, "ragged"),
     (8192, 16, 16, 128, None, "ragged")])
 def test_persistent_document_forward_matches_the_plain_grid(N, Hq, Hkv, D, window, docs, monkeypatch):
-    """The forward with document ids at head_dim 64 on one program per SM (the plain grid's order dealt out in turn,
-    schedule.device_dealt) computes each query tile as the plain grid does: o bitwise equal, on odd lengths, with
-    and without a window, GQA, documents ragged, of one token, or one. At head_dim 128 it keeps the plain grid."""
+    """The forward with document ids on one program per SM computes each query tile as the plain grid does: o
+    bitwise equal, on odd lengths, with and without a window, GQA, documents ragged, of one token, or one; at head_dim
+    64 over the plain grid's order dealt out (schedule.device_dealt), at 128 each program taking its next tile from
+    a work queue as it frees up (common.hand_out_ticket), twice (the queue zeroed afresh per launch)."""
+    queued = []
+    real = launch.gluon_forward._launch
+    monkeypatch.setattr(launch.gluon_forward, "_launch",
+                        lambda *a, **kw: queued.append(kw.get("queue_programs", 0)) or real(*a, **kw))
     dealt = []
-    real = launch.gluon_forward.device_dealt
-    monkeypatch.setattr(launch.gluon_forward, "device_dealt", lambda *a: dealt.append(1) or real(*a))
+    real_dealt = launch.gluon_forward.device_dealt
+    monkeypatch.setattr(launch.gluon_forward, "device_dealt", lambda *a: dealt.append(1) or real_dealt(*a))
     _, q, k, v = qkv_rows(2, N, Hq, Hkv, D, torch.bfloat16, seed=N + D)
     ids = documents(docs, 2, N, seed=N)
 
@@ -271,10 +276,11 @@ def test_persistent_document_forward_matches_the_plain_grid(N, Hq, Hkv, D, windo
             return flash_attention(q, k, v, causal=True, window=window, document_ids=ids)
 
     o_plain = run(10**9)
-    assert not dealt
+    assert queued == [0] and not dealt
     o = run(0)
-    assert bool(dealt) == (D == 64), "head_dim 64 runs persistent, 128 a plain grid"
+    assert (queued[1] > 0, bool(dealt)) == ((False, True) if D == 64 else (True, False)), (queued, dealt)
     assert torch.equal(o, o_plain), (N, window, docs)
+    assert torch.equal(run(0), o_plain), "a second persistent launch"
 
 
 @pytest.mark.skipif(not HOPPER, reason="the masked Gluon backward is written for sm_90 (wgmma)")

@@ -86,7 +86,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from minigpt_kernels.device import staged_by_tma, strides3
 from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, all_heads, all_rows, head_rows,
                                           load_rows, mma_layout, program_items, store_rows, tma_load)
-from minigpt_kernels.gluon.schedule import (DOCUMENTS_PERSISTENT_HEAD_DIMS, MASKED_PERSISTENT_WAVES, device_dealt,
+from minigpt_kernels.gluon.schedule import (DOCUMENTS_DEALT_HEAD_DIMS, MASKED_PERSISTENT_WAVES, device_dealt,
                                              device_one_each, device_plain_order, device_schedule, modelled_finish,
                                              sm_count)
 from minigpt_kernels.relaunch import launch_kernel
@@ -1178,9 +1178,9 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
     heads = B * kv_heads * splits  # the items' (batch, virtual head) pairs
     group = H // (kv_heads * splits)  # query heads per item
     # persistent where an item walks one query head (MHA, or a split of one query head per program): a window alone
-    # on a schedule balanced on the host, documents dealt out (schedule.DOCUMENTS_PERSISTENT_HEAD_DIMS)
+    # on a schedule balanced on the host, documents dealt out (schedule.DOCUMENTS_DEALT_HEAD_DIMS)
     windowed = window is not None and document_ids is None and group == 1
-    documents = document_ids is not None and group == 1 and D in DOCUMENTS_PERSISTENT_HEAD_DIMS
+    documents = document_ids is not None and group == 1 and D in DOCUMENTS_DEALT_HEAD_DIMS
     if persistent is None:
         persistent = (windowed or documents) and heads * n_kblocks >= MASKED_PERSISTENT_WAVES * programs
     elif persistent and not (windowed or documents):

@@ -9,7 +9,7 @@ import inspect
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 # The TMA copy of a tile into shared memory: async_copy_global_to_shared in triton 3.6 (what the GPU machines run),
 # async_load in later releases, where the old name is kept only to raise.
@@ -101,3 +101,49 @@ def program_items(WORK_START, PERSISTENT: gl.constexpr):
         first = gl.program_id(0)
         count: gl.constexpr = 1
     return first, count
+
+
+# A work queue: programs take items as they free up, in the work list's order, as a plain grid's programs start (the
+# hardware starts the next program where one ends), but without a program's set-up per item. For work whose cost only
+# the device knows (document masks), where a list balanced on the host cannot be made. QUEUE (int32 on the device,
+# zeroed per launch): [0] the next item; [1 + 2p + s] program p's ticket slot s. Each program's producer takes an item
+# by an atomic add and writes its index into a ticket slot, which the program's other roles read behind an mbarrier;
+# two slots, so the producer can take the next item while the others still read the last one's ticket.
+QUEUE_SLOTS = gl.constexpr(2)
+
+
+@gluon.jit
+def ticket_barriers(readers: gl.constexpr):
+    """(ready, free) mbarriers for each ticket slot: ready completes when the producer has written the slot, free
+    when all `readers` roles have read it."""
+    ready = gl.allocate_shared_memory(gl.int64, [QUEUE_SLOTS, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [QUEUE_SLOTS, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(QUEUE_SLOTS):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(free.index(s), count=readers)
+    return ready, free
+
+
+@gluon.jit
+def hand_out_ticket(QUEUE, tickets, i, total):
+    """The producer's i-th item: the queue's next index, or −1 once all `total` are taken, written into ticket slot
+    i % 2 for the other roles (take_ticket) when they have read what the slot held two items ago."""
+    ready, free = tickets
+    index = gl.atomic_add(QUEUE, 1, sem="relaxed")
+    index = gl.where(index < total, index, -1)
+    slot = i % QUEUE_SLOTS
+    mbarrier.wait(free.index(slot), ((i // QUEUE_SLOTS) & 1) ^ 1)  # a fresh barrier passes parity 1
+    gl.store(QUEUE + 1 + QUEUE_SLOTS * gl.program_id(0) + slot, index)
+    mbarrier.arrive(ready.index(slot), count=1)  # releases the store to the roles that wait on it
+    return index
+
+
+@gluon.jit
+def take_ticket(QUEUE, tickets, i):
+    """A reader role's i-th item, as the producer handed it out (hand_out_ticket): −1 means none is left."""
+    ready, free = tickets
+    slot = i % QUEUE_SLOTS
+    mbarrier.wait(ready.index(slot), (i // QUEUE_SLOTS) & 1)
+    index = gl.load(QUEUE + 1 + QUEUE_SLOTS * gl.program_id(0) + slot, volatile=True)
+    mbarrier.arrive(free.index(slot), count=1)
+    return index

@@ -25,7 +25,9 @@ Each program walks a list of such query tiles (items), and both launchers run th
 (`launch_forward_persistent`, NOTES.md S) over a list made on the host (schedule.py), so the set-up and pipeline
 fill of one tile overlap the last key tiles of the one before: the producer loads the next tile's Q and first K/V
 while the consumers finish. Shorter sequences, many tiles of little work each, gain most (4K tokens: 8% faster than
-the Triton forward at head_dim 64, 27% at 128).
+the Triton forward at head_dim 64, 27% at 128). With QUEUE the programs take their items from a work queue instead,
+each as it frees up (common.hand_out_ticket: the producer takes the next item by an atomic add and hands its index to
+the consumers), for work whose cost no list made on the host can balance (document masks).
 
 Scope: fp16/bf16, head_dim 64 or 128, TMA-aligned inputs, sm_90 (wgmma); o in the inputs' dtype or fp32 (any
 strides with a contiguous last dimension), LSE rows a fixed distance apart. CAUSAL: one length for queries and keys,
@@ -34,11 +36,10 @@ other ranks, 2c rows against c keys or c against 2c): Nq query rows against Nk k
 visits every key tile, and only a last one that reaches past Nk gets a mask. CONTINUE: o (fp32) and lse hold the rows'
 attention over other keys, which the epilogue folds in (_write_rows): ring attention continues its running result this
 way, block after block. GQA (fewer K/V heads than query heads) goes with either. With WINDOWED / DOCS
-(launch_forward_masked, a plain grid, or persistent for a window alone and for documents at head_dim 64; causal fresh
-launches only) it also takes a sliding window and document ids: each query tile visits only the key tiles its rows
-see, and only the tiles some row cannot fully see get the elementwise mask, a comparison of positions with each row's
-first visible key. FOLD (from 32K keys, dispatch.fold_tiles): the tensor cores truncate as
-they add P·V into acc, which over a million keys shrinks o by 3e-3; every FOLD key tiles each consumer folds acc into
+(launch_forward_masked, a plain grid, or persistent for a window alone and for documents; causal fresh launches
+only) it also takes a sliding window and document ids: each query tile visits only the key tiles its rows see, and
+only the tiles some row cannot fully see get the elementwise mask, a comparison of positions with each row's first
+visible key. FOLD (from 32K keys, dispatch.fold_tiles): the tensor cores truncate as they add P·V into acc, which over a million keys shrinks o by 3e-3; every FOLD key tiles each consumer folds acc into
 a round-to-nearest fp32 sum in shared memory (_fold), so no chain is longer than 2048 keys (kernels/NOTES.md, the
 last sections). Each flag is a constexpr: the causal fresh variants compile to the code they had without them.
 dispatch.py picks the variants by sequence length (and masks); launch.py (gluon_forward_ready) falls back to the
@@ -56,10 +57,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from minigpt_kernels.device import staged_by_tma
-from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, all_heads, load_rows, mma_layout,
-                                          program_items, store_rows)
+from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, QUEUE_SLOTS, all_heads, hand_out_ticket,
+                                          load_rows, mma_layout, program_items, store_rows, take_ticket,
+                                          ticket_barriers)
 from minigpt_kernels.dispatch import fold_tiles
-from minigpt_kernels.gluon.schedule import (DOCUMENTS_PERSISTENT_HEAD_DIMS, MASKED_PERSISTENT_WAVES, device_dealt,
+from minigpt_kernels.gluon.schedule import (DOCUMENTS_DEALT_HEAD_DIMS, MASKED_PERSISTENT_WAVES, device_dealt,
                                             device_one_each, device_schedule, sm_count)
 from minigpt_kernels.relaunch import launch_kernel
 
@@ -334,21 +336,16 @@ def _work_item(WORK, index, n_qtiles, BLOCK_M: gl.constexpr, N, N_K, BLOCK_N: gl
 
 
 @gluon.jit
-def _consumer(shared, o_out, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SKIP: gl.constexpr, PERSISTENT: gl.constexpr,
-              WINDOWED: gl.constexpr, DOCS: gl.constexpr, CAUSAL: gl.constexpr, CONTINUE: gl.constexpr,
-              FOLD: gl.constexpr, O_TMA: gl.constexpr):
-    """Consumer warpgroup ME: for each of this program's items in turn, attention of query rows start_m + 64·ME ...
-    + 63 over key tiles 0 .. num_tiles−1. The turn and ring counters run on across items (item i starts at turn
-    kv + i: each item before took one turn per key tile and one more), so no barrier is reset. With SKIP, a consumer
-    whose rows end before the item's last key tile only takes its turns there. With masks (WINDOWED, DOCS) the key
-    tiles run from the item's first one (_work_item) and each gets the mask unless all of this consumer's rows see
-    all of its keys. Without CAUSAL every key tile, the mask only on a last one that reaches past N_K. CONTINUE:
-    the (o, lse) that O and LSE hold over other keys is folded into the rows as they are written (_write_rows). O_TMA:
-    o leaves by TMA through shared memory (o_out, _write_rows)."""
+def _consumer_item(shared, o_out, consts, index, i, kv, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SKIP: gl.constexpr,
+                   WINDOWED: gl.constexpr, DOCS: gl.constexpr, CAUSAL: gl.constexpr, CONTINUE: gl.constexpr,
+                   FOLD: gl.constexpr, O_TMA: gl.constexpr):
+    """Consumer ME's share of work item `index`, the program's i-th, from ring position kv (_consumer); returns the
+    ring position after it."""
     (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, O, LSE, H, stride_ob,
-     stride_oh, stride_on, stride_lse, N, N_K, qk_scale, WORK, WORK_START, n_qtiles, mask, fold_smem) = shared
-    first, count = program_items(WORK_START, PERSISTENT)
+     stride_oh, stride_on, stride_lse, N, N_K, qk_scale, WORK, WORK_START, n_qtiles, mask, fold_smem,
+     _tickets) = shared
+    q, cols, no_scores = consts
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * ROWS_PER_CONSUMER
     s_layout: gl.constexpr = mma_layout(BLOCK_N, 4)
     o_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)
@@ -360,140 +357,200 @@ def _consumer(shared, o_out, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD
     # launch cannot know (FOLD is on from 32K keys), short documents' items, one chain each, never touch it; elsewhere
     # zeroed (fewer instructions in the tile loop: the dense 3-consumer fold 594 against 648, sm90_build)
     LAZY_FOLD: gl.constexpr = DOCS
+    bh, start_m, first_tile, num_tiles = _work_item(WORK, index, n_qtiles, BLOCK_M, N, N_K, BLOCK_N, mask, H,
+                                                    CAUSAL, WINDOWED, DOCS)
+    turns = kv + i
+    row0 = start_m + ME * ROWS_PER_CONSUMER
+    rows = row0 + gl.arange(0, ROWS_PER_CONSUMER, layout=gl.SliceLayout(1, s_layout))
+    if CAUSAL:  # without masks: key tiles wholly at or before the first row need none
+        full_tiles = row0 // BLOCK_N
+    else:  # every key visible (first_tile = 0): only a tile reaching past the last key needs the mask
+        full_tiles = N_K // BLOCK_N
+    if WINDOWED or DOCS:  # the keys all of this consumer's rows see (rows past N: the last row's)
+        row_mask = _row_bounds(_batch_bounds(mask, (bh // H).to(gl.int64), DOCS), rows, N, WINDOWED, DOCS)
+        _lo, _hi, full_lo, full_hi = _key_span(gl.minimum(row0, N - 1),
+                                               gl.minimum(row0 + ROWS_PER_CONSUMER, N) - 1, row_mask, N,
+                                               WINDOWED, DOCS)
+        masked0 = _needs_mask(first_tile * BLOCK_N, full_lo, full_hi, BLOCK_N)
+    else:
+        row_mask = mask
+        masked0 = 0 >= full_tiles
+    if SKIP:  # this consumer's own key tiles: up to its last row
+        my_tiles = gl.cdiv(gl.minimum(row0 + ROWS_PER_CONSUMER, N), BLOCK_N)
+    else:
+        my_tiles = num_tiles
+    m_i = gl.full([ROWS_PER_CONSUMER], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS_PER_CONSUMER], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], gl.float32, layout=o_layout)
+    if FOLD:  # the sum of the folded chains, in shared memory, under the row max m_fold (see _fold)
+        outer = fold_smem.index(ME)
+        if not LAZY_FOLD:
+            outer.store(gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], gl.float32, layout=o_layout))
+        m_fold = gl.full([ROWS_PER_CONSUMER], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    if CONTINUE:  # the rows' lse over other keys, folded in when they are written (its load has the item to land)
+        lse_in = gl.load(LSE + bh.to(gl.int64) * stride_lse + rows, mask=rows < N, other=float("-inf"))
+    else:
+        lse_in = m_i
+    mbarrier.wait(q_ready.index(ME), i & 1)
+
+    p16, m_i, l_i = _first_scores(q, k_smem, k_ready, k_empty, turn, kv, turns & 1, ME, NEXT, STAGES, no_scores,
+                                  m_i, l_i, rows, cols, first_tile * BLOCK_N, masked0, qk_scale, p_layout, PACK_P,
+                                  row_mask, N_K, CAUSAL, WINDOWED, DOCS)
+    if not (WINDOWED or DOCS):  # only the masked spans read these
+        full_lo = full_tiles
+        full_hi = full_tiles
+    if FOLD:  # chains of FOLD key tiles, each folded into `outer` (kernels/NOTES.md), the loop itself unchanged
+        for j0 in range(1, my_tiles, FOLD):
+            acc, p16, m_i, l_i = _key_tiles(j0, gl.minimum(j0 + FOLD, my_tiles), q, k_smem, v_smem, k_ready,
+                                            v_ready, k_empty, v_empty, turn, kv, turns, ME, NEXT, STAGES,
+                                            no_scores, acc, p16, m_i, l_i, rows, cols, first_tile, full_lo,
+                                            full_hi, full_tiles, qk_scale, p_layout, row_o, PACK_P, row_mask, N_K,
+                                            BLOCK_N, CAUSAL, WINDOWED, DOCS)
+            # whole chains only: a last, shorter one is folded below with the last P V. Chains then end at fixed
+            # tile indices, so a consumer that stops at its diagonal (SKIP) folds the same sums as one that runs
+            # on over masked tiles (adding zeros): the persistent kernel equals the plain one bitwise
+            if j0 + FOLD <= my_tiles:
+                if LAZY_FOLD and j0 == 1:  # the first chain: nothing folded before it
+                    folded = acc
+                else:
+                    folded = _fold(outer.load(o_layout), m_fold, acc, m_i, row_o)
+                outer.store(folded)
+                m_fold = m_i
+                acc = gl.zeros_like(acc)
+    else:
+        acc, p16, m_i, l_i = _key_tiles(1, my_tiles, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
+                                        kv, turns, ME, NEXT, STAGES, no_scores, acc, p16, m_i, l_i, rows, cols,
+                                        first_tile, full_lo, full_hi, full_tiles, qk_scale, p_layout, row_o,
+                                        PACK_P, row_mask, N_K, BLOCK_N, CAUSAL, WINDOWED, DOCS)
+    mbarrier.arrive(q_empty.index(ME), count=1)  # every S of this item has retired: the producer may reload Q
+    acc = _last_pv(v_smem, v_ready, turn, kv + my_tiles - 1, (turns + my_tiles) & 1, ME, NEXT, STAGES, acc, p16)
+    mbarrier.arrive(v_empty.index((kv + my_tiles - 1) % STAGES), count=1)
+    # key tiles past this consumer's rows: its turns and buffer releases only, so the others stay in step
+    for j in range(my_tiles + 1, num_tiles + 1):
+        mbarrier.wait(turn.index(ME), (turns + j) & 1)
+        mbarrier.arrive(turn.index(NEXT), count=1)
+        mbarrier.arrive(k_empty.index((kv + j - 1) % STAGES), count=1)
+        mbarrier.arrive(v_empty.index((kv + j - 1) % STAGES), count=1)
+    kv += num_tiles
+    if FOLD:
+        if not LAZY_FOLD or my_tiles > FOLD:  # the last chain folded in: acc is the whole row's Σ p·v under m
+            acc = _fold(outer.load(o_layout), m_fold, acc, m_i, row_o)
+    _write_rows(acc, m_i, l_i, O, LSE, (bh // H).to(gl.int64), (bh % H).to(gl.int64), bh, stride_ob, stride_oh,
+                stride_on, stride_lse, N, row0, rows, lse_in, HEAD_DIM, row_o, CONTINUE, o_out, ME, O_TMA)
+    return kv
+
+
+@gluon.jit
+def _consumer(shared, o_out, ME: gl.constexpr, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SKIP: gl.constexpr, PERSISTENT: gl.constexpr,
+              QUEUE: gl.constexpr, WINDOWED: gl.constexpr, DOCS: gl.constexpr, CAUSAL: gl.constexpr,
+              CONTINUE: gl.constexpr, FOLD: gl.constexpr, O_TMA: gl.constexpr):
+    """Consumer warpgroup ME: for each of this program's items in turn (QUEUE: as the producer takes them from the
+    work queue and hands them over, common.take_ticket), attention of query rows start_m + 64·ME ...
+    + 63 over key tiles 0 .. num_tiles−1. The turn and ring counters run on across items (item i starts at turn
+    kv + i: each item before took one turn per key tile and one more), so no barrier is reset. With SKIP, a consumer
+    whose rows end before the item's last key tile only takes its turns there. With masks (WINDOWED, DOCS) the key
+    tiles run from the item's first one (_work_item) and each gets the mask unless all of this consumer's rows see
+    all of its keys. Without CAUSAL every key tile, the mask only on a last one that reaches past N_K. CONTINUE:
+    the (o, lse) that O and LSE hold over other keys is folded into the rows as they are written (_write_rows). O_TMA:
+    o leaves by TMA through shared memory (o_out, _write_rows)."""
+    (q_smem, _k_smem, _v_smem, _q_ready, _q_empty, _k_ready, _v_ready, _k_empty, _v_empty, turn, _O, _LSE, _H,
+     _stride_ob, _stride_oh, _stride_on, _stride_lse, _N, _N_K, _qk_scale, _WORK, WORK_START, _n_qtiles, _mask,
+     _fold_smem, tickets) = shared
+    s_layout: gl.constexpr = mma_layout(BLOCK_N, 4)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     no_scores = gl.zeros([ROWS_PER_CONSUMER, BLOCK_N], gl.float32, layout=s_layout)
     q = q_smem.index(ME)
     if ME == NUM_CONSUMERS - 1:  # the last consumer opens the first turn, so consumer 0 goes first
         mbarrier.arrive(turn.index(0), count=1)
     kv = 0  # key/value tiles of the items before: the ring position
-    for i in range(count):
-        bh, start_m, first_tile, num_tiles = _work_item(WORK, first + i, n_qtiles, BLOCK_M, N, N_K, BLOCK_N, mask, H,
-                                                        CAUSAL, WINDOWED, DOCS)
-        turns = kv + i
-        row0 = start_m + ME * ROWS_PER_CONSUMER
-        rows = row0 + gl.arange(0, ROWS_PER_CONSUMER, layout=gl.SliceLayout(1, s_layout))
-        if CAUSAL:  # without masks: key tiles wholly at or before the first row need none
-            full_tiles = row0 // BLOCK_N
-        else:  # every key visible (first_tile = 0): only a tile reaching past the last key needs the mask
-            full_tiles = N_K // BLOCK_N
-        if WINDOWED or DOCS:  # the keys all of this consumer's rows see (rows past N: the last row's)
-            row_mask = _row_bounds(_batch_bounds(mask, (bh // H).to(gl.int64), DOCS), rows, N, WINDOWED, DOCS)
-            _lo, _hi, full_lo, full_hi = _key_span(gl.minimum(row0, N - 1),
-                                                   gl.minimum(row0 + ROWS_PER_CONSUMER, N) - 1, row_mask, N,
-                                                   WINDOWED, DOCS)
-            masked0 = _needs_mask(first_tile * BLOCK_N, full_lo, full_hi, BLOCK_N)
-        else:
-            row_mask = mask
-            masked0 = 0 >= full_tiles
-        if SKIP:  # this consumer's own key tiles: up to its last row
-            my_tiles = gl.cdiv(gl.minimum(row0 + ROWS_PER_CONSUMER, N), BLOCK_N)
-        else:
-            my_tiles = num_tiles
-        m_i = gl.full([ROWS_PER_CONSUMER], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([ROWS_PER_CONSUMER], gl.float32, layout=gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], gl.float32, layout=o_layout)
-        if FOLD:  # the sum of the folded chains, in shared memory, under the row max m_fold (see _fold)
-            outer = fold_smem.index(ME)
-            if not LAZY_FOLD:
-                outer.store(gl.zeros([ROWS_PER_CONSUMER, HEAD_DIM], gl.float32, layout=o_layout))
-            m_fold = gl.full([ROWS_PER_CONSUMER], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-        if CONTINUE:  # the rows' lse over other keys, folded in when they are written (its load has the item to land)
-            lse_in = gl.load(LSE + bh.to(gl.int64) * stride_lse + rows, mask=rows < N, other=float("-inf"))
-        else:
-            lse_in = m_i
-        mbarrier.wait(q_ready.index(ME), i & 1)
-
-        p16, m_i, l_i = _first_scores(q, k_smem, k_ready, k_empty, turn, kv, turns & 1, ME, NEXT, STAGES, no_scores,
-                                      m_i, l_i, rows, cols, first_tile * BLOCK_N, masked0, qk_scale, p_layout, PACK_P,
-                                      row_mask, N_K, CAUSAL, WINDOWED, DOCS)
-        if not (WINDOWED or DOCS):  # only the masked spans read these
-            full_lo = full_tiles
-            full_hi = full_tiles
-        if FOLD:  # chains of FOLD key tiles, each folded into `outer` (kernels/NOTES.md), the loop itself unchanged
-            for j0 in range(1, my_tiles, FOLD):
-                acc, p16, m_i, l_i = _key_tiles(j0, gl.minimum(j0 + FOLD, my_tiles), q, k_smem, v_smem, k_ready,
-                                                v_ready, k_empty, v_empty, turn, kv, turns, ME, NEXT, STAGES,
-                                                no_scores, acc, p16, m_i, l_i, rows, cols, first_tile, full_lo,
-                                                full_hi, full_tiles, qk_scale, p_layout, row_o, PACK_P, row_mask, N_K,
-                                                BLOCK_N, CAUSAL, WINDOWED, DOCS)
-                # whole chains only: a last, shorter one is folded below with the last P V. Chains then end at fixed
-                # tile indices, so a consumer that stops at its diagonal (SKIP) folds the same sums as one that runs
-                # on over masked tiles (adding zeros): the persistent kernel equals the plain one bitwise
-                if j0 + FOLD <= my_tiles:
-                    if LAZY_FOLD and j0 == 1:  # the first chain: nothing folded before it
-                        folded = acc
-                    else:
-                        folded = _fold(outer.load(o_layout), m_fold, acc, m_i, row_o)
-                    outer.store(folded)
-                    m_fold = m_i
-                    acc = gl.zeros_like(acc)
-        else:
-            acc, p16, m_i, l_i = _key_tiles(1, my_tiles, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
-                                            kv, turns, ME, NEXT, STAGES, no_scores, acc, p16, m_i, l_i, rows, cols,
-                                            first_tile, full_lo, full_hi, full_tiles, qk_scale, p_layout, row_o,
-                                            PACK_P, row_mask, N_K, BLOCK_N, CAUSAL, WINDOWED, DOCS)
-        mbarrier.arrive(q_empty.index(ME), count=1)  # every S of this item has retired: the producer may reload Q
-        acc = _last_pv(v_smem, v_ready, turn, kv + my_tiles - 1, (turns + my_tiles) & 1, ME, NEXT, STAGES, acc, p16)
-        mbarrier.arrive(v_empty.index((kv + my_tiles - 1) % STAGES), count=1)
-        # key tiles past this consumer's rows: its turns and buffer releases only, so the others stay in step
-        for j in range(my_tiles + 1, num_tiles + 1):
-            mbarrier.wait(turn.index(ME), (turns + j) & 1)
-            mbarrier.arrive(turn.index(NEXT), count=1)
-            mbarrier.arrive(k_empty.index((kv + j - 1) % STAGES), count=1)
-            mbarrier.arrive(v_empty.index((kv + j - 1) % STAGES), count=1)
-        kv += num_tiles
-        if FOLD:
-            if not LAZY_FOLD or my_tiles > FOLD:  # the last chain folded in: acc is the whole row's Σ p·v under m
-                acc = _fold(outer.load(o_layout), m_fold, acc, m_i, row_o)
-        _write_rows(acc, m_i, l_i, O, LSE, (bh // H).to(gl.int64), (bh % H).to(gl.int64), bh, stride_ob, stride_oh,
-                    stride_on, stride_lse, N, row0, rows, lse_in, HEAD_DIM, row_o, CONTINUE, o_out, ME, O_TMA)
+    consts = (q, cols, no_scores)
+    if QUEUE:  # items as the producer takes them from the queue, until it hands out none (-1)
+        i = 0
+        index = take_ticket(WORK_START, tickets, i)
+        while index >= 0:
+            kv = _consumer_item(shared, o_out, consts, index, i, kv, ME, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES,
+                                SKIP, WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD, O_TMA)
+            i += 1
+            index = take_ticket(WORK_START, tickets, i)
+    else:
+        first, count = program_items(WORK_START, PERSISTENT)
+        for i in range(count):
+            kv = _consumer_item(shared, o_out, consts, first + i, i, kv, ME, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES,
+                                SKIP, WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD, O_TMA)
     if O_TMA:
         tma.store_wait(0)
 
 
 @gluon.jit
-def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr, WINDOWED: gl.constexpr,
-              DOCS: gl.constexpr, CAUSAL: gl.constexpr):
-    """The producer warp, over this program's items: each consumer's Q rows, then K_j, V_j into buffer j % STAGES as
-    soon as every consumer has released what the buffer held (tile j − STAGES); rows past the end read as 0 (TMA). It
-    loads each consumer's Q once that consumer's last S of the previous item has retired (q_empty), so the next
-    item's loads run while the consumers finish the last. The descriptors span every head (common.all_heads), so
-    an item only names its (batch, head) in the copies' coordinates. GQA: query head h reads K/V head h // group."""
+def _producer_item(loads, index, i, kv, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, QUEUE: gl.constexpr, GQA: gl.constexpr, WINDOWED: gl.constexpr,
+                   DOCS: gl.constexpr, CAUSAL: gl.constexpr):
+    """The producer's loads for work item `index`, the program's i-th, from ring position kv (_producer); returns
+    the ring position after it and, with QUEUE, the next item's index, taken once this item's Q loads are issued, so
+    that the queue's round trip overlaps this item's key tiles."""
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, H, N, N_K,
-     WORK, WORK_START, n_qtiles, mask, group) = loads
-    first, count = program_items(WORK_START, PERSISTENT)
+     WORK, WORK_START, n_qtiles, mask, group, B, tickets) = loads
     dtype: gl.constexpr = q_smem.dtype
     BLOCK_M: gl.constexpr = NUM_CONSUMERS * ROWS_PER_CONSUMER
     q_bytes: gl.constexpr = ROWS_PER_CONSUMER * HEAD_DIM * dtype.primitive_bitwidth // 8
     kv_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
     Q_BOX: gl.constexpr = [1, 1, ROWS_PER_CONSUMER, HEAD_DIM]
     KV_BOX: gl.constexpr = [1, 1, BLOCK_N, HEAD_DIM]
+    bh, start_m, first_tile, num_tiles = _work_item(WORK, index, n_qtiles, BLOCK_M, N, N_K, BLOCK_N, mask, H,
+                                                    CAUSAL, WINDOWED, DOCS)
+    b = bh // H
+    h = bh % H
+    if GQA:
+        h_kv = h // group
+    else:
+        h_kv = h
+    for c in gl.static_range(NUM_CONSUMERS):
+        mbarrier.wait(q_empty.index(c), (i & 1) ^ 1)  # a fresh barrier passes parity 1
+        mbarrier.expect(q_ready.index(c), q_bytes)
+        load_rows(q_desc, [b, h, start_m + c * ROWS_PER_CONSUMER, 0], q_ready.index(c), q_smem.index(c), Q_BOX)
+    if QUEUE:
+        next_index = hand_out_ticket(WORK_START, tickets, i + 1, B * H * n_qtiles)
+    else:
+        next_index = index + 1  # unused
+    for j in range(num_tiles):
+        t = kv + j
+        stage = t % STAGES
+        row = (first_tile + j) * BLOCK_N
+        mbarrier.wait(k_empty.index(stage), ((t // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(stage), kv_bytes)
+        load_rows(k_desc, [b, h_kv, row, 0], k_ready.index(stage), k_smem.index(stage), KV_BOX)
+        mbarrier.wait(v_empty.index(stage), ((t // STAGES) & 1) ^ 1)
+        mbarrier.expect(v_ready.index(stage), kv_bytes)
+        load_rows(v_desc, [b, h_kv, row, 0], v_ready.index(stage), v_smem.index(stage), KV_BOX)
+    kv += num_tiles
+    return kv, next_index
+
+
+@gluon.jit
+def _producer(loads, NUM_CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, PERSISTENT: gl.constexpr, QUEUE: gl.constexpr, GQA: gl.constexpr,
+              WINDOWED: gl.constexpr, DOCS: gl.constexpr, CAUSAL: gl.constexpr):
+    """The producer warp, over this program's items: each consumer's Q rows, then K_j, V_j into buffer j % STAGES as
+    soon as every consumer has released what the buffer held (tile j − STAGES); rows past the end read as 0 (TMA). It
+    loads each consumer's Q once that consumer's last S of the previous item has retired (q_empty), so the next
+    item's loads run while the consumers finish the last. The descriptors span every head (common.all_heads), so
+    an item only names its (batch, head) in the copies' coordinates. GQA: query head h reads K/V head h // group."""
+    (_q_desc, _k_desc, _v_desc, _q_smem, _k_smem, _v_smem, _q_ready, _q_empty, _k_ready, _v_ready, _k_empty, _v_empty,
+     H, _N, _N_K, _WORK, WORK_START, n_qtiles, _mask, _group, B, tickets) = loads
     kv = 0
-    for i in range(count):
-        bh, start_m, first_tile, num_tiles = _work_item(WORK, first + i, n_qtiles, BLOCK_M, N, N_K, BLOCK_N, mask, H,
-                                                        CAUSAL, WINDOWED, DOCS)
-        b = bh // H
-        h = bh % H
-        if GQA:
-            h_kv = h // group
-        else:
-            h_kv = h
-        for c in gl.static_range(NUM_CONSUMERS):
-            mbarrier.wait(q_empty.index(c), (i & 1) ^ 1)  # a fresh barrier passes parity 1
-            mbarrier.expect(q_ready.index(c), q_bytes)
-            load_rows(q_desc, [b, h, start_m + c * ROWS_PER_CONSUMER, 0], q_ready.index(c), q_smem.index(c), Q_BOX)
-        for j in range(num_tiles):
-            t = kv + j
-            stage = t % STAGES
-            row = (first_tile + j) * BLOCK_N
-            mbarrier.wait(k_empty.index(stage), ((t // STAGES) & 1) ^ 1)
-            mbarrier.expect(k_ready.index(stage), kv_bytes)
-            load_rows(k_desc, [b, h_kv, row, 0], k_ready.index(stage), k_smem.index(stage), KV_BOX)
-            mbarrier.wait(v_empty.index(stage), ((t // STAGES) & 1) ^ 1)
-            mbarrier.expect(v_ready.index(stage), kv_bytes)
-            load_rows(v_desc, [b, h_kv, row, 0], v_ready.index(stage), v_smem.index(stage), KV_BOX)
-        kv += num_tiles
+    if QUEUE:  # items from the queue, each handed to the consumers (common.hand_out_ticket), then -1: none left
+        i = 0
+        index = hand_out_ticket(WORK_START, tickets, i, B * H * n_qtiles)
+        while index >= 0:
+            kv, index = _producer_item(loads, index, i, kv, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, QUEUE, GQA,
+                                       WINDOWED, DOCS, CAUSAL)
+            i += 1
+    else:
+        first, count = program_items(WORK_START, PERSISTENT)
+        for i in range(count):
+            kv, _next = _producer_item(loads, first + i, i, kv, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, QUEUE, GQA,
+                                       WINDOWED, DOCS, CAUSAL)
 
 
 @gluon.jit
@@ -505,7 +562,7 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                         SKIP: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr, WINDOWED: gl.constexpr,
                         DOCS: gl.constexpr, CAUSAL: gl.constexpr, CONTINUE: gl.constexpr, FOLD: gl.constexpr = 0,
-                        O_TMA: gl.constexpr = False):
+                        O_TMA: gl.constexpr = False, QUEUE: gl.constexpr = False):
     """Program p computes items WORK[WORK_START[p] : WORK_START[p+1]] (item = bh · n_qtiles + query tile): attention
     of one tile of 64·NUM_CONSUMERS of the N query rows of one (batch, head) each over the N_K keys, causal (N_K = N)
     or, without CAUSAL, every key. B: batches; H: query heads; GQA: K/V head h // group. LSE rows lie stride_lse apart.
@@ -546,6 +603,10 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)
         mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
+    if QUEUE:  # the producer hands each item it takes to the consumers (common.hand_out_ticket)
+        tickets = ticket_barriers(NUM_CONSUMERS)
+    else:
+        tickets = (turn, turn)  # unused
     fence_async_shared()
     # the rows' first visible keys (the 0) are filled in per item by the consumers (_row_bounds)
     mask = (window, 0, DOC_STARTS, DOC_ENDS, N)
@@ -564,33 +625,34 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
     else:
         o_out = (0, 0)  # unused
     shared = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, O, LSE, H, stride_ob,
-              stride_oh, stride_on, stride_lse, N, N_K, qk_scale, WORK, WORK_START, n_qtiles, mask, fold_smem)
+              stride_oh, stride_on, stride_lse, N, N_K, qk_scale, WORK, WORK_START, n_qtiles, mask, fold_smem,
+              tickets)
     # TMA descriptors over every head, made once here, before the warps split (in the producer they cost the ring's
     # continued D128 forward a spill in its key-tile loops: kernels/NOTES.md, session 15)
     q_desc = all_heads(Q, B, H, N, stride_qb, stride_qh, stride_qn, ROWS_PER_CONSUMER, HEAD_DIM)
     k_desc = all_heads(K, B, H // group, N_K, stride_kb, stride_kh, stride_kn, BLOCK_N, HEAD_DIM)
     v_desc = all_heads(V, B, H // group, N_K, stride_vb, stride_vh, stride_vn, BLOCK_N, HEAD_DIM)
     loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, H,
-             N, N_K, WORK, WORK_START, n_qtiles, mask, group)
+             N, N_K, WORK, WORK_START, n_qtiles, mask, group, B, tickets)
     if NUM_CONSUMERS == 2:
         gl.warp_specialize(
             [(_consumer, (shared, o_out, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP,
-                          PERSISTENT, WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD, O_TMA)),
+                          PERSISTENT, QUEUE, WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD, O_TMA)),
              (_consumer, (shared, o_out, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP,
-                          PERSISTENT, WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD, O_TMA)),
-             (_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT, GQA, WINDOWED, DOCS,
-                          CAUSAL))],
+                          PERSISTENT, QUEUE, WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD, O_TMA)),
+             (_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT, QUEUE, GQA, WINDOWED,
+                          DOCS, CAUSAL))],
             [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize(
             [(_consumer, (shared, o_out, gl.constexpr(0), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP,
-                          PERSISTENT, WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD, O_TMA)),
+                          PERSISTENT, QUEUE, WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD, O_TMA)),
              (_consumer, (shared, o_out, gl.constexpr(1), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP,
-                          PERSISTENT, WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD, O_TMA)),
+                          PERSISTENT, QUEUE, WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD, O_TMA)),
              (_consumer, (shared, o_out, gl.constexpr(2), NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, SKIP,
-                          PERSISTENT, WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD, O_TMA)),
-             (_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT, GQA, WINDOWED, DOCS,
-                          CAUSAL))],
+                          PERSISTENT, QUEUE, WINDOWED, DOCS, CAUSAL, CONTINUE, FOLD, O_TMA)),
+             (_producer, (loads, NUM_CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, PERSISTENT, QUEUE, GQA, WINDOWED,
+                          DOCS, CAUSAL))],
             [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -606,7 +668,9 @@ def query_tile_costs(n: int, block_m: int, block_n: int, n_keys: int | None = No
 def _launch(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float, consumers: int, block_n: int,
             stages: int, work: Tensor, work_start: Tensor, persistent: bool, window: int | None = None,
             document_ids: Tensor | None = None, causal: bool = True, accumulate: bool = False,
-            stride_lse: int | None = None) -> None:
+            stride_lse: int | None = None, queue_programs: int = 0) -> None:
+    """queue_programs > 0: that many programs take the items of `work` from a work queue (common.hand_out_ticket;
+    work_start unused), else program p walks work[work_start[p] : work_start[p + 1]]."""
     B, H, N, D = q.shape
     masks = window is not None or document_ids is not None
     if masks and not (causal and not accumulate):
@@ -625,7 +689,9 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: f
         # that a work item reads its key span with four loads and each row its first key with one (NOTES.md)
         starts = torch.searchsorted(document_ids, document_ids, out_int32=True)
         ends = torch.searchsorted(document_ids, document_ids, right=True, out_int32=True)
-    launch_kernel(pingpong_fwd_kernel, (work_start.numel() - 1,),
+    if queue_programs:
+        work_start = torch.zeros(1 + QUEUE_SLOTS.value * queue_programs, dtype=torch.int32, device=q.device)
+    launch_kernel(pingpong_fwd_kernel, (queue_programs or work_start.numel() - 1,),
         q, k, v, o, lse, work, work_start, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), B, H, N,
         -(-N // (consumers * ROWS_PER_CONSUMER.value)), qk_scale, H // k.shape[1], window or 0, starts, ends,
@@ -633,7 +699,7 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: f
         HEAD_DIM=D, NUM_CONSUMERS=consumers, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
         PRODUCER_REGS=PRODUCER_REGS, SKIP=skip, PERSISTENT=persistent, GQA=k.shape[1] != H,
         WINDOWED=window is not None, DOCS=document_ids is not None, CAUSAL=causal, CONTINUE=accumulate, FOLD=fold,
-        O_TMA=staged_by_tma(D, o, accumulate=accumulate), num_warps=4)
+        O_TMA=staged_by_tma(D, o, accumulate=accumulate), QUEUE=queue_programs > 0, num_warps=4)
 
 
 def launch_forward_pingpong(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, qk_scale: float, consumers: int,
@@ -685,25 +751,29 @@ def launch_forward_masked(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
     keys of the row's document). Each query tile visits only the key tiles its rows see, found on the device (each
     token's document bounds by torch.searchsorted, then four loads per item). From MASKED_PERSISTENT_WAVES waves of
     query tiles it runs one program per SM: a window alone over a schedule balanced on the host
-    (windowed_query_tile_costs), document ids at head_dim 64 over the plain grid's order dealt out (device_dealt: the
-    tiles per item depend on ids only the device reads; at head_dim 128 persistent measured slower on a mix of document
-    lengths, kernels/NOTES.md session 24). persistent=False keeps the plain grid, as ring attention asks; True forces
-    one program per SM."""
+    (windowed_query_tile_costs); document ids, whose tiles per item only the device reads, at head_dim 64 over the
+    plain grid's order dealt out (device_dealt), at 128 taking the plain grid's items from a work queue (QUEUE; dealt,
+    a mix of lengths ran slower there than on a plain grid; queued, faster in every case measured: kernels/NOTES.md,
+    sessions 24, 25). persistent=False keeps the plain grid, as ring attention asks; True forces one program per
+    SM."""
     B, H, N, D = q.shape
     rows = consumers * ROWS_PER_CONSUMER.value
     n_qtiles = -(-N // rows)
     programs = sm_count(q.device)
     windowed = window is not None and document_ids is None
+    queue_programs = 0
     if persistent is None:
-        persistent = (windowed or (document_ids is not None and D in DOCUMENTS_PERSISTENT_HEAD_DIMS)) \
-            and B * H * n_qtiles >= MASKED_PERSISTENT_WAVES * programs
+        persistent = (windowed or document_ids is not None) and B * H * n_qtiles >= MASKED_PERSISTENT_WAVES * programs
     if persistent and windowed:
         costs = windowed_query_tile_costs(N, rows, block_n, window)
         work, work_start = device_schedule(B * H, costs, min(programs, B * H * n_qtiles), q.device)
-    elif persistent:
+    elif persistent and D in DOCUMENTS_DEALT_HEAD_DIMS:
         work, work_start = device_dealt(B * H, tuple(reversed(range(n_qtiles))), min(programs, B * H * n_qtiles),
                                         q.device)
+    elif persistent:  # the plain grid's items, taken from a work queue
+        work, work_start = device_one_each(B * H, tuple(reversed(range(n_qtiles))), q.device)
+        queue_programs = min(programs, B * H * n_qtiles)
     else:
         work, work_start = device_one_each(B * H, tuple(reversed(range(n_qtiles))), q.device)
     _launch(q, k, v, o, lse, qk_scale, consumers, block_n, stages, work, work_start, persistent=persistent,
-            window=window, document_ids=document_ids, stride_lse=stride_lse)
+            window=window, document_ids=document_ids, stride_lse=stride_lse, queue_programs=queue_programs)

@@ -125,9 +125,12 @@ def sm_count(device: torch.device) -> int:
 # are short (a 1K window's query tile sees 8-9 key tiles), so a program's set-up (barriers, device-side TMA
 # descriptors, the first loads) weighs on each one where a plain grid starts a program per item
 MASKED_PERSISTENT_WAVES = 4
-# document ids run persistent (their items dealt out, `dealt`) at these head dims, forward and backward; at 128 a mix
-# of lengths ran slower dealt than as a plain grid (kernels/NOTES.md, session 24)
-DOCUMENTS_PERSISTENT_HEAD_DIMS = (64,)
+# document ids (items whose cost only the device reads from the ids) run persistent on the plain grid's order dealt
+# out (`dealt`) at these head dims, forward and backward. At 128 a mix of lengths ran slower dealt than on a plain
+# grid (kernels/NOTES.md, session 24): there the forward takes its items from a work queue as its programs free up
+# (gluon/common.py, QUEUE), and the backward keeps a plain grid (its queued variant spills in the key loops and ran
+# slower on long documents; the queue lost to the dealt lists at 64 on short ones: session 25)
+DOCUMENTS_DEALT_HEAD_DIMS = (64,)
 
 
 def _head_after_head(heads: int, positions: tuple[int, ...]) -> list[int]:
