@@ -82,16 +82,12 @@ def table_variants() -> list[Variant]:
                     out.append(Variant(f"fwd masked D{d} C{consumers} stores", kernel, dict(masked, O_TMA=False)))
                 out.append(Variant(f"fwd masked persistent D{d} C{consumers}", kernel,  # a window alone
                                    dict(masked, PERSISTENT=True, DOCS=False)))
-                out.append(Variant(f"fwd masked persistent D{d} C{consumers} documents", kernel,
-                                   dict(masked, PERSISTENT=True)))
                 out.append(Variant(f"fwd masked queue D{d} C{consumers} documents", kernel,
                                    dict(masked, PERSISTENT=True, QUEUE=True)))
                 masked_folded = dict(masked, FOLD=folded["FOLD"], STAGES=folded["STAGES"])
                 out.append(Variant(f"fwd masked D{d} C{consumers} fold", kernel, masked_folded))
                 out.append(Variant(f"fwd masked persistent D{d} C{consumers} fold", kernel,
                                    dict(masked_folded, PERSISTENT=True, DOCS=False)))
-                out.append(Variant(f"fwd masked persistent D{d} C{consumers} documents fold", kernel,
-                                   dict(masked_folded, PERSISTENT=True)))
                 out.append(Variant(f"fwd masked queue D{d} C{consumers} documents fold", kernel,
                                    dict(masked_folded, PERSISTENT=True, QUEUE=True)))
                 continue
@@ -117,7 +113,7 @@ def table_variants() -> list[Variant]:
                      CONSUMER_REGS=bwd.SPLIT_CONSUMER_REGS if d > 64 else bwd.FUSED_CONSUMER_REGS,
                      KV_BUFS=2 if cfg.persistent and d == 64 else 1, PERSISTENT=cfg.persistent,
                      GQA=False, WINDOWED=False, DOCS=False, FULL=False,
-                     ACCUMULATE_DKDV=bwd.DKDV_WRITE.value, DKDV_TMA=d == 64)  # as the launchers (2-byte dK, dV)
+                     ACCUMULATE_DKDV=bwd.DKDV_WRITE.value, DKDV_TMA=d == 64, QUEUE=False)  # as the launchers
             if masks:  # the masked launch (launch_dkdv_dq_masked): plain (GQA too) or persistent, windows, documents
                 out.append(Variant(f"dkdvdq masked D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel,
                                    dict(c, GQA=True, WINDOWED=True, DOCS=True)))
@@ -126,9 +122,9 @@ def table_variants() -> list[Variant]:
                                         ACCUMULATE_DKDV=bwd.DKDV_ATOMIC_ADD.value), fp32=("DK", "DV")))  # group_splits
                 out.append(Variant(f"dkdvdq masked persistent D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel,
                                    dict(c, PERSISTENT=True, KV_BUFS=2 if d == 64 else 1, WINDOWED=True)))  # MHA window
-                if d == 64:  # MHA documents (and a window) at head_dim 64, dealt out
-                    out.append(Variant(f"dkdvdq masked persistent documents D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel,
-                                       dict(c, PERSISTENT=True, KV_BUFS=2, WINDOWED=True, DOCS=True)))
+                if d == 64:  # MHA documents (and a window) at head_dim 64, on the work queue
+                    out.append(Variant(f"dkdvdq masked queue documents D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel,
+                                       dict(c, PERSISTENT=True, KV_BUFS=2, WINDOWED=True, DOCS=True, QUEUE=True)))
             else:
                 out.append(Variant(f"dkdvdq {mode} D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel, c))
         else:  # "dq": the head_dim-128 dQ kernel of the deterministic backward
@@ -149,7 +145,7 @@ def block_variants() -> list[Variant]:
                  REDUCER_REGS=bwd.REDUCER_REGS,
                  CONSUMER_REGS=bwd.SPLIT_CONSUMER_REGS if d > 64 else bwd.FUSED_CONSUMER_REGS, KV_BUFS=1,
                  PERSISTENT=False, GQA=False, WINDOWED=False, DOCS=False, FULL=True,
-                 ACCUMULATE_DKDV=bwd.DKDV_ADD.value, DKDV_TMA=False)
+                 ACCUMULATE_DKDV=bwd.DKDV_ADD.value, DKDV_TMA=False, QUEUE=False)
         for gqa in (False, True):
             out.append(Variant(f"dkdvdq block{' GQA' if gqa else ''} D{d} s{stages}", bwd.dkdvdq_kernel,
                                dict(c, GQA=gqa), fp32=("DK", "DV")))

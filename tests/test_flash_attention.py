@@ -329,34 +329,30 @@ def test_the_persistent_forward_schedule_covers_every_tile_once(bh, n, block_m, 
         assert max(loads) <= 1.02 * sum(loads) / programs, (max(loads), sum(loads) / programs)
 
 
-@pytest.mark.parametrize("heads,n_doc_tiles,positions,programs", [(32, 8, 256, 132), (16, 8, 256, 132),
-                                                                  (32, 32, 256, 132), (1024, 8, 8, 132),
-                                                                  (3, 5, 17, 7), (2, 1, 3, 132)])
-def test_documents_dealt_back_and_forth_balance_where_dealt_in_turn_did_not(heads, n_doc_tiles, positions, programs):
-    """schedule.dealt (the documents' persistent work lists, whose costs the host cannot know) gives every item to
-    exactly one program, the items of each round of `programs` to distinct programs, every other round backwards;
-    on documents of n_doc_tiles query tiles (a tile at position t of its document costs t + 1) it ends within one
-    item's cost of a balanced finish, where dealing in turn (program p: items p, p + programs, ...) ended 1.1-1.25×
-    later on 1K documents."""
+@pytest.mark.parametrize("heads,doc_tiles,positions", [(12, 256, 256), (32, 256, 256), (12, 8, 256), (32, 8, 256),
+                                                        (16, 32, 256), (3, 5, 17)])
+def test_documents_queued_as_programs_free_up_end_within_an_item_of_balanced(heads, doc_tiles, positions):
+    """The documents' persistent kernels take the plain grid's items (schedule.device_one_each's order: each head's
+    last query tiles first) from a work queue as each program frees up, which schedule.greedy models: on documents
+    of doc_tiles query tiles (a tile at position t of its document costs t + 1), one of 32K tokens at gpt2-small's
+    12 heads included, they end within one item's cost of a balanced finish. Lists dealt out round by round in
+    advance (session 24's) ended 1.6x later there (kernels/NOTES.md, session 25)."""
     from minigpt_kernels.gluon import schedule
 
+    programs = 132
     order = tuple(reversed(range(positions)))
-    items, starts = schedule.dealt(heads, order, programs)
-    n = heads * positions
-    assert sorted(items) == list(range(n)) and starts[0] == 0 and starts[-1] == n and len(starts) == programs + 1
-    owner = {it: p for p in range(programs) for it in items[starts[p]:starts[p + 1]]}
-    plain = [h * positions + pos for h in range(heads) for pos in order]
-    for r, first in enumerate(range(0, n, programs)):
-        turn = list(range(programs)) if r % 2 == 0 else list(reversed(range(programs)))
-        assert [owner[it] for it in plain[first:first + programs]] == turn[:len(plain[first:first + programs])]
-    cost = [it % positions % n_doc_tiles + 1 + schedule.MODEL_OVERHEAD_TILES for it in range(n)]
-    dealt = max(sum(cost[it] for it in items[starts[p]:starts[p + 1]]) for p in range(programs))
-    in_turn = max(sum(cost[it] for it in plain[p::programs]) for p in range(programs))
-    balanced = sum(cost) / programs
-    if n >= 8 * programs:  # as close as the hardware's own order for a plain grid gets: within one item's cost
-        assert dealt - balanced <= max(cost), (dealt, balanced)
-        if n_doc_tiles == 8:
-            assert in_turn >= 1.1 * balanced  # what dealing in turn left on the table
+    items = [h * positions + pos for h in range(heads) for pos in order]
+    cost = [it % positions % doc_tiles + 1 + schedule.MODEL_OVERHEAD_TILES for it in range(heads * positions)]
+    finish, lists = schedule.greedy(items, cost, programs)
+    assert sorted(it for lst in lists for it in lst) == sorted(items)
+    if len(items) >= 8 * programs:
+        assert finish - sum(cost) / programs <= max(cost), (finish, sum(cost) / programs)
+    dealt = [[] for _ in range(programs)]  # dealt out in advance, round by round, every other round backwards
+    for r, first in enumerate(range(0, len(items), programs)):
+        for p, it in zip(range(programs) if r % 2 == 0 else reversed(range(programs)), items[first:first + programs]):
+            dealt[p].append(it)
+    if (heads, doc_tiles) == (12, 256):
+        assert max(sum(cost[it] for it in lst) for lst in dealt) >= 1.5 * finish
 
 
 @pytest.mark.parametrize("heads,n,group,programs", [(4, 8192, 4, 132), (2, 8192, 4, 132), (4, 32768, 4, 132),

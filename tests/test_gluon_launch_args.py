@@ -69,12 +69,14 @@ def test_forward_launchers_bind_to_the_kernel(kernels):
     assert calls[2]["group"] == 2 and calls[2]["GQA"] and calls[2]["WINDOWED"] and calls[3]["DOCS"]
 
 
-def test_documents_forward_at_head_dim_128_takes_its_items_from_a_zeroed_queue(kernels):
-    """With document ids and enough query tiles, the masked forward at head_dim 128 runs one program per SM (here
-    4), which take the plain grid's items (every query tile, the last ones of each head first) from a work queue
-    zeroed for the launch: its counter and a pair of ticket slots per program. At head_dim 64 the same items are dealt
-    out to the programs; persistent=False keeps the plain grid."""
-    q, k, v = _qkv(B=2, H=4, N=1000, D=128)
+@pytest.mark.parametrize("D", [64, 128])
+def test_documents_take_their_items_from_a_zeroed_queue(kernels, D):
+    """With document ids and enough items, the masked forward (both head dims) and backward (head_dim 64) run one
+    program per SM (here 4), which take the plain grid's items (the forward: every query tile, each head's last
+    ones first; the backward: every key block, each head's first ones first) from a work queue zeroed for the launch:
+    its counter and a pair of ticket slots per program. persistent=False keeps the plain grid; the head_dim-128
+    backward keeps it too."""
+    q, k, v = _qkv(B=2, H=4, N=1000, D=D)
     o, lse = torch.empty_like(q), torch.empty(q.shape[:3])
     ids = torch.arange(1000).div(70, rounding_mode="floor").int().expand(2, -1).contiguous()
     n_qtiles = -(-1000 // 128)
@@ -83,14 +85,20 @@ def test_documents_forward_at_head_dim_128_takes_its_items_from_a_zeroed_queue(k
     assert call["QUEUE"] and call["grid"] == (4,), call["grid"]
     assert call["WORK_START"].tolist() == [0] * (1 + 2 * 4)
     assert call["WORK"].tolist() == [bh * n_qtiles + t for bh in range(8) for t in reversed(range(n_qtiles))]
-    q64, k64, v64 = (t[..., :64].contiguous() for t in (q, k, v))
-    fwd.launch_forward_masked(q64, k64, v64, torch.empty_like(q64), lse, 0.2, 2, 128, 2, None, ids)
-    call = kernels["fwd"].calls[-1]
-    assert not call["QUEUE"] and call["PERSISTENT"] and call["grid"] == (4,)
-    assert sorted(call["WORK"].tolist()) == list(range(8 * n_qtiles))
     fwd.launch_forward_masked(q, k, v, o, lse, 0.2, 2, 128, 2, None, ids, persistent=False)
     call = kernels["fwd"].calls[-1]
     assert not call["QUEUE"] and not call["PERSISTENT"] and call["grid"] == (8 * n_qtiles,)
+
+    do, delta = torch.randn_like(q), torch.randn(q.shape[:3])
+    dk, dv, dq_acc = torch.empty_like(k), torch.empty_like(v), torch.zeros(q.shape)
+    n_kblocks = -(-1000 // 128)
+    bwd.launch_dkdv_dq_masked(do, q, k, v, lse, 1000, delta, 1000, dk, dv, dq_acc, 0.125, 0.2, 64, 2, None, ids)
+    call = kernels["dkdvdq"].calls[-1]
+    if D == 64:
+        assert call["QUEUE"] and call["grid"] == (4,) and call["WORK_START"].tolist() == [0] * (1 + 2 * 4)
+        assert call["WORK"].tolist() == [bh * n_kblocks + kb for bh in range(8) for kb in range(n_kblocks)]
+    else:
+        assert not call["QUEUE"] and not call["PERSISTENT"] and call["grid"] == (8 * n_kblocks,)
 
 
 def test_backward_launchers_bind_to_their_kernels(kernels):

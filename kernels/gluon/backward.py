@@ -84,9 +84,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from minigpt_kernels.device import staged_by_tma, strides3
-from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, all_heads, all_rows, head_rows,
-                                          load_rows, mma_layout, program_items, store_rows, tma_load)
-from minigpt_kernels.gluon.schedule import (DOCUMENTS_DEALT_HEAD_DIMS, MASKED_PERSISTENT_WAVES, device_dealt,
+from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, QUEUE_SLOTS, all_heads, all_rows,
+                                          hand_out_ticket, head_rows, load_rows, mma_layout, program_items,
+                                          store_rows, take_ticket, ticket_barriers, tma_load)
+from minigpt_kernels.gluon.schedule import (DOCUMENTS_QUEUED_BACKWARD_HEAD_DIMS, MASKED_PERSISTENT_WAVES,
                                              device_one_each, device_plain_order, device_schedule, modelled_finish,
                                              sm_count)
 from minigpt_kernels.relaunch import launch_kernel
@@ -524,167 +525,235 @@ def _dkdv_query_head(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, 
 
 
 @gluon.jit
-def _dkdv_consumer(shared, dkdv_out, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                   STAGES: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr, WINDOWED: gl.constexpr,
-                   DOCS: gl.constexpr, FULL: gl.constexpr, ACCUMULATE_DKDV: gl.constexpr, DKDV_TMA: gl.constexpr):
-    """Consumer warpgroup ME (head_dim 64): for each of this program's items, dK, dV of keys start_n + 64·ME ... + 63
-    over the query tiles from the block's first key on (tile t holds queries start_n + t·BLOCK_M ...; FULL: every
-    query tile from query 0), handing each tile's dSᵀ to the dQ warpgroup; with GQA over each query head of the K/V
-    head's group in turn, into the same dK, dV, written (or with ACCUMULATE_DKDV added) at the item's end; with
-    DKDV_TMA through shared memory by TMA (dkdv_out), copied out while the next item starts. The ring
-    and hand-over counters run on across items and query heads (g: the query tiles streamed before); K and V take
-    turns in KV_BUFS buffers (2 where a program has many items), each released to the producer (kv_free) after the
-    item's last matmul that reads it."""
+def _dkdv_consumer_item(shared, dkdv_out, consts, index, i, g, ME: gl.constexpr, HEAD_DIM: gl.constexpr,
+                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, GQA: gl.constexpr, WINDOWED: gl.constexpr,
+                        DOCS: gl.constexpr, FULL: gl.constexpr, ACCUMULATE_DKDV: gl.constexpr,
+                        DKDV_TMA: gl.constexpr):
+    """_dkdv_consumer's work on item `index`, the program's i-th, from ring position g; returns the position after."""
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty, ds_smem, ds_ready,
      ds_free, DK, DV, H, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-     N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks, mask, group, n_q, kv_splits) = shared
-    first, count = program_items(WORK_START, PERSISTENT)
+     N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks, mask, group, n_q, kv_splits, _tickets) = shared
+    zero_s, heads = consts
     s_layout: gl.constexpr = mma_layout(BLOCK_M, 4)
     d_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
     KV_BUFS: gl.constexpr = k_smem.shape[0] // CONSUMERS
-    zero_s = gl.zeros([TILE, BLOCK_M], gl.float32, layout=s_layout)
-    heads = _item_heads(H, group, GQA)
-    g = 0
-    for i in range(count):
-        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M, heads, mask, WINDOWED, DOCS, n_q,
-                                            FULL)
-        buf = i % KV_BUFS
-        key0 = start_n + ME * TILE
-        keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
-        cols = _query_origin(start_n, FULL) + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-        tmask = _tile_mask(mask, bh, heads, key0, keys, start_n, N, BLOCK_M, WINDOWED, DOCS, False)
-        dk = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
-        dv = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
-        k = k_smem.index(buf * CONSUMERS + ME)
-        v = v_smem.index(buf * CONSUMERS + ME)
-        mbarrier.wait(kv_ready.index(buf * CONSUMERS + ME), (i // KV_BUFS) & 1)
-        if GQA:  # the group's query heads in turn, each num_tiles ring positions on
-            for qh in range(group):
-                dv, dk = _dkdv_query_head(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
-                                          ds_ready, ds_free, kv_free, buf, qh == group - 1, g, num_tiles, ME, STAGES,
-                                          zero_s, dk, dv, keys, cols, qk_scale, a_layout, BLOCK_M, tmask, WINDOWED,
-                                          DOCS, FULL)
-                g += num_tiles
-        else:
-            dv, dk = _dkdv_query_head(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready,
-                                      ds_free, kv_free, buf, True, g, num_tiles, ME, STAGES, zero_s, dk, dv, keys,
-                                      cols, qk_scale, a_layout, BLOCK_M, tmask, WINDOWED, DOCS, FULL)
+    bh, start_n, num_tiles = _key_block(WORK, index, n_kblocks, N, BLOCK_M, heads, mask, WINDOWED, DOCS, n_q, FULL)
+    buf = i % KV_BUFS
+    key0 = start_n + ME * TILE
+    keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
+    cols = _query_origin(start_n, FULL) + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    tmask = _tile_mask(mask, bh, heads, key0, keys, start_n, N, BLOCK_M, WINDOWED, DOCS, False)
+    dk = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
+    dv = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
+    k = k_smem.index(buf * CONSUMERS + ME)
+    v = v_smem.index(buf * CONSUMERS + ME)
+    mbarrier.wait(kv_ready.index(buf * CONSUMERS + ME), (i // KV_BUFS) & 1)
+    if GQA:  # the group's query heads in turn, each num_tiles ring positions on
+        for qh in range(group):
+            dv, dk = _dkdv_query_head(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
+                                      ds_ready, ds_free, kv_free, buf, qh == group - 1, g, num_tiles, ME, STAGES,
+                                      zero_s, dk, dv, keys, cols, qk_scale, a_layout, BLOCK_M, tmask, WINDOWED,
+                                      DOCS, FULL)
             g += num_tiles
-        _write_dkdv(dk, dv, DK, DV, (bh // heads).to(gl.int64), ((bh % heads) // kv_splits).to(gl.int64), stride_dkb,
-                    stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM,
-                    ACCUMULATE_DKDV, dkdv_out, ME, DKDV_TMA)
+    else:
+        dv, dk = _dkdv_query_head(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready,
+                                  ds_free, kv_free, buf, True, g, num_tiles, ME, STAGES, zero_s, dk, dv, keys,
+                                  cols, qk_scale, a_layout, BLOCK_M, tmask, WINDOWED, DOCS, FULL)
+        g += num_tiles
+    _write_dkdv(dk, dv, DK, DV, (bh // heads).to(gl.int64), ((bh % heads) // kv_splits).to(gl.int64), stride_dkb,
+                stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM,
+                ACCUMULATE_DKDV, dkdv_out, ME, DKDV_TMA)
+    return g
+
+
+@gluon.jit
+def _dkdv_consumer(shared, dkdv_out, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                   STAGES: gl.constexpr, PERSISTENT: gl.constexpr, QUEUE: gl.constexpr, GQA: gl.constexpr,
+                   WINDOWED: gl.constexpr, DOCS: gl.constexpr, FULL: gl.constexpr, ACCUMULATE_DKDV: gl.constexpr,
+                   DKDV_TMA: gl.constexpr):
+    """Consumer warpgroup ME (head_dim 64): for each of this program's items (QUEUE: as the producer takes them from
+    the work queue, common.take_ticket), dK, dV of keys start_n + 64·ME ... + 63 over the query tiles from the
+    block's first key on (tile t holds queries start_n + t·BLOCK_M ...; FULL: every query tile from query 0), handing
+    each tile's dSᵀ to the dQ warpgroup; with GQA over each query head of the K/V head's group in turn, into the same
+    dK, dV, written (or with ACCUMULATE_DKDV added) at the item's end; with DKDV_TMA through shared memory by TMA
+    (dkdv_out), copied out while the next item starts. The ring and hand-over counters run on across items and query
+    heads (g: the query tiles streamed before); K and V take turns in KV_BUFS buffers (2 where a program has many
+    items), each released to the producer (kv_free) after the item's last matmul that reads it."""
+    (_k_smem, _v_smem, _q_smem, _do_smem, _lse_smem, _delta_smem, _kv_ready, _kv_free, _ready, _empty, _ds_smem,
+     _ds_ready, _ds_free, _DK, _DV, H, _stride_dkb, _stride_dkh, _stride_dkn, _stride_dvb, _stride_dvh, _stride_dvn,
+     _N, _qk_scale, _sm_scale, _WORK, WORK_START, _n_kblocks, _mask, group, _n_q, _kv_splits, tickets) = shared
+    s_layout: gl.constexpr = mma_layout(BLOCK_M, 4)
+    consts = (gl.zeros([TILE, BLOCK_M], gl.float32, layout=s_layout), _item_heads(H, group, GQA))
+    g = 0
+    if QUEUE:
+        i = 0
+        index = take_ticket(WORK_START, tickets, i)
+        while index >= 0:
+            g = _dkdv_consumer_item(shared, dkdv_out, consts, index, i, g, ME, HEAD_DIM, BLOCK_M, STAGES, GQA,
+                                    WINDOWED, DOCS, FULL, ACCUMULATE_DKDV, DKDV_TMA)
+            i += 1
+            index = take_ticket(WORK_START, tickets, i)
+    else:
+        first, count = program_items(WORK_START, PERSISTENT)
+        for i in range(count):
+            g = _dkdv_consumer_item(shared, dkdv_out, consts, first + i, i, g, ME, HEAD_DIM, BLOCK_M, STAGES, GQA,
+                                    WINDOWED, DOCS, FULL, ACCUMULATE_DKDV, DKDV_TMA)
     if DKDV_TMA:
         tma.store_wait(0)
 
 
 @gluon.jit
-def _dkdv_dq_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                               STAGES: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr,
-                               WINDOWED: gl.constexpr, DOCS: gl.constexpr, FULL: gl.constexpr,
-                               ACCUMULATE_DKDV: gl.constexpr):
-    """Consumer warpgroup ME of the head_dim-128 kernel: for each of this program's items, dK, dV of keys start_n +
-    64·ME ... + 63, and columns 64·ME ... of each query tile's dQ (FULL: every query tile from query 0); with GQA
-    over each query head of the K/V head's group in turn (its dQ into that head's accumulator rows); dK, dV written
-    (or with ACCUMULATE_DKDV added) at the item's end. The ring and hand-over counters run on across items and query
-    heads (g); K and V have one buffer (shared memory holds no second one beside the dQ staging), released to the
-    producer (kv_free) after the item's last dQ matmul, the last that reads them."""
+def _dkdv_dq_split_consumer_item(shared, dqs, consts, index, i, g, ME: gl.constexpr, HEAD_DIM: gl.constexpr,
+                                 BLOCK_M: gl.constexpr, STAGES: gl.constexpr, GQA: gl.constexpr,
+                                 WINDOWED: gl.constexpr, DOCS: gl.constexpr, FULL: gl.constexpr,
+                                 ACCUMULATE_DKDV: gl.constexpr):
+    """_dkdv_dq_split_consumer's work on item `index`, the program's i-th, from ring position g; returns the position
+    after it."""
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty, ds_smem, ds_ready,
      ds_free, DK, DV, H, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-     N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks, mask, group, n_q, kv_splits) = shared
-    first, count = program_items(WORK_START, PERSISTENT)
+     N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks, mask, group, n_q, kv_splits, _tickets) = shared
     dq_smem, dq_desc, acc_rows_b, acc_rows_h, acc_cols_h = dqs[2], dqs[7], dqs[10], dqs[11], dqs[12]
+    zero_s, zero_q, heads = consts
     HALF: gl.constexpr = HEAD_DIM // 2
     s_layout: gl.constexpr = mma_layout(BLOCK_M, 4)
     d_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)
-    q_layout: gl.constexpr = mma_layout(HALF, 4)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
-    zero_s = gl.zeros([TILE, BLOCK_M], gl.float32, layout=s_layout)
-    zero_q = gl.zeros([BLOCK_M, HALF], gl.float32, layout=q_layout)
     k = k_smem.index(ME)
     v = v_smem.index(ME)
     k0 = k_smem.index(0).slice(ME * HALF, HALF, dim=1)
     k1 = k_smem.index(1).slice(ME * HALF, HALF, dim=1)
-    heads = _item_heads(H, group, GQA)
-    g = 0
-    for i in range(count):
-        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M, heads, mask, WINDOWED, DOCS, n_q,
-                                            FULL)
-        q0 = _query_origin(start_n, FULL)
-        key0 = start_n + ME * TILE
-        keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
-        cols = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-        tmask = _tile_mask(mask, bh, heads, key0, keys, start_n, N, BLOCK_M, WINDOWED, DOCS, True)
-        if not GQA:  # the item's first query in the accumulator
-            row0 = (bh // heads) * acc_rows_b + (bh % heads) * acc_rows_h + q0
-            col = (bh % heads) * acc_cols_h + ME * HALF
-        dk = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
-        dv = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
-        for c in gl.static_range(CONSUMERS):
-            mbarrier.wait(kv_ready.index(c), i & 1)
-        if GQA:  # the group's query heads in turn (query head (bh % heads)·group + qh), each num_tiles positions on
-            for qh in range(group):
-                row0, col = _group_origin(bh, heads, group, qh, acc_rows_b, acc_rows_h, acc_cols_h, q0)
-                dv, dk = _split_key_block(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
-                                          ds_ready, ds_free, dq_smem, dq_desc, g, num_tiles, row0, col + ME * HALF,
-                                          ME, STAGES, zero_s, zero_q, dv, dk, keys, cols, qk_scale, sm_scale,
-                                          a_layout, BLOCK_M, tmask, WINDOWED, DOCS, FULL)
-                g += num_tiles
-            mbarrier.arrive(kv_free.index(0), count=1)  # this consumer's last reads of K and V have retired
-        else:
+    bh, start_n, num_tiles = _key_block(WORK, index, n_kblocks, N, BLOCK_M, heads, mask, WINDOWED, DOCS, n_q, FULL)
+    q0 = _query_origin(start_n, FULL)
+    key0 = start_n + ME * TILE
+    keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
+    cols = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    tmask = _tile_mask(mask, bh, heads, key0, keys, start_n, N, BLOCK_M, WINDOWED, DOCS, True)
+    if not GQA:  # the item's first query in the accumulator
+        row0 = (bh // heads) * acc_rows_b + (bh % heads) * acc_rows_h + q0
+        col = (bh % heads) * acc_cols_h + ME * HALF
+    dk = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
+    dv = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.wait(kv_ready.index(c), i & 1)
+    if GQA:  # the group's query heads in turn (query head (bh % heads)·group + qh), each num_tiles positions on
+        for qh in range(group):
+            row0, col = _group_origin(bh, heads, group, qh, acc_rows_b, acc_rows_h, acc_cols_h, q0)
             dv, dk = _split_key_block(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
-                                      ds_ready, ds_free, dq_smem, dq_desc, g, num_tiles, row0, col, ME, STAGES,
-                                      zero_s, zero_q, dv, dk, keys, cols, qk_scale, sm_scale, a_layout, BLOCK_M,
-                                      tmask, WINDOWED, DOCS, FULL)
-            mbarrier.arrive(kv_free.index(0), count=1)  # this consumer's last reads of K and V have retired
+                                      ds_ready, ds_free, dq_smem, dq_desc, g, num_tiles, row0, col + ME * HALF,
+                                      ME, STAGES, zero_s, zero_q, dv, dk, keys, cols, qk_scale, sm_scale,
+                                      a_layout, BLOCK_M, tmask, WINDOWED, DOCS, FULL)
             g += num_tiles
-        _write_dkdv(dk, dv, DK, DV, (bh // heads).to(gl.int64), ((bh % heads) // kv_splits).to(gl.int64), stride_dkb,
-                    stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM,
-                    ACCUMULATE_DKDV)
+        mbarrier.arrive(kv_free.index(0), count=1)  # this consumer's last reads of K and V have retired
+    else:
+        dv, dk = _split_key_block(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
+                                  ds_ready, ds_free, dq_smem, dq_desc, g, num_tiles, row0, col, ME, STAGES,
+                                  zero_s, zero_q, dv, dk, keys, cols, qk_scale, sm_scale, a_layout, BLOCK_M,
+                                  tmask, WINDOWED, DOCS, FULL)
+        mbarrier.arrive(kv_free.index(0), count=1)  # this consumer's last reads of K and V have retired
+        g += num_tiles
+    _write_dkdv(dk, dv, DK, DV, (bh // heads).to(gl.int64), ((bh % heads) // kv_splits).to(gl.int64), stride_dkb,
+                stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM,
+                ACCUMULATE_DKDV)
+    return g
+
+
+@gluon.jit
+def _dkdv_dq_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                               STAGES: gl.constexpr, PERSISTENT: gl.constexpr, QUEUE: gl.constexpr,
+                               GQA: gl.constexpr, WINDOWED: gl.constexpr, DOCS: gl.constexpr, FULL: gl.constexpr,
+                               ACCUMULATE_DKDV: gl.constexpr):
+    """Consumer warpgroup ME of the head_dim-128 kernel: for each of this program's items (QUEUE: as the producer
+    takes them from the work queue), dK, dV of keys start_n + 64·ME ... + 63, and columns 64·ME ... of each query
+    tile's dQ (FULL: every query tile from query 0); with GQA over each query head of the K/V head's group in turn
+    (its dQ into that head's accumulator rows); dK, dV written (or with ACCUMULATE_DKDV added) at the item's end. The
+    ring and hand-over counters run on across items and query heads (g); K and V have one buffer (shared memory
+    holds no second one beside the dQ staging), released to the producer (kv_free) after the item's last dQ matmul,
+    the last that reads them."""
+    (_k_smem, _v_smem, _q_smem, _do_smem, _lse_smem, _delta_smem, _kv_ready, _kv_free, _ready, _empty, _ds_smem,
+     _ds_ready, _ds_free, _DK, _DV, H, _stride_dkb, _stride_dkh, _stride_dkn, _stride_dvb, _stride_dvh, _stride_dvn,
+     _N, _qk_scale, _sm_scale, _WORK, WORK_START, _n_kblocks, _mask, group, _n_q, _kv_splits, tickets) = shared
+    HALF: gl.constexpr = HEAD_DIM // 2
+    s_layout: gl.constexpr = mma_layout(BLOCK_M, 4)
+    q_layout: gl.constexpr = mma_layout(HALF, 4)
+    consts = (gl.zeros([TILE, BLOCK_M], gl.float32, layout=s_layout),
+              gl.zeros([BLOCK_M, HALF], gl.float32, layout=q_layout), _item_heads(H, group, GQA))
+    g = 0
+    if QUEUE:
+        i = 0
+        index = take_ticket(WORK_START, tickets, i)
+        while index >= 0:
+            g = _dkdv_dq_split_consumer_item(shared, dqs, consts, index, i, g, ME, HEAD_DIM, BLOCK_M, STAGES, GQA,
+                                             WINDOWED, DOCS, FULL, ACCUMULATE_DKDV)
+            i += 1
+            index = take_ticket(WORK_START, tickets, i)
+    else:
+        first, count = program_items(WORK_START, PERSISTENT)
+        for i in range(count):
+            g = _dkdv_dq_split_consumer_item(shared, dqs, consts, first + i, i, g, ME, HEAD_DIM, BLOCK_M, STAGES,
+                                             GQA, WINDOWED, DOCS, FULL, ACCUMULATE_DKDV)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr,
-                WINDOWED: gl.constexpr, DOCS: gl.constexpr, FULL: gl.constexpr):
-    """The dQ warpgroup (head_dim 64): per query tile t of each item (and, with GQA, of each query head of its
-    group), dQ_t = scale · dS_t K over the item's 128 keys (both consumers' dSᵀ_t, read transposed from shared
-    memory), staged in fp32 shared memory and added into the accumulator's rows by a TMA reduce-add, which runs
-    while the next tile's matmul does. The accumulator is one 2-D array (rows of one head's queries, see
-    dkdvdq_kernel), so its descriptor is made once; a key block's last query tile may reach past its head's N rows
-    into the next head's or batch's first ones, where it adds exact zeros (queries past N have dS = 0; a non-finite
-    K would make those rows NaN, as it does its own), as do the rows a mask hides from every key of the block."""
+def _dq_reducer_item(dqs, consts, index, i, g, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, GQA: gl.constexpr,
+                     WINDOWED: gl.constexpr, DOCS: gl.constexpr, FULL: gl.constexpr):
+    """_dq_reducer's work on item `index`, the program's i-th, from ring position g; returns the position after it."""
     (k_smem, ds_smem, dq_smem, kv_ready, kv_free, ds_ready, ds_free, dq_desc, N, H, acc_rows_b, acc_rows_h,
-     acc_cols_h, sm_scale, WORK, WORK_START, n_kblocks, mask, group, n_q) = dqs
-    first, count = program_items(WORK_START, PERSISTENT)
-    dq_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)
+     acc_cols_h, sm_scale, WORK, WORK_START, n_kblocks, mask, group, n_q, _tickets) = dqs
+    zero, heads = consts
     KV_BUFS: gl.constexpr = k_smem.shape[0] // CONSUMERS
-    zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
-    heads = _item_heads(H, group, GQA)
-    g = 0
-    for i in range(count):
-        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M, heads, mask, WINDOWED, DOCS, n_q,
-                                            FULL)
-        q0 = _query_origin(start_n, FULL)
-        buf = i % KV_BUFS
-        for c in gl.static_range(CONSUMERS):
-            mbarrier.wait(kv_ready.index(buf * CONSUMERS + c), (i // KV_BUFS) & 1)
-        if GQA:  # the group's query heads in turn, each into its own accumulator rows
-            for qh in range(group):
-                row0, col = _group_origin(bh, heads, group, qh, acc_rows_b, acc_rows_h, acc_cols_h, q0)
-                for t in range(num_tiles):
-                    _dq_tile(k_smem.index(buf * CONSUMERS), k_smem.index(buf * CONSUMERS + 1), ds_smem, dq_smem,
-                             ds_ready, ds_free, dq_desc, g + t, row0 + t * BLOCK_M, col, zero, sm_scale)
-                g += num_tiles
-            mbarrier.arrive(kv_free.index(buf), count=1)  # its last dQ matmul (K) has retired
-        else:
-            row0 = (bh // heads) * acc_rows_b + (bh % heads) * acc_rows_h + q0
-            col = (bh % heads) * acc_cols_h
+    bh, start_n, num_tiles = _key_block(WORK, index, n_kblocks, N, BLOCK_M, heads, mask, WINDOWED, DOCS, n_q, FULL)
+    q0 = _query_origin(start_n, FULL)
+    buf = i % KV_BUFS
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.wait(kv_ready.index(buf * CONSUMERS + c), (i // KV_BUFS) & 1)
+    if GQA:  # the group's query heads in turn, each into its own accumulator rows
+        for qh in range(group):
+            row0, col = _group_origin(bh, heads, group, qh, acc_rows_b, acc_rows_h, acc_cols_h, q0)
             for t in range(num_tiles):
-                _dq_tile(k_smem.index(buf * CONSUMERS), k_smem.index(buf * CONSUMERS + 1), ds_smem, dq_smem, ds_ready,
-                         ds_free, dq_desc, g + t, row0 + t * BLOCK_M, col, zero, sm_scale)
-            mbarrier.arrive(kv_free.index(buf), count=1)  # its last dQ matmul (K) has retired
+                _dq_tile(k_smem.index(buf * CONSUMERS), k_smem.index(buf * CONSUMERS + 1), ds_smem, dq_smem,
+                         ds_ready, ds_free, dq_desc, g + t, row0 + t * BLOCK_M, col, zero, sm_scale)
             g += num_tiles
+        mbarrier.arrive(kv_free.index(buf), count=1)  # its last dQ matmul (K) has retired
+    else:
+        row0 = (bh // heads) * acc_rows_b + (bh % heads) * acc_rows_h + q0
+        col = (bh % heads) * acc_cols_h
+        for t in range(num_tiles):
+            _dq_tile(k_smem.index(buf * CONSUMERS), k_smem.index(buf * CONSUMERS + 1), ds_smem, dq_smem, ds_ready,
+                     ds_free, dq_desc, g + t, row0 + t * BLOCK_M, col, zero, sm_scale)
+        mbarrier.arrive(kv_free.index(buf), count=1)  # its last dQ matmul (K) has retired
+        g += num_tiles
+    return g
+
+
+@gluon.jit
+def _dq_reducer(dqs, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, PERSISTENT: gl.constexpr, QUEUE: gl.constexpr,
+                GQA: gl.constexpr, WINDOWED: gl.constexpr, DOCS: gl.constexpr, FULL: gl.constexpr):
+    """The dQ warpgroup (head_dim 64): per query tile t of each item (QUEUE: as the producer takes them from the work
+    queue; with GQA, of each query head of its group), dQ_t = scale · dS_t K over the item's 128 keys (both
+    consumers' dSᵀ_t, read transposed from shared memory), staged in fp32 shared memory and added into the
+    accumulator's rows by a TMA reduce-add, which runs while the next tile's matmul does. The accumulator is one 2-D
+    array (rows of one head's queries, see dkdvdq_kernel), so its descriptor is made once; a key block's last query
+    tile may reach past its head's N rows into the next head's or batch's first ones, where it adds exact zeros
+    (queries past N have dS = 0; a non-finite K would make those rows NaN, as it does its own), as do the rows a mask
+    hides from every key of the block."""
+    (_k_smem, _ds_smem, _dq_smem, _kv_ready, _kv_free, _ds_ready, _ds_free, _dq_desc, _N, H, _acc_rows_b,
+     _acc_rows_h, _acc_cols_h, _sm_scale, _WORK, WORK_START, _n_kblocks, _mask, group, _n_q, tickets) = dqs
+    dq_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)
+    consts = (gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout), _item_heads(H, group, GQA))
+    g = 0
+    if QUEUE:
+        i = 0
+        index = take_ticket(WORK_START, tickets, i)
+        while index >= 0:
+            g = _dq_reducer_item(dqs, consts, index, i, g, HEAD_DIM, BLOCK_M, GQA, WINDOWED, DOCS, FULL)
+            i += 1
+            index = take_ticket(WORK_START, tickets, i)
+    else:
+        first, count = program_items(WORK_START, PERSISTENT)
+        for i in range(count):
+            g = _dq_reducer_item(dqs, consts, first + i, i, g, HEAD_DIM, BLOCK_M, GQA, WINDOWED, DOCS, FULL)
     tma.store_wait(0)
 
 
@@ -712,24 +781,65 @@ def _stream_query_tiles(descs, q_smem, do_smem, lse_smem, delta_smem, ready, emp
 
 
 @gluon.jit
-def _dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                     PERSISTENT: gl.constexpr, GQA: gl.constexpr, WINDOWED: gl.constexpr, DOCS: gl.constexpr,
-                     FULL: gl.constexpr):
-    """The producer warp, over this program's items: the item's K and V rows into buffer i % KV_BUFS once their last
-    users released it (kv_free), then query tile t (Q, dO, LSE, delta) into ring buffer t % STAGES as soon as both
-    consumers have released what it held (tile t − STAGES); rows past N read as 0. With GQA, K and V of the item's
-    K/V head h, then the query tiles of each query head h·group + qh of its group in turn. Its descriptors span
-    every head (common.all_heads, all_rows), made once: an item names its heads only in the copies' coordinates, so
-    nothing waits between items but for free buffers. FULL: every item streams all query tiles from query 0."""
+def _dkdvdq_producer_item(loads, consts, index, i, g, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                          STAGES: gl.constexpr, QUEUE: gl.constexpr, GQA: gl.constexpr, WINDOWED: gl.constexpr,
+                          DOCS: gl.constexpr, FULL: gl.constexpr):
+    """_dkdvdq_producer's loads for item `index`, the program's i-th, from ring position g; returns the position
+    after it and, with QUEUE, the next item's index, taken once this item's K and V loads are issued, so that the
+    queue's round trip overlaps its query tiles."""
     (Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
      stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_lse, stride_delta, B, H, N,
      k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty,
-     WORK, WORK_START, n_kblocks, mask, group, n_q, kv_splits) = loads
-    first, count = program_items(WORK_START, PERSISTENT)
+     WORK, WORK_START, n_kblocks, mask, group, n_q, kv_splits, tickets) = loads
+    k_desc, v_desc, descs, heads = consts
     dtype: gl.constexpr = q_smem.dtype
     KV_BUFS: gl.constexpr = k_smem.shape[0] // CONSUMERS  # 2, or 1 at head_dim 128
     KV_BOX: gl.constexpr = [1, 1, TILE, HEAD_DIM]
     kv_bytes: gl.constexpr = 2 * TILE * HEAD_DIM * dtype.primitive_bitwidth // 8
+    bh, start_n, num_tiles = _key_block(WORK, index, n_kblocks, N, BLOCK_M, heads, mask, WINDOWED, DOCS, n_q, FULL)
+    q0 = _query_origin(start_n, FULL)
+    b = bh // heads
+    h = bh % heads
+    buf = i % KV_BUFS
+    mbarrier.wait(kv_free.index(buf), ((i // KV_BUFS) & 1) ^ 1)  # item i − KV_BUFS's users are done with it
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.expect(kv_ready.index(buf * CONSUMERS + c), kv_bytes)
+        load_rows(k_desc, [b, h // kv_splits, start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
+                  k_smem.index(buf * CONSUMERS + c), KV_BOX)
+        load_rows(v_desc, [b, h // kv_splits, start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
+                  v_smem.index(buf * CONSUMERS + c), KV_BOX)
+    if QUEUE:
+        next_index = hand_out_ticket(WORK_START, tickets, i + 1, B * heads * n_kblocks)
+    else:
+        next_index = index + 1  # unused
+    if GQA:  # query head h·group + qh (its rows b·H + h·group + qh of LSE, delta), qh = 0 ... group − 1
+        for qh in range(group):
+            _stream_query_tiles(descs, q_smem, do_smem, lse_smem, delta_smem, ready, empty, g, num_tiles, q0, b,
+                                h * group + qh, b * H + h * group + qh, STAGES, BLOCK_M)
+            g += num_tiles
+    else:
+        _stream_query_tiles(descs, q_smem, do_smem, lse_smem, delta_smem, ready, empty, g, num_tiles, q0, b, h,
+                            bh, STAGES, BLOCK_M)
+        g += num_tiles
+    return g, next_index
+
+
+@gluon.jit
+def _dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                     PERSISTENT: gl.constexpr, QUEUE: gl.constexpr, GQA: gl.constexpr, WINDOWED: gl.constexpr,
+                     DOCS: gl.constexpr, FULL: gl.constexpr):
+    """The producer warp, over this program's items (QUEUE: taken from the work queue as the program frees up, each
+    handed to the other roles, common.hand_out_ticket): the item's K and V rows into buffer i % KV_BUFS once their
+    last users released it (kv_free), then query tile t (Q, dO, LSE, delta) into ring buffer t % STAGES as soon as
+    both consumers have released what it held (tile t − STAGES); rows past N read as 0. With GQA, K and V of the
+    item's K/V head h, then the query tiles of each query head h·group + qh of its group in turn. Its descriptors
+    span every head (common.all_heads, all_rows), made once: an item names its heads only in the copies'
+    coordinates, so nothing waits between items but for free buffers. FULL: every item streams all query tiles from
+    query 0."""
+    (Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_lse, stride_delta, B, H, N,
+     _k_smem, _v_smem, _q_smem, _do_smem, _lse_smem, _delta_smem, _kv_ready, _kv_free, _ready, _empty,
+     _WORK, WORK_START, n_kblocks, _mask, group, n_q, kv_splits, tickets) = loads
     heads = _item_heads(H, group, GQA)
     n_rows = _query_count(N, n_q, FULL)
     k_desc = all_heads(K, B, heads // kv_splits, N, stride_kb, stride_kh, stride_kn, TILE, HEAD_DIM)
@@ -738,30 +848,20 @@ def _dkdvdq_producer(loads, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGE
              all_heads(DO, B, H, n_rows, stride_dob, stride_doh, stride_don, BLOCK_M, HEAD_DIM),
              all_rows(LSE, B * H, n_rows, stride_lse, BLOCK_M),
              all_rows(DELTA, B * H, n_rows, stride_delta, BLOCK_M))
+    consts = (k_desc, v_desc, descs, heads)
     g = 0
-    for i in range(count):
-        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M, heads, mask, WINDOWED, DOCS, n_q,
-                                            FULL)
-        q0 = _query_origin(start_n, FULL)
-        b = bh // heads
-        h = bh % heads
-        buf = i % KV_BUFS
-        mbarrier.wait(kv_free.index(buf), ((i // KV_BUFS) & 1) ^ 1)  # item i − KV_BUFS's users are done with it
-        for c in gl.static_range(CONSUMERS):
-            mbarrier.expect(kv_ready.index(buf * CONSUMERS + c), kv_bytes)
-            load_rows(k_desc, [b, h // kv_splits, start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
-                      k_smem.index(buf * CONSUMERS + c), KV_BOX)
-            load_rows(v_desc, [b, h // kv_splits, start_n + c * TILE, 0], kv_ready.index(buf * CONSUMERS + c),
-                      v_smem.index(buf * CONSUMERS + c), KV_BOX)
-        if GQA:  # query head h·group + qh (its rows b·H + h·group + qh of LSE, delta), qh = 0 ... group − 1
-            for qh in range(group):
-                _stream_query_tiles(descs, q_smem, do_smem, lse_smem, delta_smem, ready, empty, g, num_tiles, q0, b,
-                                    h * group + qh, b * H + h * group + qh, STAGES, BLOCK_M)
-                g += num_tiles
-        else:
-            _stream_query_tiles(descs, q_smem, do_smem, lse_smem, delta_smem, ready, empty, g, num_tiles, q0, b, h,
-                                bh, STAGES, BLOCK_M)
-            g += num_tiles
+    if QUEUE:  # items from the queue, each handed to the other roles, then -1: none left
+        i = 0
+        index = hand_out_ticket(WORK_START, tickets, i, B * heads * n_kblocks)
+        while index >= 0:
+            g, index = _dkdvdq_producer_item(loads, consts, index, i, g, HEAD_DIM, BLOCK_M, STAGES, QUEUE, GQA,
+                                             WINDOWED, DOCS, FULL)
+            i += 1
+    else:
+        first, count = program_items(WORK_START, PERSISTENT)
+        for i in range(count):
+            g, _next = _dkdvdq_producer_item(loads, consts, first + i, i, g, HEAD_DIM, BLOCK_M, STAGES, QUEUE, GQA,
+                                             WINDOWED, DOCS, FULL)
 
 
 @gluon.jit
@@ -775,7 +875,7 @@ def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
                               KV_BUFS: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                               PRODUCER_REGS: gl.constexpr, REDUCER_REGS: gl.constexpr, GQA: gl.constexpr,
                               WINDOWED: gl.constexpr, DOCS: gl.constexpr, FULL: gl.constexpr,
-                              ACCUMULATE_DKDV: gl.constexpr, DKDV_TMA: gl.constexpr):
+                              ACCUMULATE_DKDV: gl.constexpr, DKDV_TMA: gl.constexpr, QUEUE: gl.constexpr = False):
     """dK, dV of blocks of 128 keys of one (batch, head), causal, over the queries from the block's first key on, and
     each block's share of dQ for those queries, added into DQ_ACC; program p takes items WORK[WORK_START[p] :
     WORK_START[p+1]] (item = bh · n_kblocks + key block). DQ_ACC: fp32, one 2-D (acc_rows, acc_cols) array in which
@@ -843,34 +943,42 @@ def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)
+    if QUEUE:  # the producer hands each item it takes to the consumers (and the dQ warpgroup)
+        tickets = ticket_barriers(CONSUMERS if SPLIT_DQ else CONSUMERS + 1)
+    else:
+        tickets = (ready, ready)  # unused
     fence_async_shared()
     mask = (window, DOC_ENDS, stride_ends)  # read where WINDOWED or DOCS
 
     shared = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty, ds_smem,
               ds_ready, ds_free, DK, DV, H, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-              N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks, mask, group, n_q, kv_splits)
+              N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks, mask, group, n_q, kv_splits, tickets)
     loads = (Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
              stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, stride_lse, stride_delta, B, H, N,
              k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty,
-             WORK, WORK_START, n_kblocks, mask, group, n_q, kv_splits)
+             WORK, WORK_START, n_kblocks, mask, group, n_q, kv_splits, tickets)
     dqs = (k_smem, ds_smem, dq_smem, kv_ready, kv_free, ds_ready, ds_free, dq_desc, N, H, acc_rows_b, acc_rows_h,
-           acc_cols_h, sm_scale, WORK, WORK_START, n_kblocks, mask, group, n_q)
+           acc_cols_h, sm_scale, WORK, WORK_START, n_kblocks, mask, group, n_q, tickets)
     if SPLIT_DQ:
         gl.warp_specialize([(_dkdv_dq_split_consumer, (shared, dqs, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES,
-                                                       PERSISTENT, GQA, WINDOWED, DOCS, FULL, ACCUMULATE_DKDV)),
+                                                       PERSISTENT, QUEUE, GQA, WINDOWED, DOCS, FULL,
+                                                       ACCUMULATE_DKDV)),
                             (_dkdv_dq_split_consumer, (shared, dqs, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES,
-                                                       PERSISTENT, GQA, WINDOWED, DOCS, FULL, ACCUMULATE_DKDV)),
-                            (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES, PERSISTENT, GQA, WINDOWED, DOCS,
-                                                FULL))],
+                                                       PERSISTENT, QUEUE, GQA, WINDOWED, DOCS, FULL,
+                                                       ACCUMULATE_DKDV)),
+                            (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES, PERSISTENT, QUEUE, GQA, WINDOWED,
+                                                DOCS, FULL))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([(_dkdv_consumer, (shared, dkdv_out, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES,
-                                              PERSISTENT, GQA, WINDOWED, DOCS, FULL, ACCUMULATE_DKDV, DKDV_TMA)),
+                                              PERSISTENT, QUEUE, GQA, WINDOWED, DOCS, FULL, ACCUMULATE_DKDV,
+                                              DKDV_TMA)),
                             (_dkdv_consumer, (shared, dkdv_out, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES,
-                                              PERSISTENT, GQA, WINDOWED, DOCS, FULL, ACCUMULATE_DKDV, DKDV_TMA)),
-                            (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES, PERSISTENT, GQA, WINDOWED, DOCS,
-                                                FULL)),
-                            (_dq_reducer, (dqs, HEAD_DIM, BLOCK_M, PERSISTENT, GQA, WINDOWED, DOCS, FULL))],
+                                              PERSISTENT, QUEUE, GQA, WINDOWED, DOCS, FULL, ACCUMULATE_DKDV,
+                                              DKDV_TMA)),
+                            (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES, PERSISTENT, QUEUE, GQA, WINDOWED,
+                                                DOCS, FULL)),
+                            (_dq_reducer, (dqs, HEAD_DIM, BLOCK_M, PERSISTENT, QUEUE, GQA, WINDOWED, DOCS, FULL))],
                            [4, 1, 4], [CONSUMER_REGS, PRODUCER_REGS, REDUCER_REGS])
 
 
@@ -1070,8 +1178,9 @@ def _launch_dkdvdq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, str
                    block_m: int, stages: int, work: Tensor, work_start: Tensor, persistent: bool,
                    window: int | None = None, document_ids: Tensor | None = None, full: bool = False,
                    accumulate_dkdv: bool = False, acc_geometry: AccGeometry | None = None,
-                   kv_splits: int = 1) -> None:
-    """dkdvdq_kernel on a work list. q, do: (B, H, N_Q, D); k, v: (B, Hkv, N_K, D), N_Q = N_K unless `full`.
+                   kv_splits: int = 1, queue_programs: int = 0) -> None:
+    """dkdvdq_kernel on a work list (queue_programs > 0: that many programs take its items from a work queue,
+    common.hand_out_ticket; work_start unused). q, do: (B, H, N_Q, D); k, v: (B, Hkv, N_K, D), N_Q = N_K unless `full`.
     accumulate_dkdv: dk, dv (fp32) receive dK, dV added (DKDV_ADD); kv_splits > 1: each K/V head's group runs as
     kv_splits virtual heads, which add into dk, dv (fp32) atomically (DKDV_ATOMIC_ADD; group_splits).
     acc_geometry: dq_acc's (dq_acc_geometry); None: dq_acc dense in (B, H, N, D) or (B, N, H, D) memory."""
@@ -1092,7 +1201,9 @@ def _launch_dkdvdq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, str
     n_kblocks = -(-N // (CONSUMERS.value * TILE.value))
     atomic_dkdv = kv_splits > 1
     virtual_heads = k.shape[1] * kv_splits  # the items' heads
-    launch_kernel(dkdvdq_kernel, (work_start.numel() - 1,),
+    if queue_programs:
+        work_start = torch.zeros(1 + QUEUE_SLOTS.value * queue_programs, dtype=torch.int32, device=q.device)
+    launch_kernel(dkdvdq_kernel, (queue_programs or work_start.numel() - 1,),
         q, k, v, do, lse, delta, dk, dv, dq_acc, work, work_start, *strides3(q), *strides3(k), *strides3(v),
         *strides3(do), *strides3(dk), *strides3(dv), stride_lse, stride_delta, B, H, N, n_kblocks, *acc_shape,
         *acc_steps, qk_scale, sm_scale, H // virtual_heads, kv_splits, ends,
@@ -1103,7 +1214,8 @@ def _launch_dkdvdq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, str
         PRODUCER_REGS=PRODUCER_REGS, REDUCER_REGS=REDUCER_REGS, GQA=virtual_heads != H, WINDOWED=window is not None,
         DOCS=document_ids is not None, FULL=full,
         ACCUMULATE_DKDV=(DKDV_ATOMIC_ADD if atomic_dkdv else DKDV_ADD if accumulate_dkdv else DKDV_WRITE).value,
-        DKDV_TMA=staged_by_tma(D, dk, dv, accumulate=accumulate_dkdv or atomic_dkdv), num_warps=4)
+        DKDV_TMA=staged_by_tma(D, dk, dv, accumulate=accumulate_dkdv or atomic_dkdv), QUEUE=queue_programs > 0,
+        num_warps=4)
 
 
 def launch_dkdv_dq(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, stride_lse: int, delta: Tensor,
@@ -1149,9 +1261,9 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
     only the query tiles that see its keys, found on the device (each token's document end by torch.searchsorted,
     then one load per key); lse and delta are the query heads' rows. With one query head per item, a window without
     document ids runs persistent from MASKED_PERSISTENT_WAVES waves of key blocks, one program per SM over a
-    schedule balanced on the host (windowed_key_block_costs), and so do document ids at head_dim 64, over the plain
-    grid's order dealt out (schedule.device_dealt: the spans come from ids only the device reads); persistent=False
-    keeps the plain grid. Everything else is a plain grid (documents at head_dim 128, GQA, splits: persistent
+    schedule balanced on the host (windowed_key_block_costs), and so do document ids at head_dim 64, taking the plain
+    grid's items from a work queue as each program frees up (QUEUE: the spans come from ids only the device reads;
+    schedule.DOCUMENTS_QUEUED_BACKWARD_HEAD_DIMS); persistent=False keeps the plain grid. Everything else is a plain grid (documents at head_dim 128, GQA, splits: persistent
     measured slower or equal there, or not measured; kernels/NOTES.md), GQA alone (no window or documents) in the
     launch order schedule.plain_order models best.
     split_scratch: two fp32 (B, Hkv, N, D) views (any strides, a contiguous last dimension) that the splits' dK, dV
@@ -1178,16 +1290,18 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
     heads = B * kv_heads * splits  # the items' (batch, virtual head) pairs
     group = H // (kv_heads * splits)  # query heads per item
     # persistent where an item walks one query head (MHA, or a split of one query head per program): a window alone
-    # on a schedule balanced on the host, documents dealt out (schedule.DOCUMENTS_DEALT_HEAD_DIMS)
+    # on a schedule balanced on the host, documents on the work queue (schedule.DOCUMENTS_QUEUED_BACKWARD_HEAD_DIMS)
     windowed = window is not None and document_ids is None and group == 1
-    documents = document_ids is not None and group == 1 and D in DOCUMENTS_DEALT_HEAD_DIMS
+    documents = document_ids is not None and group == 1 and D in DOCUMENTS_QUEUED_BACKWARD_HEAD_DIMS
+    queue_programs = 0
     if persistent is None:
         persistent = (windowed or documents) and heads * n_kblocks >= MASKED_PERSISTENT_WAVES * programs
     elif persistent and not (windowed or documents):
         raise ValueError("the dK/dV/dQ kernel runs a masked launch persistent only for a window alone or for "
                          "documents at head_dim 64, one query head per item")
-    if persistent and documents:
-        work, work_start = device_dealt(heads, tuple(range(n_kblocks)), min(programs, heads * n_kblocks), q.device)
+    if persistent and documents:  # the plain grid's items, taken from a work queue
+        work, work_start = device_one_each(heads, tuple(range(n_kblocks)), q.device)
+        queue_programs = min(programs, heads * n_kblocks)
     elif persistent:
         costs = windowed_key_block_costs(N, CONSUMERS.value * TILE.value, block_m, window)
         work, work_start = device_schedule(heads, costs, min(programs, heads * n_kblocks), q.device)
@@ -1201,7 +1315,7 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
         work, work_start = device_one_each(heads, tuple(range(n_kblocks)), q.device)
     _launch_dkdvdq(do, q, k, v, lse, stride_lse, delta, stride_delta, dk, dv, dq_acc, sm_scale, qk_scale, block_m,
                    stages, work, work_start, persistent=persistent, window=window, document_ids=document_ids,
-                   kv_splits=splits)
+                   kv_splits=splits, queue_programs=queue_programs)
     if splits > 1:  # dK = Σ over the splits' query heads, summed in fp32 and rounded once
         dk_out.copy_(dk)
         dv_out.copy_(dv)

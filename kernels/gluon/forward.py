@@ -61,8 +61,7 @@ from minigpt_kernels.gluon.common import (CONSUMER_REGS, PRODUCER_REGS, QUEUE_SL
                                           load_rows, mma_layout, program_items, store_rows, take_ticket,
                                           ticket_barriers)
 from minigpt_kernels.dispatch import fold_tiles
-from minigpt_kernels.gluon.schedule import (DOCUMENTS_DEALT_HEAD_DIMS, MASKED_PERSISTENT_WAVES, device_dealt,
-                                            device_one_each, device_schedule, sm_count)
+from minigpt_kernels.gluon.schedule import MASKED_PERSISTENT_WAVES, device_one_each, device_schedule, sm_count
 from minigpt_kernels.relaunch import launch_kernel
 
 ROWS_PER_CONSUMER = gl.constexpr(64)  # query rows per consumer warpgroup: the M of one wgmma
@@ -751,11 +750,9 @@ def launch_forward_masked(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
     keys of the row's document). Each query tile visits only the key tiles its rows see, found on the device (each
     token's document bounds by torch.searchsorted, then four loads per item). From MASKED_PERSISTENT_WAVES waves of
     query tiles it runs one program per SM: a window alone over a schedule balanced on the host
-    (windowed_query_tile_costs); document ids, whose tiles per item only the device reads, at head_dim 64 over the
-    plain grid's order dealt out (device_dealt), at 128 taking the plain grid's items from a work queue (QUEUE; dealt,
-    a mix of lengths ran slower there than on a plain grid; queued, faster in every case measured: kernels/NOTES.md,
-    sessions 24, 25). persistent=False keeps the plain grid, as ring attention asks; True forces one program per
-    SM."""
+    (windowed_query_tile_costs); document ids, whose tiles per item only the device reads, taking the plain grid's
+    items from a work queue as each program frees up (QUEUE; schedule.DOCUMENTS_QUEUED_BACKWARD_HEAD_DIMS says why).
+    persistent=False keeps the plain grid, as ring attention asks; True forces one program per SM."""
     B, H, N, D = q.shape
     rows = consumers * ROWS_PER_CONSUMER.value
     n_qtiles = -(-N // rows)
@@ -767,9 +764,6 @@ def launch_forward_masked(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
     if persistent and windowed:
         costs = windowed_query_tile_costs(N, rows, block_n, window)
         work, work_start = device_schedule(B * H, costs, min(programs, B * H * n_qtiles), q.device)
-    elif persistent and D in DOCUMENTS_DEALT_HEAD_DIMS:
-        work, work_start = device_dealt(B * H, tuple(reversed(range(n_qtiles))), min(programs, B * H * n_qtiles),
-                                        q.device)
     elif persistent:  # the plain grid's items, taken from a work queue
         work, work_start = device_one_each(B * H, tuple(reversed(range(n_qtiles))), q.device)
         queue_programs = min(programs, B * H * n_qtiles)

@@ -125,12 +125,12 @@ def sm_count(device: torch.device) -> int:
 # are short (a 1K window's query tile sees 8-9 key tiles), so a program's set-up (barriers, device-side TMA
 # descriptors, the first loads) weighs on each one where a plain grid starts a program per item
 MASKED_PERSISTENT_WAVES = 4
-# document ids (items whose cost only the device reads from the ids) run persistent on the plain grid's order dealt
-# out (`dealt`) at these head dims, forward and backward. At 128 a mix of lengths ran slower dealt than on a plain
-# grid (kernels/NOTES.md, session 24): there the forward takes its items from a work queue as its programs free up
-# (gluon/common.py, QUEUE), and the backward keeps a plain grid (its queued variant spills in the key loops and ran
-# slower on long documents; the queue lost to the dealt lists at 64 on short ones: session 25)
-DOCUMENTS_DEALT_HEAD_DIMS = (64,)
+# document ids (items whose cost only the device reads from the ids) run persistent on a work queue (gluon/common.py,
+# QUEUE): the programs take the plain grid's items as each frees up, so they balance as a plain grid does, at any head
+# count and document length. Lists dealt out in advance did not: a 32K document at gpt2-small's 12 heads ended 1.6×
+# later than balanced (kernels/NOTES.md, session 25). The backward's queue runs at these head dims; at 128 its kernel
+# spills in the tile loops and ran slower than the plain grid on long documents, which it keeps there.
+DOCUMENTS_QUEUED_BACKWARD_HEAD_DIMS = (64,)
 
 
 def _head_after_head(heads: int, positions: tuple[int, ...]) -> list[int]:
@@ -143,29 +143,3 @@ def device_one_each(heads: int, positions: tuple[int, ...], device: torch.device
     """A plain grid as a work list: one item per program, head after head, each head's items at `positions` in
     that order (the hardware starts programs in order, so the first positions start first)."""
     return _work_list(_head_after_head(heads, positions), None, device)
-
-
-def dealt(heads: int, positions: tuple[int, ...], programs: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """A plain grid's items (head after head, each head's at `positions` in that order) dealt out to `programs`
-    persistent programs round by round, every other round backwards: program p takes items p and 2·programs − 1 − p
-    of the first two rounds, and so on. Returns (items, starts). Round by round, so the items in flight together are
-    the ones a plain grid runs together (its L2 reuse); backwards every other round, so a program that took a long
-    item takes a short one next. Dealt forwards only, a program keeps meeting the same positions wherever their
-    period shares factors with the programs' count: a 1K document is 8 query tiles and 132 SMs are 4 mod 8, so each
-    program met 2 of the 8 positions, and 1K documents at 32K tokens ended 1.24× later than balanced in the model
-    (1.02× dealt back and forth; kernels/NOTES.md, session 24)."""
-    order = _head_after_head(heads, positions)
-    lists: list[list[int]] = [[] for _ in range(programs)]
-    for r, first in enumerate(range(0, len(order), programs)):
-        turn = range(programs) if r % 2 == 0 else range(programs - 1, -1, -1)
-        for p, it in zip(turn, order[first:first + programs]):
-            lists[p].append(it)
-    return _flatten(lists)
-
-
-@functools.lru_cache(maxsize=32)
-def device_dealt(heads: int, positions: tuple[int, ...], programs: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """`dealt`'s work list on the device, made once per shape. For work whose cost only the device knows (document
-    masks: a query tile's key span, a key block's query span come from the ids), so no schedule is balanced on the
-    host: the items start about when a plain grid would start them, without a program's set-up per item."""
-    return _work_list(*dealt(heads, positions, programs), device)
