@@ -878,7 +878,8 @@ def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
                               ACCUMULATE_DKDV: gl.constexpr, DKDV_TMA: gl.constexpr, QUEUE: gl.constexpr = False):
     """dK, dV of blocks of 128 keys of one (batch, head), causal, over the queries from the block's first key on, and
     each block's share of dQ for those queries, added into DQ_ACC; program p takes items WORK[WORK_START[p] :
-    WORK_START[p+1]] (item = bh · n_kblocks + key block). DQ_ACC: fp32, one 2-D (acc_rows, acc_cols) array in which
+    WORK_START[p+1]] (QUEUE: WORK's items as the programs take them from the work queue WORK_START,
+    common.hand_out_ticket; item = bh · n_kblocks + key block). DQ_ACC: fp32, one 2-D (acc_rows, acc_cols) array in which
     head h of batch b adds its query n into row b·acc_rows_b + h·acc_rows_h + n at columns h·acc_cols_h ...: (B·H·N,
     HEAD_DIM) with (H·N, N, 0) for (B, H, N, D) memory, (B·N, H·HEAD_DIM) with (N, 0, HEAD_DIM) for (B, N, H, D) rows
     (the model's layout). At head_dim 128 the consumers compute dQ themselves (a dQ warpgroup does not fit the

@@ -39,9 +39,9 @@ way, block after block. GQA (fewer K/V heads than query heads) goes with either.
 (launch_forward_masked, a plain grid, or persistent for a window alone and for documents; causal fresh launches
 only) it also takes a sliding window and document ids: each query tile visits only the key tiles its rows see, and
 only the tiles some row cannot fully see get the elementwise mask, a comparison of positions with each row's first
-visible key. FOLD (from 32K keys, dispatch.fold_tiles): the tensor cores truncate as they add P·V into acc, which over a million keys shrinks o by 3e-3; every FOLD key tiles each consumer folds acc into
-a round-to-nearest fp32 sum in shared memory (_fold), so no chain is longer than 2048 keys (kernels/NOTES.md, the
-last sections). Each flag is a constexpr: the causal fresh variants compile to the code they had without them.
+visible key. FOLD (from 32K keys, dispatch.fold_tiles): the tensor cores truncate as they add P·V into acc, which
+over a million keys shrinks o by 3e-3; every FOLD key tiles each consumer folds acc into a round-to-nearest fp32 sum
+in shared memory (_fold), so no chain is longer than 2048 keys (kernels/NOTES.md, the last sections). Each flag is a constexpr: the causal fresh variants compile to the code they had without them.
 dispatch.py picks the variants by sequence length (and masks); launch.py (gluon_forward_ready) falls back to the
 Triton forward otherwise.
 """
@@ -562,7 +562,8 @@ def pingpong_fwd_kernel(Q, K, V, O, LSE, WORK, WORK_START,
                         SKIP: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr, WINDOWED: gl.constexpr,
                         DOCS: gl.constexpr, CAUSAL: gl.constexpr, CONTINUE: gl.constexpr, FOLD: gl.constexpr = 0,
                         O_TMA: gl.constexpr = False, QUEUE: gl.constexpr = False):
-    """Program p computes items WORK[WORK_START[p] : WORK_START[p+1]] (item = bh · n_qtiles + query tile): attention
+    """Program p computes items WORK[WORK_START[p] : WORK_START[p+1]] (QUEUE: WORK's items as the programs take them
+    from the work queue WORK_START, common.hand_out_ticket; item = bh · n_qtiles + query tile): attention
     of one tile of 64·NUM_CONSUMERS of the N query rows of one (batch, head) each over the N_K keys, causal (N_K = N)
     or, without CAUSAL, every key. B: batches; H: query heads; GQA: K/V head h // group. LSE rows lie stride_lse apart.
     WINDOWED: keys i − window < j; DOCS: keys of the row's document, given by DOC_STARTS and DOC_ENDS ((B, N)
