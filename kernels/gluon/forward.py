@@ -41,9 +41,9 @@ only) it also takes a sliding window and document ids: each query tile visits on
 only the tiles some row cannot fully see get the elementwise mask, a comparison of positions with each row's first
 visible key. FOLD (from 32K keys, dispatch.fold_tiles): the tensor cores truncate as they add P·V into acc, which
 over a million keys shrinks o by 3e-3; every FOLD key tiles each consumer folds acc into a round-to-nearest fp32 sum
-in shared memory (_fold), so no chain is longer than 2048 keys (kernels/NOTES.md, the last sections). Each flag is a constexpr: the causal fresh variants compile to the code they had without them.
-dispatch.py picks the variants by sequence length (and masks); launch.py (gluon_forward_ready) falls back to the
-Triton forward otherwise.
+in shared memory (_fold), so no chain is longer than 2048 keys (kernels/NOTES.md, the last sections). Each flag is
+a constexpr: the causal fresh variants compile to the code they had without them. dispatch.py picks the variants by
+sequence length (and masks); launch.py (gluon_forward_ready) falls back to the Triton forward otherwise.
 """
 from __future__ import annotations
 
