@@ -68,7 +68,10 @@ def test_the_case_list_holds_the_issues_cases():
     mix = mc.mixed_doc_lengths(32 * K)
     assert mix == mc.mixed_doc_lengths(32 * K, seed=0) and sum(mix) == 32 * K and len(mix) > 8
     assert all(256 <= n <= 8 * K for n in mix[:-1]) and 1 <= mix[-1] <= 8 * K
-    assert [c.doc_lengths for c in cases if c.name.startswith("docs mix")] == [mix, mix]
+    assert [c.doc_lengths for c in cases if c.name.startswith("docs mix")] == [mix, mix, mix]
+    # documents at gpt2-small's 12 heads too (a schedule can balance 32 heads and not 12), with their reference
+    assert {("causal", 32 * K, 64, 12, 12), ("docs 1x32K", 32 * K, 64, 12, 12),
+            (f"docs mix of {len(mix)}", 32 * K, 64, 12, 12)} <= keys
     for N in (8 * K, 32 * K):
         for D, Hq, Hkv in ((64, 16, 4), (64, 16, 1), (128, 8, 2)):
             assert {(f"GQA {Hq}/{Hkv}", N, D, Hq, Hkv), ("MHA", N, D, Hq, Hq)} <= keys

@@ -5,7 +5,9 @@ must compute: `visible_pairs` counts them exactly in closed form (no N² tensor 
 visible area are 4·pairs·D·Hq·B forward, bwd = 2.5·fwd, fwd+bwd = 3.5·fwd (bench.py's convention, with the
 diagonal counted: a dense causal row has N(N+1)/2 pairs, not N²/2).
 
-Every case is causal. Documents and windows run at batch 1, hidden 2048 (heads = 2048 / head_dim); GQA runs the
+Every case is causal. Documents and windows run at batch 1, hidden 2048 (heads = 2048 / head_dim), and documents
+also at gpt2-small's 12 heads of 64 (one document filling the row, and the mix), the head count the trainer runs:
+a schedule can balance 32 heads and not 12 (kernels/NOTES.md, session 25); GQA runs the
 issue's head counts next to multi-head attention (MHA) with the same query heads. Each (N, D, query heads) of the
 list also has a dense causal MHA case, the reference whose rate gives the ideal (mask_bench.py).
 """
@@ -35,11 +37,12 @@ class Sizes:
     head_dims: tuple[int, ...] = (64, 128)
     hidden: int = 2048
     eager_block_mask_max_n: int = 32768
+    trainer_hidden: int = 768  # gpt2-small's, documents at head_dim 64 only (its 12 heads)
 
 
 FULL = Sizes()
 TINY = Sizes(doc_n=64, window_ns=(64, 128), windows=(4, 16), gqa_ns=(16, 32), hidden=128,
-             eager_block_mask_max_n=64)
+             eager_block_mask_max_n=64, trainer_hidden=192)
 
 
 @dataclass(frozen=True)
@@ -115,20 +118,26 @@ def tokens(n: int) -> str:
 
 
 def mask_cases(sizes: Sizes = FULL) -> list[MaskCase]:
-    """The issue's cases in the table's order: dense causal at hidden 2048; documents (equal ones and a random mix);
-    windows; GQA, each (D, Hq, N) with its MHA case first. Every reference the others need is in the list."""
+    """The issue's cases in the table's order: dense causal at hidden 2048 (and at the trainer's hidden, head_dim 64);
+    documents (equal ones and a random mix; at the trainer's heads one filling the row and the mix); windows; GQA,
+    each (D, Hq, N) with its MHA case first. Every reference the others need is in the list."""
     cases = []
+    trainer_heads = sizes.trainer_hidden // 64
     for D in sizes.head_dims:
         H = sizes.hidden // D
         for N in sorted({sizes.doc_n, *sizes.window_ns}):
             cases.append(MaskCase("causal", "causal", N, D, H, H))
+    cases.append(MaskCase("causal", "causal", sizes.doc_n, 64, trainer_heads, trainer_heads))
+    N, mix = sizes.doc_n, mixed_doc_lengths(sizes.doc_n)
     for D in sizes.head_dims:
-        H, N = sizes.hidden // D, sizes.doc_n
+        H = sizes.hidden // D
         for count in (32, 8):
             cases.append(MaskCase(f"docs {count}x{tokens(N // count)}", "documents", N, D, H, H,
                                   doc_lengths=(N // count,) * count))
-        mix = mixed_doc_lengths(N)
         cases.append(MaskCase(f"docs mix of {len(mix)}", "documents", N, D, H, H, doc_lengths=mix))
+    cases.append(MaskCase(f"docs 1x{tokens(N)}", "documents", N, 64, trainer_heads, trainer_heads, doc_lengths=(N,)))
+    cases.append(MaskCase(f"docs mix of {len(mix)}", "documents", N, 64, trainer_heads, trainer_heads,
+                          doc_lengths=mix))
     for D in sizes.head_dims:
         H = sizes.hidden // D
         for N in sizes.window_ns:
