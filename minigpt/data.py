@@ -3,8 +3,8 @@
 Every source exposes `batch(split, index, batch_size) -> (x, y, document_ids)`: x, y int64 CPU tensors of shape
 (batch_size, seq_len), y = x shifted by one token; document_ids None, or with data.document_mask (text, hf, pycode)
 int32 (batch_size, seq_len) ids of the documents the end-of-text separators delimit (`document_ids`), for
-attention within documents. With data.passkey_fraction some training rows are passkey examples in the run's tokens
-(minigpt/passkey_mix.py). A batch is a pure function of (seed, split, index), so the trainer's data position is
+attention within documents (None again where every row is one document: plain causal attention). With
+data.passkey_fraction some training rows are passkey examples in the run's tokens (minigpt/passkey_mix.py). A batch is a pure function of (seed, split, index), so the trainer's data position is
 just the step counter and a resumed run sees exactly the batches a straight run would.
 """
 from __future__ import annotations
@@ -158,7 +158,14 @@ class TokenData:
             return x, y, None
         ids = document_ids(x, self.eot)
         ids[examples] = 0  # an example is one document, whatever separators its haystack holds
-        return x, y, ids
+        return x, y, None if one_document_per_row(ids) else ids
+
+
+def one_document_per_row(ids: Tensor) -> bool:
+    """Whether no row of document ids (B, N) crosses a boundary. Their mask is then plain causal attention, which
+    the batch asks for by carrying no ids: every backend runs it at least as fast unmasked (flash's dense forward
+    keeps three consumer warpgroups busy where the masked one runs two). Read from the CPU tensor: nothing waits."""
+    return bool((ids[:, 0] == ids[:, -1]).all())
 
 
 def _first_line(e: BaseException) -> str:

@@ -238,6 +238,21 @@ def test_token_batches_carry_ids_with_document_mask_and_keep_every_target():
     assert PasskeyData(seq_len=128, seed=0).batch("train", 0, 2)[2] is None
 
 
+def test_a_batch_whose_every_row_is_one_document_carries_no_ids():
+    """Its mask is plain causal attention, which runs faster unmasked; one row with a boundary keeps them all."""
+    long_docs = np.array(([1, 2, 3] * 20 + [E]) * 10, dtype=np.uint16)  # documents of 61 tokens
+    data = TokenData(long_docs, long_docs, seq_len=8, seed=0, vocab_size=16, eot=E, document_mask=True)
+    seen = {"none": 0, "ids": 0}
+    for index in range(40):
+        x, _, ids = data.batch("train", index, 2)
+        crosses = bool(((x == E)[:, :-1]).any())  # a separator before a row's last token starts a new document
+        assert (ids is None) == (not crosses)
+        if ids is not None:
+            assert torch.equal(ids, document_ids(x, E))
+        seen["ids" if crosses else "none"] += 1
+    assert seen["none"] > 0 and seen["ids"] > 0
+
+
 def test_the_trainer_hands_each_layer_its_window_and_the_batchs_document_ids(tiny_config, tmp_path):
     """data=text with data.document_mask: a training step and an evaluation call every layer's attention with the
     ids of its batch's separators and the layer's window (model.window_pattern)."""

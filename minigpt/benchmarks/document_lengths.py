@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     lengths = []
     for index in range(args.batches):
         _, _, ids = data.batch("train", index, cfg.batch_size)
-        lengths += segment_lengths(ids)
+        lengths += [cfg.seq_len] * cfg.batch_size if ids is None else segment_lengths(ids)  # None: whole windows
     stats = summarize(lengths, cfg.seq_len)
     corpus = (getattr(data, "manifest", None) or {}).get("corpus_hash")
     what = (f"data={cfg.data.name}, seq_len={cfg.seq_len}, seed={cfg.seed}, {args.batches} batches of "
