@@ -604,68 +604,94 @@ def _dkdv_consumer(shared, dkdv_out, ME: gl.constexpr, HEAD_DIM: gl.constexpr, B
 
 
 @gluon.jit
-def _dkdv_dq_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                               STAGES: gl.constexpr, PERSISTENT: gl.constexpr, GQA: gl.constexpr,
-                               WINDOWED: gl.constexpr, DOCS: gl.constexpr, FULL: gl.constexpr,
-                               ACCUMULATE_DKDV: gl.constexpr):
-    """Consumer warpgroup ME of the head_dim-128 kernel: for each of this program's items, dK, dV of keys start_n +
-    64·ME ... + 63, and columns 64·ME ... of each query tile's dQ (FULL: every query tile from query 0); with GQA
-    over each query head of the K/V head's group in turn (its dQ into that head's accumulator rows); dK, dV written
-    (or with ACCUMULATE_DKDV added) at the item's end. The ring and hand-over counters run on across items and query
-    heads (g); K and V have one buffer (shared memory holds no second one beside the dQ staging), released to the
-    producer (kv_free) after the item's last dQ matmul, the last that reads them."""
+def _dkdv_dq_split_consumer_item(shared, dqs, consts, index, i, g, ME: gl.constexpr, HEAD_DIM: gl.constexpr,
+                                 BLOCK_M: gl.constexpr, STAGES: gl.constexpr, GQA: gl.constexpr,
+                                 WINDOWED: gl.constexpr, DOCS: gl.constexpr, FULL: gl.constexpr,
+                                 ACCUMULATE_DKDV: gl.constexpr):
+    """_dkdv_dq_split_consumer's work on item `index`, the program's i-th, from ring position g; returns the position
+    after it."""
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, kv_free, ready, empty, ds_smem, ds_ready,
      ds_free, DK, DV, H, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
      N, qk_scale, sm_scale, WORK, WORK_START, n_kblocks, mask, group, n_q, kv_splits, _tickets) = shared
-    first, count = program_items(WORK_START, PERSISTENT)
     dq_smem, dq_desc, acc_rows_b, acc_rows_h, acc_cols_h = dqs[2], dqs[7], dqs[10], dqs[11], dqs[12]
+    zero_s, zero_q, heads = consts
     HALF: gl.constexpr = HEAD_DIM // 2
     s_layout: gl.constexpr = mma_layout(BLOCK_M, 4)
     d_layout: gl.constexpr = mma_layout(HEAD_DIM, 4)
-    q_layout: gl.constexpr = mma_layout(HALF, 4)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
-    zero_s = gl.zeros([TILE, BLOCK_M], gl.float32, layout=s_layout)
-    zero_q = gl.zeros([BLOCK_M, HALF], gl.float32, layout=q_layout)
     k = k_smem.index(ME)
     v = v_smem.index(ME)
     k0 = k_smem.index(0).slice(ME * HALF, HALF, dim=1)
     k1 = k_smem.index(1).slice(ME * HALF, HALF, dim=1)
-    heads = _item_heads(H, group, GQA)
-    g = 0
-    for i in range(count):
-        bh, start_n, num_tiles = _key_block(WORK, first + i, n_kblocks, N, BLOCK_M, heads, mask, WINDOWED, DOCS, n_q,
-                                            FULL)
-        q0 = _query_origin(start_n, FULL)
-        key0 = start_n + ME * TILE
-        keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
-        cols = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-        tmask = _tile_mask(mask, bh, heads, key0, keys, start_n, N, BLOCK_M, WINDOWED, DOCS, True)
-        if not GQA:  # the item's first query in the accumulator
-            row0 = (bh // heads) * acc_rows_b + (bh % heads) * acc_rows_h + q0
-            col = (bh % heads) * acc_cols_h + ME * HALF
-        dk = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
-        dv = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
-        for c in gl.static_range(CONSUMERS):
-            mbarrier.wait(kv_ready.index(c), i & 1)
-        if GQA:  # the group's query heads in turn (query head (bh % heads)·group + qh), each num_tiles positions on
-            for qh in range(group):
-                row0, col = _group_origin(bh, heads, group, qh, acc_rows_b, acc_rows_h, acc_cols_h, q0)
-                dv, dk = _split_key_block(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
-                                          ds_ready, ds_free, dq_smem, dq_desc, g, num_tiles, row0, col + ME * HALF,
-                                          ME, STAGES, zero_s, zero_q, dv, dk, keys, cols, qk_scale, sm_scale,
-                                          a_layout, BLOCK_M, tmask, WINDOWED, DOCS, FULL)
-                g += num_tiles
-            mbarrier.arrive(kv_free.index(0), count=1)  # this consumer's last reads of K and V have retired
-        else:
+    bh, start_n, num_tiles = _key_block(WORK, index, n_kblocks, N, BLOCK_M, heads, mask, WINDOWED, DOCS, n_q, FULL)
+    q0 = _query_origin(start_n, FULL)
+    key0 = start_n + ME * TILE
+    keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
+    cols = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    tmask = _tile_mask(mask, bh, heads, key0, keys, start_n, N, BLOCK_M, WINDOWED, DOCS, True)
+    if not GQA:  # the item's first query in the accumulator
+        row0 = (bh // heads) * acc_rows_b + (bh % heads) * acc_rows_h + q0
+        col = (bh % heads) * acc_cols_h + ME * HALF
+    dk = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
+    dv = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.wait(kv_ready.index(c), i & 1)
+    if GQA:  # the group's query heads in turn (query head (bh % heads)·group + qh), each num_tiles positions on
+        for qh in range(group):
+            row0, col = _group_origin(bh, heads, group, qh, acc_rows_b, acc_rows_h, acc_cols_h, q0)
             dv, dk = _split_key_block(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
-                                      ds_ready, ds_free, dq_smem, dq_desc, g, num_tiles, row0, col, ME, STAGES,
-                                      zero_s, zero_q, dv, dk, keys, cols, qk_scale, sm_scale, a_layout, BLOCK_M,
-                                      tmask, WINDOWED, DOCS, FULL)
-            mbarrier.arrive(kv_free.index(0), count=1)  # this consumer's last reads of K and V have retired
+                                      ds_ready, ds_free, dq_smem, dq_desc, g, num_tiles, row0, col + ME * HALF,
+                                      ME, STAGES, zero_s, zero_q, dv, dk, keys, cols, qk_scale, sm_scale,
+                                      a_layout, BLOCK_M, tmask, WINDOWED, DOCS, FULL)
             g += num_tiles
-        _write_dkdv(dk, dv, DK, DV, (bh // heads).to(gl.int64), ((bh % heads) // kv_splits).to(gl.int64), stride_dkb,
-                    stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM,
-                    ACCUMULATE_DKDV)
+        mbarrier.arrive(kv_free.index(0), count=1)  # this consumer's last reads of K and V have retired
+    else:
+        dv, dk = _split_key_block(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
+                                  ds_ready, ds_free, dq_smem, dq_desc, g, num_tiles, row0, col, ME, STAGES,
+                                  zero_s, zero_q, dv, dk, keys, cols, qk_scale, sm_scale, a_layout, BLOCK_M,
+                                  tmask, WINDOWED, DOCS, FULL)
+        mbarrier.arrive(kv_free.index(0), count=1)  # this consumer's last reads of K and V have retired
+        g += num_tiles
+    _write_dkdv(dk, dv, DK, DV, (bh // heads).to(gl.int64), ((bh % heads) // kv_splits).to(gl.int64), stride_dkb,
+                stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, N, key0, sm_scale, HEAD_DIM,
+                ACCUMULATE_DKDV)
+    return g
+
+
+@gluon.jit
+def _dkdv_dq_split_consumer(shared, dqs, ME: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                            STAGES: gl.constexpr, PERSISTENT: gl.constexpr, QUEUE: gl.constexpr, GQA: gl.constexpr,
+                            WINDOWED: gl.constexpr, DOCS: gl.constexpr, FULL: gl.constexpr,
+                            ACCUMULATE_DKDV: gl.constexpr):
+    """Consumer warpgroup ME of the head_dim-128 kernel: for each of this program's items (QUEUE: as the producer
+    takes them from the work queue, common.take_ticket), dK, dV of keys start_n + 64·ME ... + 63, and columns 64·ME
+    ... of each query tile's dQ (FULL: every query tile from query 0); with GQA over each query head of the K/V
+    head's group in turn (its dQ into that head's accumulator rows); dK, dV written (or with ACCUMULATE_DKDV added)
+    at the item's end. The ring and hand-over counters run on across items and query heads (g); K and V have one
+    buffer (shared memory holds no second one beside the dQ staging), released to the producer (kv_free) after the
+    item's last dQ matmul, the last that reads them."""
+    (_k_smem, _v_smem, _q_smem, _do_smem, _lse_smem, _delta_smem, _kv_ready, _kv_free, _ready, _empty, _ds_smem,
+     _ds_ready, _ds_free, _DK, _DV, H, _stride_dkb, _stride_dkh, _stride_dkn, _stride_dvb, _stride_dvh, _stride_dvn,
+     _N, _qk_scale, _sm_scale, _WORK, WORK_START, _n_kblocks, _mask, group, _n_q, _kv_splits, tickets) = shared
+    HALF: gl.constexpr = HEAD_DIM // 2
+    s_layout: gl.constexpr = mma_layout(BLOCK_M, 4)
+    q_layout: gl.constexpr = mma_layout(HALF, 4)
+    consts = (gl.zeros([TILE, BLOCK_M], gl.float32, layout=s_layout),
+              gl.zeros([BLOCK_M, HALF], gl.float32, layout=q_layout), _item_heads(H, group, GQA))
+    g = 0
+    if QUEUE:
+        i = 0
+        index = take_ticket(WORK_START, tickets, i)
+        while index >= 0:
+            g = _dkdv_dq_split_consumer_item(shared, dqs, consts, index, i, g, ME, HEAD_DIM, BLOCK_M, STAGES, GQA,
+                                             WINDOWED, DOCS, FULL, ACCUMULATE_DKDV)
+            i += 1
+            index = take_ticket(WORK_START, tickets, i)
+    else:
+        first, count = program_items(WORK_START, PERSISTENT)
+        for i in range(count):
+            g = _dkdv_dq_split_consumer_item(shared, dqs, consts, first + i, i, g, ME, HEAD_DIM, BLOCK_M, STAGES,
+                                             GQA, WINDOWED, DOCS, FULL, ACCUMULATE_DKDV)
     tma.store_wait(0)
 
 
@@ -918,9 +944,8 @@ def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)
-    if QUEUE:  # the producer hands each item it takes to the consumers and the dQ warpgroup
-        gl.static_assert(not SPLIT_DQ, "the work queue feeds the head_dim-64 kernel's roles (at 128 it spilled)")
-        tickets = ticket_barriers(CONSUMERS + 1)
+    if QUEUE:  # the producer hands each item it takes to the consumers and the dQ warpgroup (SPLIT_DQ: none)
+        tickets = ticket_barriers(CONSUMERS if SPLIT_DQ else CONSUMERS + 1)
     else:
         tickets = (ready, ready)  # unused
     fence_async_shared()
@@ -937,9 +962,11 @@ def dkdvdq_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, WORK, WORK_START,
            acc_cols_h, sm_scale, WORK, WORK_START, n_kblocks, mask, group, n_q, tickets)
     if SPLIT_DQ:
         gl.warp_specialize([(_dkdv_dq_split_consumer, (shared, dqs, gl.constexpr(0), HEAD_DIM, BLOCK_M, STAGES,
-                                                       PERSISTENT, GQA, WINDOWED, DOCS, FULL, ACCUMULATE_DKDV)),
+                                                       PERSISTENT, QUEUE, GQA, WINDOWED, DOCS, FULL,
+                                                       ACCUMULATE_DKDV)),
                             (_dkdv_dq_split_consumer, (shared, dqs, gl.constexpr(1), HEAD_DIM, BLOCK_M, STAGES,
-                                                       PERSISTENT, GQA, WINDOWED, DOCS, FULL, ACCUMULATE_DKDV)),
+                                                       PERSISTENT, QUEUE, GQA, WINDOWED, DOCS, FULL,
+                                                       ACCUMULATE_DKDV)),
                             (_dkdvdq_producer, (loads, HEAD_DIM, BLOCK_M, STAGES, PERSISTENT, QUEUE, GQA, WINDOWED,
                                                 DOCS, FULL))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
