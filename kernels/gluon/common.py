@@ -125,11 +125,27 @@ def ticket_barriers(readers: gl.constexpr):
 
 
 @gluon.jit
+def _warp_atomic_take(QUEUE):
+    """QUEUE[0]'s value, incremented by one: lane 0 of the (one-warp) caller adds, and a shuffle hands the old
+    value to the other lanes. gl.atomic_add on a scalar does the same through shared memory (a store, a warp barrier
+    and a load of a fixed scratch word); in the head_dim-128 backward that version, in the producer's code alone,
+    made ptxas keep consumer 0's sixteen K/V wgmma descriptors in registers across its tile loop and spill them (11
+    more LDL a tile, triton 3.6), where with the shuffle it rebuilds them from one uniform register each tile, as
+    without the queue; the consumers' PTX is the same either way (kernels/NOTES.md, session 26)."""
+    gl.static_assert(gl.num_warps() == 1, "one warp takes one item")
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred lane0; .reg .b32 lane; mov.u32 lane, %laneid; setp.eq.u32 lane0, lane, 0; mov.u32 $0, 0;"
+        " @lane0 atom.global.gpu.relaxed.add.u32 $0, [$1], 1; shfl.sync.idx.b32 $0, $0, 0, 0x1f, 0xffffffff; }",
+        "=r,l", [QUEUE], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def hand_out_ticket(QUEUE, tickets, i, total):
-    """The producer's i-th item: the queue's next index, or −1 once all `total` are taken, written into ticket slot
-    i % 2 for the other roles (take_ticket) when they have read what the slot held two items ago."""
+    """The producer's i-th item (the producer: one warp): the queue's next index, or −1 once all `total` are taken,
+    written into ticket slot i % 2 for the other roles (take_ticket) when they have read what the slot held two
+    items ago."""
     ready, free = tickets
-    index = gl.atomic_add(QUEUE, 1, sem="relaxed")
+    index = _warp_atomic_take(QUEUE)
     index = gl.where(index < total, index, -1)
     slot = i % QUEUE_SLOTS
     mbarrier.wait(free.index(slot), ((i // QUEUE_SLOTS) & 1) ^ 1)  # a fresh barrier passes parity 1
