@@ -69,13 +69,16 @@ def test_forward_launchers_bind_to_the_kernel(kernels):
     assert calls[2]["group"] == 2 and calls[2]["GQA"] and calls[2]["WINDOWED"] and calls[3]["DOCS"]
 
 
-@pytest.mark.parametrize("D", [64, 128])
-def test_documents_take_their_items_from_a_zeroed_queue(kernels, D):
-    """With document ids and enough items, the masked forward (both head dims) and backward (head_dim 64) run one
-    program per SM (here 4), which take the plain grid's items (the forward: every query tile, each head's last
-    ones first; the backward: every key block, each head's first ones first) from a work queue zeroed for the launch:
-    its counter and a pair of ticket slots per program. persistent=False keeps the plain grid; the head_dim-128
-    backward keeps it too."""
+@pytest.mark.parametrize("D, queued_128", [(64, False), (128, False), (128, True)])
+def test_documents_take_their_items_from_a_zeroed_queue(kernels, D, queued_128, monkeypatch):
+    """With document ids and enough items, the masked forward (both head dims) and backward (the head dims of
+    schedule.DOCUMENTS_QUEUED_BACKWARD_HEAD_DIMS: 64, and 128 where queued_128 adds it) run one program per SM (here
+    4), which take the plain grid's items (the forward: every query tile, each head's last ones first; the backward:
+    every key block, each head's first ones first) from a work queue zeroed for the launch: its counter and a pair
+    of ticket slots per program; K and V double-buffered at head_dim 64 alone. persistent=False keeps the plain
+    grid; a backward at a head dim not listed keeps it too."""
+    if queued_128:
+        monkeypatch.setattr(bwd, "DOCUMENTS_QUEUED_BACKWARD_HEAD_DIMS", (64, 128))
     q, k, v = _qkv(B=2, H=4, N=1000, D=D)
     o, lse = torch.empty_like(q), torch.empty(q.shape[:3])
     ids = torch.arange(1000).div(70, rounding_mode="floor").int().expand(2, -1).contiguous()
@@ -94,9 +97,10 @@ def test_documents_take_their_items_from_a_zeroed_queue(kernels, D):
     n_kblocks = -(-1000 // 128)
     bwd.launch_dkdv_dq_masked(do, q, k, v, lse, 1000, delta, 1000, dk, dv, dq_acc, 0.125, 0.2, 64, 2, None, ids)
     call = kernels["dkdvdq"].calls[-1]
-    if D == 64:
+    if D in bwd.DOCUMENTS_QUEUED_BACKWARD_HEAD_DIMS:
         assert call["QUEUE"] and call["grid"] == (4,) and call["WORK_START"].tolist() == [0] * (1 + 2 * 4)
         assert call["WORK"].tolist() == [bh * n_kblocks + kb for bh in range(8) for kb in range(n_kblocks)]
+        assert call["PERSISTENT"] and call["KV_BUFS"] == (2 if D == 64 else 1)
     else:
         assert not call["QUEUE"] and not call["PERSISTENT"] and call["grid"] == (8 * n_kblocks,)
 

@@ -1262,11 +1262,12 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
     only the query tiles that see its keys, found on the device (each token's document end by torch.searchsorted,
     then one load per key); lse and delta are the query heads' rows. With one query head per item, a window without
     document ids runs persistent from MASKED_PERSISTENT_WAVES waves of key blocks, one program per SM over a
-    schedule balanced on the host (windowed_key_block_costs), and so do document ids at head_dim 64, taking the plain
-    grid's items from a work queue as each program frees up (QUEUE: the spans come from ids only the device reads;
-    schedule.DOCUMENTS_QUEUED_BACKWARD_HEAD_DIMS); persistent=False keeps the plain grid. Everything else is a plain grid (documents at head_dim 128, GQA, splits: persistent
-    measured slower or equal there, or not measured; kernels/NOTES.md), GQA alone (no window or documents) in the
-    launch order schedule.plain_order models best.
+    schedule balanced on the host (windowed_key_block_costs), and so do document ids at the head dims of
+    schedule.DOCUMENTS_QUEUED_BACKWARD_HEAD_DIMS, taking the plain grid's items from a work queue as each program frees
+    up (QUEUE: the spans come from ids only the device reads); persistent=False keeps the plain grid. Everything else
+    is a plain grid (documents at other head dims, GQA, splits: persistent measured slower or equal there, or not
+    measured; kernels/NOTES.md), GQA alone (no window or documents) in the launch order schedule.plain_order models
+    best.
     split_scratch: two fp32 (B, Hkv, N, D) views (any strides, a contiguous last dimension) that the splits' dK, dV
     may use (zeroed here), e.g. memory of an output written only later; None: new buffers for one K/V head, no
     split for several."""
@@ -1299,7 +1300,8 @@ def launch_dkdv_dq_masked(do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tens
         persistent = (windowed or documents) and heads * n_kblocks >= MASKED_PERSISTENT_WAVES * programs
     elif persistent and not (windowed or documents):
         raise ValueError("the dK/dV/dQ kernel runs a masked launch persistent only for a window alone or for "
-                         "documents at head_dim 64, one query head per item")
+                         f"documents at head_dim {' or '.join(map(str, DOCUMENTS_QUEUED_BACKWARD_HEAD_DIMS))}, one "
+                         "query head per item")
     if persistent and documents:  # the plain grid's items, taken from a work queue
         work, work_start = device_one_each(heads, tuple(range(n_kblocks)), q.device)
         queue_programs = min(programs, heads * n_kblocks)
