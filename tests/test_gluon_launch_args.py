@@ -69,16 +69,16 @@ def test_forward_launchers_bind_to_the_kernel(kernels):
     assert calls[2]["group"] == 2 and calls[2]["GQA"] and calls[2]["WINDOWED"] and calls[3]["DOCS"]
 
 
-@pytest.mark.parametrize("D, queued_128", [(64, False), (128, False), (128, True)])
-def test_documents_take_their_items_from_a_zeroed_queue(kernels, D, queued_128, monkeypatch):
-    """With document ids and enough items, the masked forward (both head dims) and backward (the head dims of
-    schedule.DOCUMENTS_QUEUED_BACKWARD_HEAD_DIMS: 64, and 128 where queued_128 adds it) run one program per SM (here
-    4), which take the plain grid's items (the forward: every query tile, each head's last ones first; the backward:
-    every key block, each head's first ones first) from a work queue zeroed for the launch: its counter and a pair
-    of ticket slots per program; K and V double-buffered at head_dim 64 alone. persistent=False keeps the plain
-    grid; a backward at a head dim not listed keeps it too."""
-    if queued_128:
-        monkeypatch.setattr(bwd, "DOCUMENTS_QUEUED_BACKWARD_HEAD_DIMS", (64, 128))
+@pytest.mark.parametrize("D, listed", [(64, True), (128, True), (128, False)])
+def test_documents_take_their_items_from_a_zeroed_queue(kernels, D, listed, monkeypatch):
+    """With document ids and enough items, the masked forward and backward (at the head dims of
+    schedule.DOCUMENTS_QUEUED_BACKWARD_HEAD_DIMS, both) run one program per SM (here 4), which take the plain grid's
+    items (the forward: every query tile, each head's last ones first; the backward: every key block, each head's
+    first ones first) from a work queue zeroed for the launch: its counter and a pair of ticket slots per program;
+    K and V double-buffered at head_dim 64 alone. persistent=False keeps the plain grid; a backward at a head dim
+    left out of the list (here 128 when not `listed`) keeps it too."""
+    if not listed:
+        monkeypatch.setattr(bwd, "DOCUMENTS_QUEUED_BACKWARD_HEAD_DIMS", (64,))
     q, k, v = _qkv(B=2, H=4, N=1000, D=D)
     o, lse = torch.empty_like(q), torch.empty(q.shape[:3])
     ids = torch.arange(1000).div(70, rounding_mode="floor").int().expand(2, -1).contiguous()

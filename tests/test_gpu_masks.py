@@ -280,22 +280,18 @@ def test_persistent_document_forward_matches_the_plain_grid(N, Hq, Hkv, D, windo
 
 
 @pytest.mark.skipif(not HOPPER, reason="the masked Gluon backward is written for sm_90 (wgmma)")
-@pytest.mark.parametrize("N, Hq, Hkv, D, window, docs, queued_128", [
-    (32768, 8, 8, 64, None, "ragged", False), (8197, 8, 8, 64, 300, "ragged", False),
-    (6000, 12, 12, 64, None, "one", False), (5000, 16, 16, 64, 1, "ragged", False),
-    (4096, 16, 16, 64, None, "tokens", False), (16384, 8, 2, 64, None, "ragged", False),
-    (8192, 16, 16, 128, None, "ragged", False), (8192, 16, 16, 128, None, "ragged", True),
-    (8197, 8, 8, 128, 300, "ragged", True), (6000, 12, 12, 128, None, "one", True),
-    (4096, 16, 16, 128, None, "tokens", True)])
-def test_persistent_document_backward_matches_the_plain_grid(N, Hq, Hkv, D, window, docs, queued_128, monkeypatch):
-    """The backward with document ids at the head dims of schedule.DOCUMENTS_QUEUED_BACKWARD_HEAD_DIMS (64; 128 too
-    where queued_128 adds it), one query head per item, on one program per SM, each taking its next key block from a
-    work queue as it frees up (common.hand_out_ticket, read by both consumers and, at head_dim 64, the dQ
-    warpgroup), computes each key block as the plain grid does: dK, dV bitwise equal, dQ (added by TMA in an order
-    that varies) within bf16's tolerance; odd lengths, with and without a window, documents ragged, of one token, or
-    one. GQA (an item walks a group) and head dims not listed keep the plain grid."""
-    if queued_128:
-        monkeypatch.setattr(launch.gluon_backward, "DOCUMENTS_QUEUED_BACKWARD_HEAD_DIMS", (64, 128))
+@pytest.mark.parametrize("N, Hq, Hkv, D, window, docs", [
+    (32768, 8, 8, 64, None, "ragged"), (8197, 8, 8, 64, 300, "ragged"), (6000, 12, 12, 64, None, "one"),
+    (5000, 16, 16, 64, 1, "ragged"), (4096, 16, 16, 64, None, "tokens"), (16384, 8, 2, 64, None, "ragged"),
+    (8192, 16, 16, 128, None, "ragged"), (8197, 8, 8, 128, 300, "ragged"), (6000, 12, 12, 128, None, "one"),
+    (4096, 16, 16, 128, None, "tokens"), (8192, 8, 2, 128, None, "ragged")])
+def test_persistent_document_backward_matches_the_plain_grid(N, Hq, Hkv, D, window, docs, monkeypatch):
+    """The backward with document ids (both head dims, schedule.DOCUMENTS_QUEUED_BACKWARD_HEAD_DIMS), one query head
+    per item, on one program per SM, each taking its next key block from a work queue as it frees up
+    (common.hand_out_ticket, read by both consumers and, at head_dim 64, the dQ warpgroup), computes each key block
+    as the plain grid does: dK, dV bitwise equal, dQ (added by TMA in an order that varies) within bf16's tolerance;
+    odd lengths, with and without a window, documents ragged, of one token, or one. GQA (an item walks a group)
+    keeps the plain grid."""
     queued = []
     real = launch.gluon_backward._launch_dkdvdq
     monkeypatch.setattr(launch.gluon_backward, "_launch_dkdvdq",
