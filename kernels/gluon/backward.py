@@ -124,20 +124,33 @@ def _pT_dsT(sT, dpT, lse_smem, delta_smem, keys, rows, masked, qk_scale, dtype: 
     """Pᵀ and dSᵀ of one tile (keys × queries) from Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, rounded to the input dtype. Rows past N
     read LSE = 0 and delta = 0 (TMA zero fill), so Pᵀ = 1 there; their Q and dO rows are 0 too, so they add exactly 0
     to dV (Pᵀ dO), and dSᵀ = Pᵀ ∘ (V dOᵀ − delta) = 0 adds 0 to dK and dQ, whatever the mask says of them.
-    tmask = (span, -, ONE_COMPARE) where WINDOWED or DOCS (_tile_mask): query i sees key j iff j <= i < j + span_j."""
+    rows: the tile's query indices (a tensor along its columns: head_dim 64), or its first query's (a scalar: head_dim
+    128). tmask = (span, -) where WINDOWED or DOCS (_tile_mask): query i sees key j iff j <= i < j + span_j."""
     col_layout: gl.constexpr = gl.SliceLayout(0, sT.type.layout)
     # Pᵀ = exp2(K Qᵀ · scale·log2e − LSE)
     pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse_smem.load(col_layout), 0))
     if masked:  # a tile where some query i misses some key j of this consumer: P_ij = 0 there
-        if WINDOWED or DOCS:  # causal, the window and the document: j <= i < j + span_j
-            if tmask[2]:  # as one unsigned compare: 0 <= i − j < span_j
-                d = gl.expand_dims(rows, 0) - gl.expand_dims(keys, 1)
-                visible = d.to(gl.uint32, bitcast=True) < _expand_span(tmask[0]).to(gl.uint32, bitcast=True)
-            else:
+        if isinstance(rows, gl.tensor) and rows.type.is_block():  # head_dim 64: i against j and j + span_j
+            # (two compares spill less here than one of i − j: 21 STL in the kernel against 119, triton 3.9)
+            if WINDOWED or DOCS:  # causal, the window and the document: j <= i < j + span_j
                 visible = (gl.expand_dims(rows, 0) >= gl.expand_dims(keys, 1)) & \
                     (gl.expand_dims(rows, 0) < gl.expand_dims(keys, 1) + _expand_span(tmask[0]))
-        else:  # causal: i >= j
-            visible = gl.expand_dims(rows, 0) >= gl.expand_dims(keys, 1)
+            else:  # causal: i >= j
+                visible = gl.expand_dims(rows, 0) >= gl.expand_dims(keys, 1)
+        else:  # head_dim 128: from d = i − j, i = rows + c for column c
+            # A thread's 16 columns c of the wgmma accumulator are its lane's bits 1-2 (c & 6) or'ed with constants
+            # (c & ~6), so d = (c & ~6) + ((c & 6) + rows − j) is one value per row and thread plus immediates. With
+            # the query indices as a tensor (the item's, plus t·BLOCK_M) ptxas kept their 16 values a thread live
+            # across the tile loop, spilled them at 240 registers and reloaded them on every masked tile (13-21 LDL
+            # a tile loop, triton 3.6) rather than rebuild them. The adds wrap, so d is i − j bit for bit.
+            c = gl.arange(0, sT.shape[1], layout=col_layout)
+            d = gl.expand_dims(c & ~6, 0) + (gl.expand_dims(c & 6, 0) + gl.expand_dims(rows - keys, 1))
+            if WINDOWED or DOCS:  # causal, the window and the document: 0 <= i − j < span_j as one unsigned compare
+                # (two compares made ptxas pack the tile's predicates into bits: 147 LOP3, 807 instructions a tile
+                # against 632)
+                visible = d.to(gl.uint32, bitcast=True) < _expand_span(tmask[0]).to(gl.uint32, bitcast=True)
+            else:  # causal: i >= j
+                visible = d >= 0
         pT = gl.where(visible, pT, 0.0)
     # dSᵀ = Pᵀ ∘ (dPᵀ − delta)
     dsT = pT * (dpT - gl.expand_dims(delta_smem.load(col_layout), 0))
@@ -165,7 +178,7 @@ def _hand_over(ds_smem, ds_ready, ds_free, dsT16, t, ME: gl.constexpr):
 
 @gluon.jit
 def _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, t, ME: gl.constexpr,
-                 STAGES: gl.constexpr, zero_s, keys, cols, masked, qk_scale, a_layout: gl.constexpr, tmask,
+                 STAGES: gl.constexpr, zero_s, keys, rows, masked, qk_scale, a_layout: gl.constexpr, tmask,
                  WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """Query tile t (ring position t) with nothing else in flight: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, then Pᵀ, dSᵀ and the
     hand-over (a key block's first tile; every tile of the head_dim-128 kernel). Returns (Pᵀ, dSᵀ) as register
@@ -174,7 +187,7 @@ def _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds
     sT = warpgroup_mma(k, q_smem.index(t % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     dpT = warpgroup_mma(v, do_smem.index(t % STAGES).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     sT, dpT = warpgroup_mma_wait(0, deps=(sT, dpT))
-    pT16, dsT16 = _pT_dsT(sT, dpT, lse_smem.index(t % STAGES), delta_smem.index(t % STAGES), keys, cols, masked,
+    pT16, dsT16 = _pT_dsT(sT, dpT, lse_smem.index(t % STAGES), delta_smem.index(t % STAGES), keys, rows, masked,
                           qk_scale, q_smem.dtype, tmask, WINDOWED, DOCS)
     _hand_over(ds_smem, ds_ready, ds_free, dsT16, t, ME)
     return gl.convert_layout(pT16, a_layout), gl.convert_layout(dsT16, a_layout)
@@ -302,16 +315,17 @@ def _dq_split_issue(k0, k1, ds_smem, ds_ready, t, zero_q):
 @gluon.jit
 def _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready, ds_free,
                         dq_smem, dq_desc, t, dq_row, dq_col, ME: gl.constexpr, STAGES: gl.constexpr, zero_s, zero_q, dv,
-                        dk, keys, cols, masked, qk_scale, sm_scale, a_layout: gl.constexpr, tmask,
+                        dk, keys, q, masked, qk_scale, sm_scale, a_layout: gl.constexpr, tmask,
                         WINDOWED: gl.constexpr, DOCS: gl.constexpr):
     """Query tile t ≥ 1 (ring position t), with the previous tile's dQ one step behind: Sᵀ_t, dPᵀ_t, Pᵀ_t, dSᵀ_t and
     the hand-over (_tile_scores); then issue this consumer's columns of dQ_{t−1}, dV += Pᵀ_t dO_t and dK += dSᵀ_t Q_t;
     retire dQ_{t−1} (wgmma groups retire in order) and start its reduce-add (rows from dq_row on, columns from dq_col
     on) while dV and dK run. Waiting for the other consumer's dSᵀ one step late lets the two drift apart, so that one's
-    softmax can overlap the other's matmuls (they met at every tile before). Returns (dV, dK)."""
+    softmax can overlap the other's matmuls (they met at every tile before). q: the tile's first query. Returns (dV,
+    dK)."""
     stage = t % STAGES
     pT16, dsT16 = _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, t, ME,
-                               STAGES, zero_s, keys, cols, masked, qk_scale, a_layout, tmask, WINDOWED, DOCS)
+                               STAGES, zero_s, keys, q, masked, qk_scale, a_layout, tmask, WINDOWED, DOCS)
     dq = _dq_split_issue(k0, k1, ds_smem, ds_ready, t - 1, zero_q)
     dv = warpgroup_mma(pT16, do_smem.index(stage), dv, is_async=True)
     dk = warpgroup_mma(dsT16, q_smem.index(stage), dk, is_async=True)
@@ -326,21 +340,22 @@ def _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, rea
 @gluon.jit
 def _split_key_block(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem, ds_ready, ds_free,
                      dq_smem, dq_desc, g, num_tiles, row0, col, ME: gl.constexpr, STAGES: gl.constexpr, zero_s, zero_q,
-                     dv, dk, keys, cols, qk_scale, sm_scale, a_layout: gl.constexpr, BLOCK_M: gl.constexpr, tmask,
+                     dv, dk, keys, q0, qk_scale, sm_scale, a_layout: gl.constexpr, BLOCK_M: gl.constexpr, tmask,
                      WINDOWED: gl.constexpr, DOCS: gl.constexpr, FULL: gl.constexpr):
     """One key block's share of one query head in the head_dim-128 kernel: its query tiles at ring positions g ...
-    g + num_tiles − 1, tile 0 without a dQ behind it, the steps, then the last tile's dQ. Its dQ columns go to
-    accumulator rows row0 ... and columns col ...; every read of K and V has retired on return. Returns (dV, dK)."""
+    g + num_tiles − 1 (tile t holds queries q0 + t·BLOCK_M ...), tile 0 without a dQ behind it, the steps, then the
+    last tile's dQ. Its dQ columns go to accumulator rows row0 ... and columns col ...; every read of K and V has
+    retired on return. Returns (dV, dK)."""
     MASKED_TILES: gl.constexpr = 0 if FULL else (TILE * (ME + 1) + BLOCK_M - 1) // BLOCK_M  # as _dkdv_query_head
     MASKS: gl.constexpr = WINDOWED or DOCS
     pT16, dsT16 = _tile_scores(k, v, q_smem, do_smem, lse_smem, delta_smem, ready, ds_smem, ds_ready, ds_free, g, ME,
-                               STAGES, zero_s, keys, cols, 0 < MASKED_TILES, qk_scale, a_layout, tmask, WINDOWED, DOCS)
+                               STAGES, zero_s, keys, q0, 0 < MASKED_TILES, qk_scale, a_layout, tmask, WINDOWED, DOCS)
     dv, dk = _dkdv_last(q_smem, do_smem, g, STAGES, dv, dk, pT16, dsT16)
     mbarrier.arrive(empty.index(g % STAGES), count=1)
     for t in range(1, num_tiles):
         dv, dk = _dkdv_dq_split_step(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
                                      ds_ready, ds_free, dq_smem, dq_desc, g + t, row0 + (t - 1) * BLOCK_M, col, ME,
-                                     STAGES, zero_s, zero_q, dv, dk, keys, cols + t * BLOCK_M,
+                                     STAGES, zero_s, zero_q, dv, dk, keys, q0 + t * BLOCK_M,
                                      _masked_tile(t, MASKED_TILES, tmask, MASKS), qk_scale, sm_scale, a_layout, tmask,
                                      WINDOWED, DOCS)
     last = g + num_tiles - 1
@@ -437,18 +452,13 @@ def _query_count(N, n_q, FULL: gl.constexpr):
 
 @gluon.jit
 def _tile_mask(mask, bh, heads, key0, keys, start_n, N, BLOCK_M: gl.constexpr, WINDOWED: gl.constexpr,
-               DOCS: gl.constexpr, ONE_COMPARE: gl.constexpr):
+               DOCS: gl.constexpr):
     """What _pT_dsT and _masked_tile read for one consumer's keys key0 ... key0 + 63 of the item (bh, start_n):
-    (span, full_tiles, ONE_COMPARE). Key j is seen by the queries j <= i < end_j = j + span_j, end_j = min(j +
+    (span, full_tiles). Key j is seen by the queries j <= i < end_j = j + span_j, end_j = min(j +
     window, the end of j's document) (span: the window alone without documents; 0 for keys past N). Ends never
     decrease with j, so every query i >= key0 + 63 (the causal part, _masked_tile's) with i < end_key0 sees all
     these keys; full_tiles counts the query tiles (from the block's first) whose rows before N all lie below
-    end_key0.
-    ONE_COMPARE: _pT_dsT tests j <= i < j + span_j as one unsigned compare of i − j: at head_dim 128, where with two
-    compares ptxas packs the tile's predicates into bits (147 LOP3, 807 instructions a tile against 632); at 64 the
-    two compares spill less (21 STL in the kernel against 119, loops of 487 and 473 against 474 and 432 with 16
-    LDL; triton 3.9).
-    Unused placeholders without masks."""
+    end_key0. Unused placeholders without masks."""
     if WINDOWED or DOCS:
         if WINDOWED:  # i − window < j  ⇔  i < j + window
             span = mask[0]
@@ -466,9 +476,9 @@ def _tile_mask(mask, bh, heads, key0, keys, start_n, N, BLOCK_M: gl.constexpr, W
         # tile t holds rows start_n + t·BLOCK_M ... + BLOCK_M − 1, clipped to N: all are full if full_end reaches N
         full_tiles = gl.where(full_end >= N, gl.cdiv(N - start_n, BLOCK_M),
                               gl.maximum(full_end - start_n, 0) // BLOCK_M)
-        tmask = (span, full_tiles, ONE_COMPARE)
+        tmask = (span, full_tiles)
     else:
-        tmask = (0, 0, ONE_COMPARE)
+        tmask = (0, 0)
     return tmask
 
 
@@ -543,7 +553,7 @@ def _dkdv_consumer_item(shared, dkdv_out, consts, index, i, g, ME: gl.constexpr,
     key0 = start_n + ME * TILE
     keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
     cols = _query_origin(start_n, FULL) + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-    tmask = _tile_mask(mask, bh, heads, key0, keys, start_n, N, BLOCK_M, WINDOWED, DOCS, False)
+    tmask = _tile_mask(mask, bh, heads, key0, keys, start_n, N, BLOCK_M, WINDOWED, DOCS)
     dk = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
     dv = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=d_layout)
     k = k_smem.index(buf * CONSUMERS + ME)
@@ -627,8 +637,7 @@ def _dkdv_dq_split_consumer_item(shared, dqs, consts, index, i, g, ME: gl.conste
     q0 = _query_origin(start_n, FULL)
     key0 = start_n + ME * TILE
     keys = key0 + gl.arange(0, TILE, layout=gl.SliceLayout(1, s_layout))
-    cols = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-    tmask = _tile_mask(mask, bh, heads, key0, keys, start_n, N, BLOCK_M, WINDOWED, DOCS, True)
+    tmask = _tile_mask(mask, bh, heads, key0, keys, start_n, N, BLOCK_M, WINDOWED, DOCS)
     if not GQA:  # the item's first query in the accumulator
         row0 = (bh // heads) * acc_rows_b + (bh % heads) * acc_rows_h + q0
         col = (bh % heads) * acc_cols_h + ME * HALF
@@ -641,14 +650,14 @@ def _dkdv_dq_split_consumer_item(shared, dqs, consts, index, i, g, ME: gl.conste
             row0, col = _group_origin(bh, heads, group, qh, acc_rows_b, acc_rows_h, acc_cols_h, q0)
             dv, dk = _split_key_block(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
                                       ds_ready, ds_free, dq_smem, dq_desc, g, num_tiles, row0, col + ME * HALF,
-                                      ME, STAGES, zero_s, zero_q, dv, dk, keys, cols, qk_scale, sm_scale,
+                                      ME, STAGES, zero_s, zero_q, dv, dk, keys, q0, qk_scale, sm_scale,
                                       a_layout, BLOCK_M, tmask, WINDOWED, DOCS, FULL)
             g += num_tiles
         mbarrier.arrive(kv_free.index(0), count=1)  # this consumer's last reads of K and V have retired
     else:
         dv, dk = _split_key_block(k, v, k0, k1, q_smem, do_smem, lse_smem, delta_smem, ready, empty, ds_smem,
                                   ds_ready, ds_free, dq_smem, dq_desc, g, num_tiles, row0, col, ME, STAGES,
-                                  zero_s, zero_q, dv, dk, keys, cols, qk_scale, sm_scale, a_layout, BLOCK_M,
+                                  zero_s, zero_q, dv, dk, keys, q0, qk_scale, sm_scale, a_layout, BLOCK_M,
                                   tmask, WINDOWED, DOCS, FULL)
         mbarrier.arrive(kv_free.index(0), count=1)  # this consumer's last reads of K and V have retired
         g += num_tiles
