@@ -4,8 +4,9 @@ Every source exposes `batch(split, index, batch_size) -> (x, y, document_ids)`: 
 (batch_size, seq_len), y = x shifted by one token; document_ids None, or with data.document_mask (text, hf, pycode)
 int32 (batch_size, seq_len) ids of the documents the end-of-text separators delimit (`document_ids`), for
 attention within documents (None again where every row is one document: plain causal attention). With
-data.passkey_fraction some training rows are passkey examples in the run's tokens (minigpt/passkey_mix.py). A batch is a pure function of (seed, split, index), so the trainer's data position is
-just the step counter and a resumed run sees exactly the batches a straight run would.
+data.passkey_fraction some training rows are passkey examples in the run's tokens (minigpt/passkey_mix.py). A batch
+is a pure function of (seed, split, index), so the trainer's data position is just the step counter and a resumed
+run sees exactly the batches a straight run would.
 """
 from __future__ import annotations
 
