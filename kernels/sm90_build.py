@@ -122,14 +122,13 @@ def table_variants() -> list[Variant]:
                                         ACCUMULATE_DKDV=bwd.DKDV_ATOMIC_ADD.value), fp32=("DK", "DV")))  # group_splits
                 out.append(Variant(f"dkdvdq masked persistent D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel,
                                    dict(c, PERSISTENT=True, KV_BUFS=2 if d == 64 else 1, WINDOWED=True)))  # MHA window
-                # MHA documents (and a window) on the work queue (K/V double-buffered at head_dim 64 alone), and at
-                # head_dim 128 on the plain grid, what the queue is held against there
+                # MHA documents (and a window) on the work queue (K/V double-buffered at head_dim 64 alone), and on
+                # the plain grid (launches of fewer than MASKED_PERSISTENT_WAVES waves), the queue's comparison
                 out.append(Variant(f"dkdvdq masked queue documents D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel,
                                    dict(c, PERSISTENT=True, KV_BUFS=2 if d == 64 else 1, WINDOWED=True, DOCS=True,
                                         QUEUE=True)))
-                if d > 64:
-                    out.append(Variant(f"dkdvdq masked documents D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel,
-                                       dict(c, WINDOWED=True, DOCS=True)))
+                out.append(Variant(f"dkdvdq masked documents D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel,
+                                   dict(c, WINDOWED=True, DOCS=True)))
             else:
                 out.append(Variant(f"dkdvdq {mode} D{d} s{cfg.num_stages}", bwd.dkdvdq_kernel, c))
         else:  # "dq": the head_dim-128 dQ kernel of the deterministic backward

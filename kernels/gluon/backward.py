@@ -31,8 +31,8 @@ Two kernels, each splitting its warps by role (`gl.warp_specialize`) like the pi
   issued and dS_j is computed while the dQ matmul runs. Each consumer also writes its rows' delta for the Triton
   dK/dV kernel.
 
-Masks and GQA (`launch_dkdv_dq_masked`, a plain grid, or persistent for a window alone and for documents at head_dim 64,
-one query head per item; the same kernel with the constexprs GQA, WINDOWED, DOCS, which leave the dense code as it was):
+Masks and GQA (`launch_dkdv_dq_masked`, a plain grid, or persistent for a window alone and for documents on a work
+queue, one query head per item; the same kernel with the constexprs GQA, WINDOWED, DOCS, which leave the dense code as it was):
 query i sees key j iff j <= i < end_j, end_j = min(j + window, the end of j's document), so each key block [start_n,
 start_n + 128) is seen by the queries [start_n, end of its last key) and visits only those query tiles. The documents'
 ends come from one binary search per token on the device before the launch (torch.searchsorted of the non-decreasing
